@@ -1,0 +1,1 @@
+"""Thin adapters of ZeroEngine for Lightning, Fabric, Accelerate and Hydra."""

@@ -1,0 +1,1 @@
+"""Fused kernels (Triton on CUDA) with plain-torch reference paths."""

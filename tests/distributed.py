@@ -1,0 +1,67 @@
+"""Run a function on N gloo ranks (forked processes) and collect each rank's result."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)  # tensors by value: the process exits before the parent reads
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException as e:  # reported to the parent, which raises
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+              expect_errors: bool = False, **kwargs: Any) -> list[Any]:
+    """Each rank runs fn(rank, world_size, *args); returns the results in rank order.
+
+    With expect_errors, returns each rank's (status, payload) instead of raising."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, queue, args, kwargs))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[str, Any]] = {}
+        try:
+            for _ in range(world_size):
+                rank, status, payload = queue.get(timeout=timeout)
+                results[rank] = (status, payload)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    if expect_errors:
+        return [results[r] for r in range(world_size)]
+    errors = [f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]

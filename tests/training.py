@@ -1,0 +1,103 @@
+"""The training loops the tests compare: single process, DDP and ZeroEngine, all on the
+same model, data and hyperparameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from examples.gpt import GPT, GPTConfig, decay_groups
+from zero_strategy import ZeroConfig, ZeroEngine
+
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+GLOBAL_BATCH = 8
+LR = 3e-3
+
+
+def make_model(seed: int = 0, cfg: GPTConfig = TINY) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(decay_groups(model), lr=LR, betas=(0.9, 0.95))
+
+
+def global_batch(step: int, micro: int, cfg: GPTConfig = TINY) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + 97 * step + micro)
+    data = torch.randint(cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def local_batch(step, micro, rank, world, cfg=TINY):
+    x, y = global_batch(step, micro, cfg)
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def train_reference(steps: int, accum: int, clip: float, seed: int = 0):
+    model = make_model(seed)
+    opt = make_optimizer(model)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = global_batch(step, micro)
+            loss = model(x, y) / accum
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _global_mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def train_ddp(rank: int, world: int, steps: int, accum: int, clip: float, seed: int = 0):
+    model = torch.nn.parallel.DistributedDataParallel(make_model(seed))
+    opt = make_optimizer(model.module)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = local_batch(step, micro, rank, world)
+            ctx = model.no_sync() if micro < accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = model(x, y) / accum
+                loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_mean(total))
+    sd = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return losses, sd if rank == 0 else None
+
+
+def train_zero(rank: int, world: int, steps: int, accum: int, clip: float, stage: int,
+               seed: int = 0, use_no_sync: bool = True, **config):
+    model = make_model(seed)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=clip, **config))
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = local_batch(step, micro, rank, world)
+            ctx = engine.no_sync() if use_no_sync and micro < accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = engine(x, y) / accum
+                engine.backward(loss)
+            total += loss.item()
+        engine.step()
+        engine.zero_grad()
+        losses.append(_global_mean(total) if world > 1 else total)
+    sd = engine.full_state_dict()
+    return losses, sd if rank == 0 else None

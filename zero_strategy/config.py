@@ -1,0 +1,158 @@
+"""`ZeroConfig`: every knob of the engine, validated once at construction.
+
+A plain dataclass of primitives (no unions of objects) so that OmegaConf accepts it as a
+structured config and Hydra can register it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+class ZeroConfigError(ValueError):
+    """An invalid `ZeroConfig` value; the message names the field and the fix."""
+
+
+def parse_dtype(value: str | torch.dtype | None, field_name: str) -> torch.dtype | None:
+    """Map "bf16"/"fp16"/"fp32" (or a torch dtype) to a torch dtype, or raise naming the field."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in _DTYPES.values():
+            raise ZeroConfigError(
+                f"{field_name}={value} is not supported; use one of 'fp32', 'bf16', 'fp16'."
+            )
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ZeroConfigError(
+            f"{field_name}={value!r} is not a known dtype; use one of 'fp32', 'bf16', 'fp16'."
+        ) from None
+
+
+@dataclass
+class ZeroConfig:
+    """What to shard and how to move it.
+
+    Stage 0 is plain replicated data parallelism (the reference); stage 1 shards optimizer
+    state, stage 2 also gradients, stage 3 also parameters.
+    """
+
+    stage: int = 3
+    # Stages 1-2: parameters are grouped into flat buckets of about this many elements;
+    # each bucket is reduced by one collective as soon as all its gradients are ready.
+    bucket_size: int = 25_000_000
+    # Launch gradient reductions during backward (True) or all at the end of backward.
+    overlap_comm: bool = True
+    # Stage 3: how many units to gather ahead of use, in the order recorded on step 1.
+    prefetch_depth: int = 1
+    # Stage 3: units with fewer elements than this stay gathered (no re-gather per pass).
+    persistence_threshold: int = 0
+    # Stage 3: names of module classes that become units; empty = every child of every
+    # nn.ModuleList (the transformer blocks of most models), with the rest in the root unit.
+    unit_module_classes: list[str] = field(default_factory=list)
+    # Stage 3: exchange a small tag before each gather so that ranks taking different
+    # module paths get an error naming the modules instead of a hang.
+    verify_module_order: bool = True
+    compute_dtype: str = "fp32"
+    # Dtype of gradient reductions; None = the compute dtype.
+    reduce_dtype: str | None = None
+    # fp16 only: "dynamic" or a fixed positive number.
+    loss_scale: str = "dynamic"
+    initial_loss_scale_power: int = 16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    # Global-norm clipping over all shards at `step()`; 0 disables it.
+    gradient_clipping: float = 0.0
+    # Seconds before a collective that a peer never joins raises instead of hanging.
+    collective_timeout: float = 600.0
+    # Reduce-scatter implemented as an in-place all-reduce: faster on gloo, whose
+    # reduce-scatter is slower than its all-reduce. None = on for gloo, off otherwise.
+    reduce_scatter_via_all_reduce: bool | None = None
+    # Optimizers outside torch's elementwise set are refused unless this is True.
+    allow_untested_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ----------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        def fail(name: str, fix: str) -> None:
+            raise ZeroConfigError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            fail("stage", "use 0 (replicated), 1 (optimizer state), 2 (+gradients) or 3 (+parameters).")
+        for name in ("bucket_size",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                fail(name, "use a positive number of elements, e.g. 25_000_000.")
+        for name in ("prefetch_depth", "persistence_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                fail(name, "use a non-negative integer (0 disables it).")
+        for name in ("overlap_comm", "verify_module_order", "allow_untested_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "use True or False.")
+        if self.reduce_scatter_via_all_reduce not in (None, True, False):
+            fail("reduce_scatter_via_all_reduce", "use None (automatic), True or False.")
+        if not isinstance(self.unit_module_classes, (list, tuple)) or not all(
+            isinstance(n, str) and n for n in self.unit_module_classes
+        ):
+            fail("unit_module_classes", "use a list of module class names, e.g. ['Block'].")
+        parse_dtype(self.compute_dtype, "ZeroConfig.compute_dtype")
+        parse_dtype(self.reduce_dtype, "ZeroConfig.reduce_dtype")
+        if str(self.loss_scale) != "dynamic":
+            try:
+                scale = float(self.loss_scale)
+            except (TypeError, ValueError):
+                scale = -1.0
+            if not scale > 0 or scale != scale or scale == float("inf"):
+                fail("loss_scale", "use 'dynamic' or a finite positive number such as 1024.")
+        if not isinstance(self.initial_loss_scale_power, int) or not 0 <= self.initial_loss_scale_power <= 64:
+            fail("initial_loss_scale_power", "use an integer between 0 and 64 (the scale is 2**power).")
+        if not isinstance(self.loss_scale_window, int) or self.loss_scale_window <= 0:
+            fail("loss_scale_window", "use a positive number of steps, e.g. 1000.")
+        if not _is_number(self.min_loss_scale) or self.min_loss_scale <= 0:
+            fail("min_loss_scale", "use a positive number, e.g. 1.0.")
+        if not _is_number(self.gradient_clipping) or self.gradient_clipping < 0 or self.gradient_clipping != self.gradient_clipping:
+            fail("gradient_clipping", "use 0 (off) or a positive max norm such as 1.0.")
+        if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
+            fail("collective_timeout", "use a positive number of seconds, e.g. 600.")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def compute_torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.compute_dtype, "compute_dtype")  # type: ignore[return-value]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.reduce_dtype, "reduce_dtype") or self.compute_torch_dtype
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.compute_torch_dtype == torch.float16
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ZeroConfig:
+        """Build from a mapping, rejecting unknown keys with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ZeroConfigError(
+                f"Unknown ZeroConfig option(s) {unknown}; known options are {sorted(known)}."
+            )
+        return cls(**values)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

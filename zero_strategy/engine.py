@@ -1,0 +1,449 @@
+"""`ZeroEngine`: owns the sharded training state of one model on one rank.
+
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3))
+    loss = engine.module(batch)   # the user's module, hooks installed; forward unchanged
+    engine.backward(loss)         # loss scaling (fp16); reductions overlap backward
+    engine.step()                 # wait comms, unscale, global-norm clip, inner step
+    engine.zero_grad()
+
+The engine composes the pieces that each own one concern: the layout (`partition`), the
+per-unit tensors (`flat_unit`), gradient reduction (`grads`), stage-3 gathering
+(`params`), the optimizer re-pointing (`optimizer`), loss scaling (`precision`) and
+meta-device materialisation (`init`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import init as meta_init
+from .comm import Communicator
+from .config import ZeroConfig
+from .flat_unit import FlatUnit
+from .grads import GradReducer
+from .memory import memory_report
+from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
+from .params import GatherManager
+from .partition import (
+    FROZEN_GROUP,
+    bucket_layouts,
+    module_layouts,
+    select_unit_modules,
+    unique_parameters,
+)
+from .precision import LossScaler
+from .topology import DataParallelGroup
+
+
+class ZeroEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | dict | None = None,
+        *,
+        device: torch.device | str | None = None,
+        param_init_fn: meta_init.InitFn | None = None,
+    ):
+        self.config = _coerce_config(config)
+        cfg = self.config
+        check_optimizer(optimizer, cfg.allow_untested_optimizer)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
+        params = unique_parameters(model)
+        if not params:
+            raise ValueError(
+                f"{type(model).__name__} has no parameters, so there is nothing to shard or "
+                "train. Pass the model that holds the trainable parameters."
+            )
+        self.device = _resolve_device(params, device)
+        self.dp = DataParallelGroup.create(self.device, cfg.collective_timeout)
+        via_all_reduce = cfg.reduce_scatter_via_all_reduce
+        if via_all_reduce is None:
+            via_all_reduce = self.dp.backend == "gloo"
+        self.comm = Communicator(self.dp, via_all_reduce)
+        self.module = model
+
+        group_of = group_index_of_params(optimizer, [p.param for p in params])
+        for p in params:
+            if not p.param.requires_grad:
+                group_of.pop(id(p.param), None)
+        self._warn_unoptimized(params, group_of)
+        self._check_sizes(params, group_of)
+        self._check_same_model_on_all_ranks(params, group_of)
+
+        world, rank = self.dp.world_size, self.dp.rank
+        if cfg.stage == 3:
+            unit_paths = select_unit_modules(model, cfg.unit_module_classes)
+            layouts = module_layouts(model, params, group_of, world, unit_paths)
+        else:
+            layouts = bucket_layouts(params, group_of, world if cfg.stage else 1, cfg.bucket_size)
+            if cfg.stage == 0:  # replicated: no padding to the world size needed
+                for lay in layouts:
+                    lay.world_size = 1
+        by_id = {id(p.param): p.param for p in params}
+        self.units = [
+            FlatUnit(
+                lay,
+                [by_id[_param_id(model, s.name)] for s in lay.slots],
+                cfg.stage,
+                rank if cfg.stage else 0,
+                self.device,
+                cfg.compute_torch_dtype,
+            )
+            for lay in layouts
+        ]
+        on_meta = meta_init.has_meta_params(model)
+        if on_meta:
+            meta_init.detach_from_meta([p.param for p in params], self.device)
+        self._materialize(model, on_meta, param_init_fn)
+        if on_meta:
+            meta_init.check_no_meta_buffers(model)
+        self._broadcast_buffers(model)
+
+        self.optimizer = optimizer
+        self._opt_views: list[tuple[FlatUnit, int, int, nn.Parameter]] = []
+        self._repoint_optimizer()
+        optimizer.register_step_pre_hook(self._guard_direct_step)
+        self._inside_step = False
+
+        self.scaler = LossScaler(cfg)
+        self.gather: GatherManager | None = None
+        self.reducer = GradReducer(
+            self.units,
+            self.comm,
+            cfg.stage,
+            cfg.overlap_comm,
+            cfg.reduce_torch_dtype,
+            on_unit_ready=self._on_unit_grads_ready,
+            on_backward_end=self._on_backward_end,
+        )
+        if cfg.stage == 3:
+            self.gather = GatherManager(
+                model,
+                self.units,
+                self.comm,
+                cfg.prefetch_depth,
+                cfg.persistence_threshold,
+                cfg.verify_module_order,
+                on_backward_start=self.reducer.backward_started,
+            )
+        self._grads_unscaled = False
+        self._last_grad_norm: torch.Tensor | None = None
+        self.global_steps = 0
+        self.comm.reset()
+
+    # ================================================================ set-up helpers
+    def _warn_unoptimized(self, params, group_of) -> None:
+        missing = [p.names[0] for p in params if p.param.requires_grad and id(p.param) not in group_of]
+        if missing:
+            warnings.warn(
+                f"{len(missing)} parameter(s) require grad but are in no optimizer group "
+                f"(e.g. {missing[:3]}); they are treated as frozen. Add them to the optimizer "
+                "or set requires_grad=False to silence this.",
+                stacklevel=3,
+            )
+
+    def _check_sizes(self, params, group_of) -> None:
+        trainable = sum(p.param.numel() for p in params if id(p.param) in group_of)
+        if trainable == 0:
+            raise ValueError(
+                "No parameter of the model is both trainable and in the optimizer. Build the "
+                "optimizer over the model's parameters that require grad."
+            )
+        world = self.dp.world_size
+        if self.config.stage > 0 and trainable < world:
+            raise ValueError(
+                f"The model has {trainable} trainable element(s) but the world size is {world}: "
+                "some ranks would own no part of the model. Use fewer processes, or stage 0 "
+                "(plain data parallelism) for a model this small."
+            )
+
+    def _check_same_model_on_all_ranks(self, params, group_of) -> None:
+        """A different model on some rank would pair mismatched collectives: refuse early."""
+        if not self.dp.distributed:
+            return
+        desc = "|".join(
+            f"{p.names[0]}:{tuple(p.param.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}"
+            for p in params
+        )
+        digest = int.from_bytes(hashlib.sha1(desc.encode()).digest()[:7], "little")
+        tags = self.comm.control_all_gather(
+            torch.tensor([digest, self.config.stage], dtype=torch.int64, device=self.device)
+        ).tolist()
+        if any(t != tags[0] for t in tags):
+            raise ValueError(
+                "The model, optimizer groups or ZeRO stage differ across ranks (per-rank "
+                f"[digest, stage]: {tags}). Every rank must build the same model, the same "
+                "optimizer param groups and the same ZeroConfig."
+            )
+
+    def _materialize(self, model: nn.Module, on_meta: bool, init_fn) -> None:
+        """Give every unit its initial values: rank 0's, one unit at a time at stage 3."""
+        def flat_for(unit: FlatUnit) -> torch.Tensor:
+            return torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+
+        def point(unit: FlatUnit, flat: torch.Tensor) -> None:
+            for slot, p in zip(unit.layout.slots, unit.params):
+                p.data = flat[slot.offset : slot.end].view(slot.shape)
+
+        def copy_in(unit: FlatUnit, flat: torch.Tensor) -> None:
+            for slot, p in zip(unit.layout.slots, unit.params):
+                flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+
+        if on_meta and self.config.stage < 3:
+            flats = [flat_for(u) for u in self.units]
+            for unit, flat in zip(self.units, flats):
+                point(unit, flat)
+            slots = [s for u in self.units for s in u.layout.slots]
+            meta_init.run_init(model, meta_init.owner_modules(model, slots), init_fn)
+            for unit, flat in zip(self.units, flats):
+                self.comm.broadcast(flat, src=0)
+                unit.install(flat)
+            return
+        for unit in self.units:
+            flat = flat_for(unit)
+            if on_meta:
+                point(unit, flat)
+                meta_init.run_init(model, meta_init.owner_modules(model, unit.layout.slots), init_fn)
+            else:
+                copy_in(unit, flat)
+            self.comm.broadcast(flat, src=0)
+            unit.install(flat)
+            del flat
+
+    def _broadcast_buffers(self, model: nn.Module) -> None:
+        for buf in model.buffers():
+            if buf.device.type == self.device.type and buf.numel():
+                self.comm.broadcast(buf, src=0)
+
+    def _repoint_optimizer(self) -> None:
+        """Point the optimizer at 1-D views of the fp32 masters, one per (unit, group)
+        segment, and remember which gradient slice belongs to each."""
+        by_group: dict[int, list[tuple[FlatUnit, int, int]]] = {}
+        for unit in self.units:
+            for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
+                by_group.setdefault(seg.group_index, []).append(
+                    (unit, seg.start - unit.opt_start, seg.end - unit.opt_start)
+                )
+        repoint_optimizer(
+            self.optimizer,
+            {gi: [u.master[lo:hi] for u, lo, hi in segs] for gi, segs in by_group.items()},
+        )
+        self._opt_views = [
+            (unit, lo, hi, opt_param)
+            for gi, segs in by_group.items()
+            for (unit, lo, hi), opt_param in zip(segs, self.optimizer.param_groups[gi]["params"])
+        ]
+
+    # ================================================================ stage-3 glue
+    def _on_unit_grads_ready(self, unit: FlatUnit) -> None:
+        if self.gather is not None and not unit.persistent:
+            unit.free_full()
+
+    def _on_backward_end(self) -> None:
+        if self.gather is not None:
+            self.gather.release_all()
+            self.gather.end_of_pass()
+
+    # ================================================================ training API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward with the fp16 loss scale applied; reductions run during it."""
+        if self.scaler.enabled:
+            loss = loss * self.scaler.scale
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without communication (all but the last
+        micro-batch). At stages 2-3 this holds full-size gradients until the next
+        synchronised backward."""
+        previous = self.reducer.sync
+        self.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global L2 norm over all shards; returns the norm before clipping."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm}.")
+        norm, overflow = self._unscale_and_measure()
+        if not overflow:
+            coef = max_norm / (float(norm) + 1e-6)
+            if coef < 1.0:
+                self._scale_grads(coef)
+        return norm
+
+    def step(self) -> bool:
+        """One optimizer step over this rank's shards, then refresh the compute copies.
+        Returns False when the step was skipped for an fp16 overflow."""
+        norm, overflow = self._unscale_and_measure()
+        if overflow:
+            self.scaler.update(True)
+            self._grads_unscaled = False
+            self.zero_grad()
+            return False
+        if self.config.gradient_clipping > 0:
+            coef = self.config.gradient_clipping / (float(norm) + 1e-6)
+            if coef < 1.0:
+                self._scale_grads(coef)
+        for unit, lo, hi, opt_param in self._opt_views:
+            opt_param.grad = unit.grad_opt[lo:hi]
+        self._inside_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._inside_step = False
+        self.scaler.update(False)
+        self._publish_parameters()
+        self._grads_unscaled = False
+        self.global_steps += 1
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers (they are kept allocated; `set_to_none` is accepted
+        for API compatibility)."""
+        self.reducer.wait()
+        self.reducer.zero_grad()
+        for _, _, _, opt_param in self._opt_views:
+            opt_param.grad = None
+        self._grads_unscaled = False
+
+    # ================================================================ step internals
+    def _unscale_and_measure(self) -> tuple[torch.Tensor, bool]:
+        """Wait for reductions, compute the global grad norm (unscaled) once per step and
+        divide the loss scale out of the gradients."""
+        self.reducer.wait()
+        if self._grads_unscaled:
+            return self._last_grad_norm, False
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for unit in self.units:
+            for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
+                g = unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
+                sq += torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2
+        if self.config.stage > 0:
+            self.comm.control_all_reduce(sq)
+        scale = self.scaler.scale
+        norm = sq.sqrt()[0] / scale
+        overflow = not bool(torch.isfinite(norm))
+        if overflow:
+            return norm, True
+        if scale != 1.0:
+            self._scale_grads(1.0 / scale)
+        self._grads_unscaled = True
+        self._last_grad_norm = norm
+        return norm, False
+
+    def _scale_grads(self, factor: float) -> None:
+        for unit in self.units:
+            if unit.grad_opt is not None:
+                unit.grad_opt.mul_(factor)
+
+    def _publish_parameters(self) -> None:
+        """Make the updated shards visible: compute copies, then (stages 1-2) every rank's
+        full parameters, (stage 3) units that stay gathered."""
+        for unit in self.units:
+            if unit.layout.numel:
+                unit.sync_compute_from_master()
+        if self.config.stage in (1, 2):
+            works = [
+                self.comm.all_gather(u.full, u.full[u.opt_start : u.opt_end], async_op=True)
+                for u in self.units
+                if u.layout.numel
+            ]
+            for w in works:
+                w.wait()
+        elif self.gather is not None:
+            self.gather.regather_persistent()
+
+    def _guard_direct_step(self, optimizer, args, kwargs) -> None:
+        if not self._inside_step:
+            raise RuntimeError(
+                "optimizer.step() was called directly on an optimizer managed by ZeroEngine: "
+                "gradients would not be reduced or clipped and the parameters would not be "
+                "re-gathered. Call engine.step() instead."
+            )
+
+    # ================================================================ reports & state
+    def memory_report(self) -> dict[str, int]:
+        """Exact bytes held by this rank, by kind."""
+        return memory_report(self)
+
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls per collective kind since the last `reset_comm_report()`."""
+        return self.comm.report()
+
+    def reset_comm_report(self) -> None:
+        self.comm.reset()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The consolidated fp32 model (parameters from the masters, plus persistent
+        buffers), gathered one unit at a time; empty on other ranks when `rank0_only`."""
+        out: dict[str, torch.Tensor] = {}
+        keep = not rank0_only or self.dp.rank == 0
+        for unit in self.units:
+            if not unit.layout.numel:
+                continue
+            full = self._gather_master(unit)
+            if keep:
+                for slot in unit.layout.slots:
+                    value = full[slot.offset : slot.end].view(slot.shape).clone()
+                    for name in (slot.name, *slot.aliases):
+                        out[name] = value
+        if keep:
+            for name, buf in _persistent_buffers(self.module):
+                out[name] = buf.detach().clone()
+        return out
+
+    def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's full fp32 values (padded), identical on every rank."""
+        if self.config.stage == 0:
+            return unit.master
+        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, unit.master)
+        return full
+
+
+# ==================================================================== helpers
+def _coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
+    if config is None:
+        return ZeroConfig()
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, dict):
+        return ZeroConfig.from_dict(config)
+    raise TypeError(f"config must be a ZeroConfig or a dict, got {type(config).__name__}.")
+
+
+def _resolve_device(params, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for p in params:
+        if not p.param.is_meta:
+            return p.param.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _param_id(model: nn.Module, name: str) -> int:
+    return id(model.get_parameter(name))
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for mod_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf

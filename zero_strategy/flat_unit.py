@@ -1,0 +1,138 @@
+"""The tensors of one unit on one rank: flat parameters, shard, fp32 master, gradients.
+
+Which of them exist, and which are views of which, depends on the stage:
+
+============  ===============================  ===================  =====================
+stage         compute-dtype parameters         fp32 master          gradient (fp32 view)
+============  ===============================  ===================  =====================
+0             full buffer, persistent          = full if fp32       full buffer (in place)
+1             full buffer, persistent          = my slice if fp32   full buffer (in place)
+2             full buffer, persistent          = my slice if fp32   my slice only
+3             my slice; full only when in use  = my slice if fp32   my slice only
+============  ===============================  ===================  =====================
+
+"my slice" is the range the optimizer steps on this rank: the rank's shard at stages 1-3,
+everything at stage 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .partition import UnitLayout
+
+
+class FlatUnit:
+    def __init__(
+        self,
+        layout: UnitLayout,
+        params: list[nn.Parameter],
+        stage: int,
+        rank: int,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ):
+        self.layout = layout
+        self.params = params  # aligned with layout.slots
+        self.stage = stage
+        self.rank = rank
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.opt_start, self.opt_end = (
+            (0, layout.padded_numel) if stage == 0 else layout.shard_range(rank)
+        )
+        self.full: torch.Tensor | None = None  # compute dtype, padded_numel
+        self.shard: torch.Tensor | None = None  # stage 3: compute dtype, shard_numel
+        self.master: torch.Tensor | None = None  # fp32 over [opt_start, opt_end)
+        self.grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
+        self.grad_opt: torch.Tensor | None = None  # fp32 over [opt_start, opt_end)
+        self.persistent = stage < 3  # stage 3: set by the gather manager
+        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
+        self._buf: torch.Tensor | None = None  # stage 3 gather buffer
+
+    # ------------------------------------------------------------------ set-up
+    def install(self, full_values: torch.Tensor) -> None:
+        """Take this unit's initial values (the full fp32 flat buffer, identical on every
+        rank) and build the persistent tensors from it."""
+        lay = self.layout
+        fp32 = self.compute_dtype == torch.float32
+        if self.stage < 3:
+            self.full = full_values.to(self.compute_dtype) if not fp32 else full_values
+            my = self.full[self.opt_start : self.opt_end]
+            self.master = my if fp32 else full_values[self.opt_start : self.opt_end].clone()
+            self._point_params_at(self.full)
+        else:
+            start, end = lay.shard_range(self.rank)
+            mine = full_values[start:end].clone()
+            self.master = mine
+            self.shard = mine if fp32 else mine.to(self.compute_dtype)
+            self._free_storage_views()
+        self.grad_opt = None
+        if self.stage < 2 and lay.trainable:
+            self.grad_full = torch.zeros(lay.padded_numel, dtype=self.compute_dtype, device=self.device)
+            if fp32:
+                self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
+        if self.grad_opt is None and lay.trainable:
+            self.grad_opt = torch.zeros(self.opt_end - self.opt_start, dtype=torch.float32, device=self.device)
+        if self.grad_full is not None:
+            self.attach_param_grads()
+
+    def _point_params_at(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = flat[slot.offset : slot.end].view(slot.shape)
+
+    def _free_storage_views(self) -> None:
+        for p in self.params:
+            p.data = self._empty
+
+    def attach_param_grads(self) -> None:
+        """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,
+        so autograd accumulates in place and the bucket is reduced without a copy."""
+        for slot, p in zip(self.layout.slots, self.params):
+            if slot.trainable:
+                p.grad = self.grad_full[slot.offset : slot.end].view(slot.shape)
+
+    # ------------------------------------------------------------------ stage 3
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def gather_target(self) -> torch.Tensor:
+        """The buffer to all-gather into. It is always the same storage, grown back to
+        full size: tensors autograd saved in forward (views such as weight.t()) point at
+        it, and come back to life when it is refilled before backward."""
+        nbytes = self.layout.padded_numel * self._empty.element_size()
+        if self._buf is None:
+            self._buf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        elif self._buf.untyped_storage().nbytes() != nbytes:
+            self._buf.untyped_storage().resize_(nbytes)
+        return self._buf
+
+    def expose_full(self) -> None:
+        """The gather finished: point the module's parameters at the full buffer."""
+        self.full = self._buf
+        self._point_params_at(self.full)
+
+    def free_full(self) -> None:
+        """Give the gathered memory back; parameters become empty tensors, so a stray use
+        is a shape error rather than a read of freed memory."""
+        if self.full is None:
+            return
+        self._free_storage_views()
+        self._buf.untyped_storage().resize_(0)
+        self.full = None
+
+    def gathered_bytes(self) -> int:
+        return 0 if self._buf is None or self.stage < 3 else self._buf.untyped_storage().nbytes()
+
+    # ------------------------------------------------------------------ after the step
+    def sync_compute_from_master(self) -> None:
+        """Write the updated fp32 master into the compute-dtype copy this rank holds."""
+        if self.stage < 3:
+            mine = self.full[self.opt_start : self.opt_end]
+            if mine.data_ptr() != self.master.data_ptr():
+                mine.copy_(self.master)
+        elif self.shard.data_ptr() != self.master.data_ptr():
+            self.shard.copy_(self.master)
+

@@ -1,0 +1,64 @@
+"""Exact accounting of the bytes one rank holds, by kind.
+
+Counted by storage, each storage once, so views (a stage-1 master that is a slice of the
+full parameters, a gradient slice of the flat gradient buffer) are never counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.bytes: dict[str, int] = {}
+
+    def add(self, kind: str, tensor: torch.Tensor | None) -> None:
+        self.bytes.setdefault(kind, 0)
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in self.seen:
+            return
+        self.seen.add(key)
+        self.bytes[kind] += storage.nbytes()
+
+
+def memory_report(engine: ZeroEngine) -> dict[str, int]:
+    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
+    shard at stage 3); master_params: fp32 masters not shared with them; gradients;
+    optimizer_state; comm_buffers: transient gathered parameters and gradient buffers in
+    flight; buffers: the model's buffers. `total` sums them."""
+    ledger = _Ledger()
+    stage = engine.config.stage
+    for unit in engine.units:
+        ledger.add("parameters", unit.full if stage < 3 else unit.shard)
+    for unit in engine.units:
+        ledger.add("master_params", unit.master)
+    for unit in engine.units:
+        ledger.add("gradients", unit.grad_opt)
+        if stage < 2:
+            ledger.add("gradients", unit.grad_full)
+    for state in engine.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                ledger.add("optimizer_state", value)
+    for unit in engine.units:
+        if stage == 3 and unit.gathered_bytes():
+            ledger.add("comm_buffers", unit.full if unit.full is not None else unit._buf)
+        if stage >= 2:
+            ledger.add("comm_buffers", unit.grad_full)
+    for job in engine.reducer.in_flight:
+        ledger.add("comm_buffers", job.sent)
+    for buf in engine.module.buffers():
+        ledger.add("buffers", buf)
+    report = dict(ledger.bytes)
+    report["total"] = sum(report.values())
+    return report

@@ -1,0 +1,91 @@
+"""Rebuild the user's optimizer over this rank's shards.
+
+The user's optimizer object is kept (so that schedulers and references built on it keep
+working) but its param groups are re-pointed at 1-D views of this rank's fp32 master
+shard: one view per (unit, param group) segment. Class, defaults and every per-group
+hyperparameter stay as the user set them.
+
+Only optimizers whose update is elementwise are exact under this scheme (each element's
+new value depends on that element alone); others are refused unless the user opts in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+
+
+class UnsupportedOptimizerError(TypeError):
+    """The optimizer cannot be sharded exactly; the message says what to use instead."""
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+            "Build one over model.parameters(), e.g. torch.optim.AdamW(model.parameters())."
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise UnsupportedOptimizerError(
+            "LBFGS is not supported: it re-evaluates a closure and keeps whole-model history "
+            "vectors, which cannot be partitioned across ranks. Use an elementwise optimizer "
+            "such as AdamW, or train LBFGS without ZeRO (strategy 'ddp')."
+        )
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} is not known to be elementwise, so its update over a "
+            f"shard may differ from its update over the whole model. Supported: {names}. If "
+            "its update depends only on each element's own gradient and state, set "
+            "ZeroConfig(allow_untested_optimizer=True)."
+        )
+
+
+def group_index_of_params(
+    optimizer: torch.optim.Optimizer, model_params: list[nn.Parameter]
+) -> dict[int, int]:
+    """id(param) -> index of the optimizer group holding it; errors on foreign params."""
+    in_model = {id(p) for p in model_params}
+    group_of: dict[int, int] = {}
+    foreign: list[str] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in in_model:
+                foreign.append(f"group {gi}: tensor of shape {tuple(p.shape)}")
+            elif id(p) in group_of:
+                raise ValueError(
+                    f"A parameter of shape {tuple(p.shape)} appears in optimizer param groups "
+                    f"{group_of[id(p)]} and {gi}; list each parameter in one group only."
+                )
+            else:
+                group_of[id(p)] = gi
+    if foreign:
+        shown = "; ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"given to ZeroEngine ({shown}). Build the optimizer from this model's parameters, "
+            "e.g. torch.optim.AdamW(model.parameters())."
+        )
+    return group_of
+
+
+def repoint_optimizer(
+    optimizer: torch.optim.Optimizer, views_by_group: dict[int, list[torch.Tensor]]
+) -> None:
+    """Replace each group's params with this rank's master views; drop any old state."""
+    for gi, group in enumerate(optimizer.param_groups):
+        group["params"] = [nn.Parameter(v, requires_grad=True) for v in views_by_group.get(gi, [])]
+    optimizer.state = defaultdict(dict)

@@ -1,0 +1,201 @@
+"""Stage 3: gather a unit's parameters just before they are used, free them right after.
+
+Forward: a pre-hook on the unit's module gathers it (or waits for its prefetch), a post-hook
+frees it and hooks the module's outputs so that the unit is gathered again when backward
+reaches them. The root unit (parameters outside every wrapped module) is gathered on first
+use and kept until the end of backward, since backward starts with it.
+
+The order in which units are gathered on the first training step is recorded; afterwards
+each gather prefetches the next `prefetch_depth` units of that order (forward) or of its
+reverse (backward).
+
+Ranks that take different module paths would pair up mismatched collectives and hang.
+With `verify_module_order`, each gather is preceded by a tiny all-gather of
+(unit, phase) tags; any disagreement raises on every rank, naming each rank's module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from .comm import Communicator
+from .flat_unit import FlatUnit
+
+FORWARD, BACKWARD = 0, 1
+_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward"}
+
+
+class ModulePathDivergenceError(RuntimeError):
+    """Ranks disagreed on which module to gather next (stage 3)."""
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class GatherManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[FlatUnit],
+        comm: Communicator,
+        prefetch_depth: int,
+        persistence_threshold: int,
+        verify_order: bool,
+        on_backward_start: Callable[[], None],
+    ):
+        self.units = units
+        self.comm = comm
+        self.prefetch_depth = prefetch_depth
+        self.verify_order = verify_order
+        self.on_backward_start = on_backward_start
+        self.pending: dict[int, object] = {}  # unit index -> in-flight gather work
+        self.order: list[int] | None = None  # recorded forward order (non-root units)
+        self._recording: list[int] = []
+        self._cursor = 0
+        self._seq = 0
+        self.handles: list = []
+        for unit in units:
+            unit.persistent = unit.layout.numel < persistence_threshold or unit.layout.numel == 0
+        self._install_hooks(model)
+
+    # ---------------------------------------------------------------- hooks
+    def _install_hooks(self, model: nn.Module) -> None:
+        root = self.units[0]
+        for unit in self.units[1:]:
+            module = model.get_submodule(unit.layout.module_path)
+            self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.handles.append(module.register_forward_hook(self._make_post_forward(unit)))
+        # The root unit is needed from the first module that owns one of its parameters
+        # (or from the root forward itself) until the end of backward.
+        owners = {""}
+        for slot in root.layout.slots:
+            for name in (slot.name, *slot.aliases):
+                owners.add(name.rsplit(".", 1)[0] if "." in name else "")
+        for path in sorted(owners):
+            module = model.get_submodule(path)
+            self.handles.append(module.register_forward_pre_hook(lambda *_: self.ensure(root, FORWARD)))
+        self.handles.append(model.register_forward_hook(self._root_post_forward))
+
+    def _make_pre_forward(self, unit: FlatUnit):
+        def hook(module, args):
+            if not in_backward() and torch.is_grad_enabled():
+                self._track_order(unit)
+            self.ensure(unit, BACKWARD if in_backward() else FORWARD)
+            if not in_backward():
+                self._prefetch_forward(unit)
+        return hook
+
+    def _make_post_forward(self, unit: FlatUnit):
+        def hook(module, args, output):
+            if in_backward():  # activation recomputation: backward still needs it
+                return output
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(unit), mode="any")
+            if not unit.persistent:
+                unit.free_full()
+            return output
+        return hook
+
+    def _root_post_forward(self, module, args, output):
+        if not torch.is_grad_enabled() and not in_backward():
+            self.release_all()  # evaluation: nothing will need the parameters again
+        return output
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self.on_backward_start()
+        self.ensure(unit, BACKWARD)
+        self._prefetch_backward(unit)
+
+    # ---------------------------------------------------------------- order, prefetch
+    def _track_order(self, unit: FlatUnit) -> None:
+        if self.order is None:
+            self._recording.append(unit.layout.index)
+            return
+        if self._cursor < len(self.order) and self.order[self._cursor] == unit.layout.index:
+            self._cursor += 1
+        else:  # out of recorded order: resynchronise on this unit if it is in the trace
+            idx = unit.layout.index
+            self._cursor = self.order.index(idx) + 1 if idx in self.order else len(self.order)
+
+    def end_of_pass(self) -> None:
+        """Called at the end of each backward: freeze the trace after the first one."""
+        if self.order is None and self._recording:
+            self.order = self._recording
+        self._recording = []
+        self._cursor = 0
+
+    def _prefetch_forward(self, unit: FlatUnit) -> None:
+        if self.order is None or not self.prefetch_depth:
+            return
+        for idx in self.order[self._cursor : self._cursor + self.prefetch_depth]:
+            self.start_gather(self.units[idx], FORWARD)
+
+    def _prefetch_backward(self, unit: FlatUnit) -> None:
+        if self.order is None or not self.prefetch_depth or unit.layout.index not in self.order:
+            return
+        pos = self.order.index(unit.layout.index)
+        for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
+            self.start_gather(self.units[idx], BACKWARD)
+
+    # ---------------------------------------------------------------- gather / free
+    def start_gather(self, unit: FlatUnit, phase: int) -> None:
+        """Launch an asynchronous gather of `unit` unless it is gathered or in flight."""
+        idx = unit.layout.index
+        if unit.gathered or idx in self.pending or unit.layout.numel == 0:
+            return
+        if self.verify_order:
+            self._verify(unit, phase)
+        target = unit.gather_target()
+        self.pending[idx] = self.comm.all_gather(target, unit.shard, async_op=True)
+
+    def ensure(self, unit: FlatUnit, phase: int) -> None:
+        """Make `unit` usable now: gather it if needed, wait for its gather if in flight."""
+        if unit.gathered or unit.layout.numel == 0:
+            return
+        self.start_gather(unit, phase)
+        self.pending.pop(unit.layout.index).wait()
+        unit.expose_full()
+
+    def release_all(self) -> None:
+        """Free every non-persistent gathered unit (and finish stray prefetches first)."""
+        for idx, work in list(self.pending.items()):
+            work.wait()
+            self.units[idx].expose_full()
+        self.pending.clear()
+        for unit in self.units:
+            if not unit.persistent:
+                unit.free_full()
+
+    def regather_persistent(self) -> None:
+        """After an optimizer step, refresh units that are never freed."""
+        for unit in self.units:
+            if unit.persistent and unit.gathered:
+                self.comm.all_gather(unit.full, unit.shard)
+
+    # ---------------------------------------------------------------- divergence check
+    def _verify(self, unit: FlatUnit, phase: int) -> None:
+        self._seq += 1
+        tag = torch.tensor([unit.layout.index, phase], dtype=torch.int64, device=unit.device)
+        everyone = self.comm.control_all_gather(tag).tolist()
+        if all(t == everyone[0] for t in everyone):
+            return
+        lines = [
+            f"  rank {r}: {_PHASE_NAMES.get(ph, '?')} of module '{self.units[i].layout.name}'"
+            if 0 <= i < len(self.units) else f"  rank {r}: unknown unit {i}"
+            for r, (i, ph) in enumerate(everyone)
+        ]
+        raise ModulePathDivergenceError(
+            "ZeRO stage 3: ranks took different module paths and would deadlock on the "
+            f"parameter gather (collective #{self._seq} of this process):\n" + "\n".join(lines)
+            + "\nEvery rank must call the same wrapped modules in the same order. Make the "
+            "control flow identical on all ranks (e.g. run every branch, or decide the branch "
+            "on rank 0 and broadcast it), or put the divergent modules inside one unit "
+            "(ZeroConfig.unit_module_classes) so they are gathered together."
+        )

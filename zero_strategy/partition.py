@@ -1,0 +1,239 @@
+"""The layout: which parameter lives where in which flat buffer, and who owns which slice.
+
+A unit (stage 3: a wrapped submodule; stages 0-2: a bucket of parameters) flattens its
+parameters into one buffer padded to a multiple of the world size; rank r owns the r-th
+contiguous slice. Parameters are ordered by optimizer param group inside a unit, so each
+rank's slice meets each group in one contiguous segment: the optimizer then steps a few
+long 1-D views instead of many small ones, and per-group hyperparameters stay exact.
+
+This map is the single source of truth for gathering, reducing, optimizer state and
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+FROZEN_GROUP = -1  # parameters that the optimizer does not update
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside a unit's flat buffer."""
+
+    name: str  # first fully-qualified name; tied aliases are in `aliases`
+    aliases: tuple[str, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    group_index: int  # index into the optimizer's param groups, or FROZEN_GROUP
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+    @property
+    def trainable(self) -> bool:
+        return self.group_index != FROZEN_GROUP
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The intersection of one rank's slice with one param group's region of a unit."""
+
+    group_index: int
+    start: int  # offset in the unit's flat (unsharded) buffer
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class UnitLayout:
+    index: int
+    name: str  # module path ("" = root) for stage 3, "bucket<i>" otherwise
+    slots: list[ParamSlot]
+    world_size: int
+    module_path: str | None = None  # stage 3 only
+    _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return self.slots[-1].end if self.slots else 0
+
+    @property
+    def padded_numel(self) -> int:
+        return math.ceil(self.numel / self.world_size) * self.world_size if self.numel else 0
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def trainable(self) -> bool:
+        return any(s.trainable for s in self.slots)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def segments(self, start: int, end: int) -> list[Segment]:
+        """Contiguous per-group pieces of [start, end), trainable groups only."""
+        key = start * 1_000_003 + end
+        if key not in self._segments:
+            pieces: list[Segment] = []
+            for slot in self.slots:
+                lo, hi = max(start, slot.offset), min(end, slot.end)
+                if lo >= hi or not slot.trainable:
+                    continue
+                if pieces and pieces[-1].group_index == slot.group_index and pieces[-1].end == lo:
+                    pieces[-1] = Segment(slot.group_index, pieces[-1].start, hi)
+                else:
+                    pieces.append(Segment(slot.group_index, lo, hi))
+            self._segments[key] = pieces
+        return self._segments[key]
+
+
+# ---------------------------------------------------------------------------- building
+@dataclass
+class _Param:
+    param: nn.Parameter
+    names: list[str]
+
+
+def unique_parameters(model: nn.Module) -> list[_Param]:
+    """Parameters in registration order, each once, with every name it is reachable by."""
+    seen: dict[int, _Param] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        entry = seen.get(id(param))
+        if entry is None:
+            seen[id(param)] = _Param(param, [name])
+        else:
+            entry.names.append(name)
+    return list(seen.values())
+
+
+def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[ParamSlot]:
+    # Stable sort by group: trainable groups in order, frozen last.
+    def key(p: _Param) -> int:
+        g = group_of.get(id(p.param), FROZEN_GROUP)
+        return g if g != FROZEN_GROUP else 1 << 30
+
+    slots, offset = [], 0
+    for p in sorted(params, key=key):
+        t = p.param
+        slots.append(
+            ParamSlot(
+                name=p.names[0],
+                aliases=tuple(p.names[1:]),
+                shape=t.shape,
+                dtype=t.dtype,
+                offset=offset,
+                group_index=group_of.get(id(t), FROZEN_GROUP),
+            )
+        )
+        offset += t.numel()
+    return slots
+
+
+def bucket_layouts(
+    params: Sequence[_Param], group_of: dict[int, int], world_size: int, bucket_size: int
+) -> list[UnitLayout]:
+    """Stages 0-2: buckets in reverse registration order, roughly the order of backward."""
+    buckets: list[list[_Param]] = [[]]
+    filled = 0
+    for p in reversed(params):
+        if buckets[-1] and filled + p.param.numel() > bucket_size:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += p.param.numel()
+    return [
+        UnitLayout(index=i, name=f"bucket{i}", slots=_make_slots(b, group_of), world_size=world_size)
+        for i, b in enumerate(buckets)
+        if b
+    ]
+
+
+def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[str]:
+    """Stage 3: paths of the modules that become units (outermost only, never nested).
+
+    With no class names given, every child of every nn.ModuleList is a unit (the blocks of
+    almost every transformer); a model with no ModuleList gets one unit per direct child.
+    """
+    wanted = set(class_names)
+    chosen: list[str] = []
+
+    def covered(path: str) -> bool:
+        return any(path == c or path.startswith(c + ".") for c in chosen)
+
+    for path, module in model.named_modules():
+        if path == "" or covered(path):
+            continue
+        if wanted:
+            if type(module).__name__ in wanted:
+                chosen.append(path)
+        else:
+            parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+            parent = model.get_submodule(parent_path)
+            if isinstance(parent, nn.ModuleList) and any(True for _ in module.parameters()):
+                chosen.append(path)
+    if wanted:
+        found = {type(m).__name__ for _, m in model.named_modules()}
+        missing = sorted(wanted - found)
+        if missing:
+            raise ValueError(
+                f"ZeroConfig.unit_module_classes names {missing}, which the model does not "
+                f"contain; its module classes are {sorted(found)}."
+            )
+    if not chosen and not wanted:
+        chosen = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+    return chosen
+
+
+def module_layouts(
+    model: nn.Module, params: Sequence[_Param], group_of: dict[int, int], world_size: int,
+    unit_paths: Sequence[str],
+) -> list[UnitLayout]:
+    """Stage 3: one unit per chosen module, plus the root unit (index 0) for the rest.
+
+    A parameter reachable under several names (tied weights) belongs to the deepest unit
+    that contains all of its owners, so that it is gathered wherever it is used.
+    """
+    def owner(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    def unit_of(module_path: str) -> str:
+        for path in unit_paths:
+            if module_path == path or module_path.startswith(path + "."):
+                return path
+        return ""
+
+    members: dict[str, list[_Param]] = {"": [], **{p: [] for p in unit_paths}}
+    for p in params:
+        homes = {unit_of(owner(n)) for n in p.names}
+        members[homes.pop() if len(homes) == 1 else ""].append(p)
+    layouts = []
+    for path in ["", *unit_paths]:
+        if not members[path] and path:
+            continue
+        layouts.append(
+            UnitLayout(
+                index=len(layouts),
+                name=path or "<root>",
+                slots=_make_slots(members[path], group_of),
+                world_size=world_size,
+                module_path=path,
+            )
+        )
+    return layouts
