@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,7 +40,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               expect_errors: bool = False, **kwargs: Any) -> list[Any]:
     """Each rank runs fn(rank, world_size, *args); returns the results in rank order.
 
-    With expect_errors, returns each rank's (status, payload) instead of raising."""
+    With expect_errors, returns each rank's (status, payload) instead of raising; status is
+    "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,10 +53,21 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for p in procs:
             p.start()
         results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, payload = queue.get(timeout=timeout)
-                results[rank] = (status, payload)
+            while len(results) < world_size:
+                try:
+                    rank, status, payload = queue.get(timeout=0.5)
+                    results[rank] = (status, payload)
+                    continue
+                except queue_module.Empty:
+                    pass
+                for r, p in enumerate(procs):  # a rank killed by the runtime reports nothing
+                    if r not in results and not p.is_alive() and queue.empty():
+                        results[r] = ("died", f"exit code {p.exitcode}")
+                if time.monotonic() > deadline:
+                    hung = [r for r in range(world_size) if r not in results]
+                    raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (hang)")
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -1,0 +1,53 @@
+"""Ranks that take different module paths under stage 3 get an error, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from distributed import run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.heads = nn.ModuleList([nn.Linear(8, 4), nn.Linear(8, 6)])
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](self.trunk(x)).sum()
+
+
+def _divergent_step(rank: int, world: int, verify: bool, timeout: float):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    cfg = ZeroConfig(stage=3, verify_module_order=verify, collective_timeout=timeout)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    # Step 1: same path everywhere.
+    engine.backward(engine(torch.ones(2, 8), head=0))
+    engine.step()
+    # Step 2: rank 1 takes the other head.
+    engine.backward(engine(torch.ones(2, 8), head=rank % 2))
+    engine.step()
+    return "finished"
+
+
+def test_divergent_forward_raises_on_every_rank_naming_the_modules():
+    start = time.monotonic()
+    results = run_world(_divergent_step, 2, True, 30.0, expect_errors=True, timeout=60)
+    assert time.monotonic() - start < 60
+    for status, message in results:
+        assert status == "error"
+        assert "ModulePathDivergenceError" in message
+        assert "rank 0: forward of module 'heads.0'" in message
+        assert "rank 1: forward of module 'heads.1'" in message
+
+
+def test_without_the_check_nothing_hangs_either():
+    """With the check off, gloo meets mismatched collectives: the collective timeout (or
+    gloo's own size check, which aborts the process) ends every rank; none hangs."""
+    results = run_world(_divergent_step, 2, False, 5.0, expect_errors=True, timeout=90)
+    assert all(status in ("error", "died") for status, _ in results), results
