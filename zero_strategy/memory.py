@@ -14,13 +14,15 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 
+KINDS = ("parameters", "master_params", "gradients", "optimizer_state", "comm_buffers", "buffers")
+
+
 class _Ledger:
     def __init__(self) -> None:
         self.seen: set[int] = set()
-        self.bytes: dict[str, int] = {}
+        self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
 
     def add(self, kind: str, tensor: torch.Tensor | None) -> None:
-        self.bytes.setdefault(kind, 0)
         if tensor is None:
             return
         storage = tensor.untyped_storage()
