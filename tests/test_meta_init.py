@@ -1,0 +1,79 @@
+"""A model built on the meta device is materialised one unit at a time: no rank ever holds
+its full size."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from distributed import run_world
+from examples.gpt import GPT, GPTConfig
+from training import make_optimizer
+from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+
+_M_MMAP_THRESHOLD = -3
+BIG = GPTConfig(vocab_size=4096, block_size=64, n_layer=16, n_head=8, n_embd=512)
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _build(rank: int, world: int, on_meta: bool):
+    # Make RSS follow allocations: large blocks are mmapped and returned to the system on
+    # free, instead of staying in glibc's heap (whose dynamic threshold would otherwise
+    # keep freed unit buffers resident and measure the allocator, not the engine).
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    with init_on_meta():  # the first meta context imports modules: not model memory
+        GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    _reset_peak_rss()
+    base = _proc_status("VmRSS")
+    torch.manual_seed(0)
+    if on_meta:
+        with init_on_meta():
+            model = GPT(BIG)
+    else:
+        model = GPT(BIG)
+    full_bytes = 4 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    peak = _proc_status("VmHWM") - base
+    held = engine.memory_report()
+    largest_unit = 4 * max(u.layout.padded_numel for u in engine.units)
+    state = engine.full_state_dict()
+    # The materialised model trains.
+    x = torch.randint(BIG.vocab_size, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    return dict(full=full_bytes, peak=peak, params=held["parameters"], held=held["total"],
+                largest_unit=largest_unit,
+                state={k: v for k, v in state.items() if k in ("wte.weight", "blocks.3.fc.weight", "ln_f.weight")})
+
+
+def test_meta_init_never_allocates_the_full_model():
+    results = run_world(_build, 2, True, timeout=300)
+    for r in results:
+        assert r["params"] <= r["full"] / 2 + 4 * 64  # one shard, up to padding
+        # Beyond what the engine keeps (parameter and gradient shards), construction
+        # needed one unit's full buffer and its broadcast at a time, never the model.
+        transient = r["peak"] - r["held"]
+        assert transient < 2 * r["largest_unit"] + (16 << 20), (transient, r["largest_unit"])
+        assert transient < r["full"] / 4
+    # Initialised by the model's own _init_weights (std 0.02 normal, LayerNorm ones) ...
+    state = results[0]["state"]
+    assert abs(state["wte.weight"].std().item() - 0.02) < 1e-3
+    assert torch.equal(state["ln_f.weight"], torch.ones_like(state["ln_f.weight"]))
+
+
+def test_eager_construction_does_hold_the_full_model_for_contrast():
+    r = run_world(_build, 2, False, timeout=300)[0]
+    assert r["peak"] >= r["full"]
