@@ -1,0 +1,167 @@
+"""Every rejected input gets an error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_world
+from training import make_model, make_optimizer
+from zero_strategy import (
+    UnsupportedOptimizerError,
+    ZeroConfig,
+    ZeroConfigError,
+    ZeroEngine,
+)
+
+BAD_VALUES = [
+    ("stage", 4, "use 0 (replicated)"),
+    ("stage", True, "use 0 (replicated)"),
+    ("bucket_size", 0, "positive number of elements"),
+    ("bucket_size", 2.5, "positive number of elements"),
+    ("prefetch_depth", -1, "non-negative integer"),
+    ("persistence_threshold", -5, "non-negative integer"),
+    ("overlap_comm", "yes", "True or False"),
+    ("verify_module_order", 1, "True or False"),
+    ("unit_module_classes", "Block", "list of module class names"),
+    ("compute_dtype", "fp8", "'fp32', 'bf16', 'fp16'"),
+    ("reduce_dtype", "int8", "'fp32', 'bf16', 'fp16'"),
+    ("loss_scale", "auto", "'dynamic' or a finite positive number"),
+    ("loss_scale", -1, "'dynamic' or a finite positive number"),
+    ("initial_loss_scale_power", 100, "between 0 and 64"),
+    ("loss_scale_window", 0, "positive number of steps"),
+    ("min_loss_scale", 0, "positive number"),
+    ("gradient_clipping", -1.0, "0 (off) or a positive max norm"),
+    ("gradient_clipping", float("nan"), "0 (off) or a positive max norm"),
+    ("collective_timeout", 0, "positive number of seconds"),
+    ("reduce_scatter_via_all_reduce", "auto", "None (automatic), True or False"),
+    ("allow_untested_optimizer", "no", "True or False"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "fix"), BAD_VALUES)
+def test_each_invalid_config_value_names_field_and_fix(name, value, fix):
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroConfig(**{name: value})
+    assert f"ZeroConfig.{name}=" in str(err.value)
+    assert fix in str(err.value)
+
+
+def test_unknown_option_lists_the_known_ones():
+    with pytest.raises(ZeroConfigError, match="Unknown ZeroConfig option.*'stages'.*known options.*'stage'"):
+        ZeroConfig.from_dict({"stages": 3})
+
+
+def test_engine_accepts_a_dict_config_and_rejects_other_types():
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), {"stage": 2})
+    assert engine.config.stage == 2
+    with pytest.raises(TypeError, match="ZeroConfig or a dict"):
+        ZeroEngine(make_model(), make_optimizer(make_model()), "zero3")
+
+
+def test_lbfgs_is_refused():
+    model = make_model()
+    with pytest.raises(UnsupportedOptimizerError, match="LBFGS is not supported.*AdamW"):
+        ZeroEngine(model, torch.optim.LBFGS(model.parameters()))
+
+
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-4):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_unknown_optimizer_is_refused_unless_opted_in():
+    model = make_model()
+    with pytest.raises(UnsupportedOptimizerError, match="allow_untested_optimizer=True"):
+        ZeroEngine(model, Lion(model.parameters()))
+    engine = ZeroEngine(model, Lion(model.parameters()), ZeroConfig(allow_untested_optimizer=True))
+    assert type(engine.optimizer) is Lion
+
+
+def test_optimizer_over_another_models_params_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="not parameters of the model.*model.parameters"):
+        ZeroEngine(model, make_optimizer(make_model()))
+
+
+def test_model_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="has no parameters"):
+        ZeroEngine(nn.ReLU(), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+def test_frozen_model_is_refused():
+    model = make_model()
+    opt = make_optimizer(model)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="No parameter of the model is both trainable"):
+        ZeroEngine(model, opt)
+
+
+def _too_small(rank, world):
+    model = nn.Linear(1, 1, bias=False)
+    ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+
+
+def test_world_larger_than_the_parameter_count_is_refused():
+    results = run_world(_too_small, 2, expect_errors=True)
+    for status, message in results:
+        assert status == "error"
+        assert "1 trainable element(s) but the world size is 2" in message
+        assert "Use fewer processes" in message
+
+
+def _different_models(rank, world):
+    model = nn.Linear(4, 4 + rank)
+    ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=2))
+
+
+def test_different_models_on_different_ranks_are_refused():
+    for status, message in run_world(_different_models, 2, expect_errors=True):
+        assert status == "error"
+        assert "differ across ranks" in message
+
+
+def test_direct_optimizer_step_is_refused():
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=1))
+    x = torch.randint(64, (2, 9))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    with pytest.raises(RuntimeError, match="Call engine.step"):
+        engine.optimizer.step()
+    assert engine.step()
+
+
+def test_unit_module_classes_must_exist():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"names \['Blok'\].*module classes are.*'Block'"):
+        ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, unit_module_classes=["Blok"]))
+
+
+def test_meta_module_without_initialiser_is_refused():
+    class Raw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = Raw()
+    with pytest.raises(ValueError, match="has no reset_parameters.*param_init_fn"):
+        ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.device("meta"):
+        model = Raw()
+    engine = ZeroEngine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        param_init_fn=lambda m: nn.init.ones_(m.w) if isinstance(m, Raw) else None,
+    )
+    assert torch.equal(engine.full_state_dict()["w"], torch.ones(4, 4))

@@ -1,0 +1,161 @@
+"""Optimizers, frozen parameters, stage-3 options, evaluation and fp16 loss scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+from training import global_batch, local_batch, make_model
+from zero_strategy import ZeroConfig, ZeroEngine
+
+OPTIMIZERS = {
+    "SGD": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda groups: torch.optim.Adam(groups, lr=1e-3, amsgrad=True),
+    "Adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.05),
+    "RMSprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.5),
+    "Adamax": lambda groups: torch.optim.Adamax(groups, lr=1e-3),
+    "NAdam": lambda groups: torch.optim.NAdam(groups, lr=1e-3),
+    "RAdam": lambda groups: torch.optim.RAdam(groups, lr=1e-3),
+}
+
+
+def _groups(model, lr_scale=0.5):
+    """Two groups that differ in lr and weight decay, to show each stays exact."""
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    others = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": matrices, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0, "lr": 1e-3 * lr_scale}]
+
+
+def _train(rank, world, opt_name, stage, steps=5, frozen=False, **config):
+    model = make_model()
+    if frozen:
+        model.blocks[0].requires_grad_(False)
+    opt = OPTIMIZERS[opt_name](_groups(model))
+    if world == 0:  # single-process reference
+        for step in range(steps):
+            x, y = global_batch(step, 0)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if stage == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        for step in range(steps):
+            x, y = local_batch(step, 0, rank, world)
+            ddp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, **config))
+    for step in range(steps):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    return engine.full_state_dict()
+
+
+def _close(state, ref, tol):
+    for k, v in ref.items():
+        assert torch.allclose(state[k], v, rtol=tol, atol=tol), (k, (state[k] - v).abs().max())
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_every_elementwise_optimizer_with_two_groups(opt_name):
+    """Bit-identical to DDP (same reductions, elementwise updates on 1-D views), and close
+    to single-process training: Adagrad's tiny eps turns rounding-level gradients into
+    lr-sized steps on a few elements, for DDP exactly as for ZeRO, hence the L2 check."""
+    ref = _train(0, 0, opt_name, 3)
+    ddp = run_world(_train, 2, opt_name, "ddp")[0]
+    state = run_world(_train, 2, opt_name, 3)[0]
+    for k, v in ddp.items():
+        assert torch.equal(state[k], v), k
+    num = sum(((state[k] - v).double() ** 2).sum() for k, v in ref.items())
+    den = sum((v.double() ** 2).sum() for v in ref.values())
+    assert (num / den).sqrt() < 1e-3  # DDP itself: 2e-4 for Adagrad
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_frozen_parameters_stay_frozen_and_the_rest_trains(stage):
+    ref = _train(0, 0, "Adam", stage, frozen=True)
+    state = run_world(_train, 2, "Adam", stage, frozen=True)[0]
+    _close(state, ref, 1e-5)
+    initial = make_model().state_dict()
+    assert torch.equal(state["blocks.0.fc.weight"], initial["blocks.0.fc.weight"])
+    assert not torch.equal(state["blocks.1.fc.weight"], initial["blocks.1.fc.weight"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"prefetch_depth": 0},
+        {"prefetch_depth": 3},
+        {"persistence_threshold": 10_000_000},  # every unit stays gathered
+        {"overlap_comm": False},
+        {"unit_module_classes": ["Block", "CausalSelfAttention"]},
+        {"bucket_size": 1000},
+    ],
+)
+def test_stage3_options_keep_training_exact(config):
+    ref = _train(0, 0, "Adam", 3)
+    state = run_world(_train, 2, "Adam", 3, **config)[0]
+    _close(state, ref, 1e-5)
+
+
+def _eval_frees(rank, world):
+    model = make_model()
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    with torch.no_grad():
+        loss = engine(x, y).item()
+    gathered_after_eval = engine.memory_report()["comm_buffers"]
+    params_visible = [p.numel() for p in model.parameters()]
+    return loss, gathered_after_eval, params_visible
+
+
+def test_stage3_evaluation_gathers_and_frees():
+    for loss, gathered, sizes in run_world(_eval_frees, 2):
+        assert 0 < loss < 10
+        assert gathered == 0
+        assert sizes and all(n == 0 for n in sizes)  # sharded: nothing full is left
+
+
+def _fp16_overflow(rank, world, stage):
+    model = make_model()
+    engine = ZeroEngine(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ZeroConfig(stage=stage, compute_dtype="fp16", initial_loss_scale_power=8),
+    )
+    # Only rank 1 overflows on the first step: every rank must skip it.
+    poison = {"on": rank == 1}
+    handle = model.blocks[0].fc.weight.register_hook(
+        lambda g: g * float("inf") if poison["on"] else g
+    )
+    before = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    scales, stepped, losses = [], [], []
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world)
+        loss = engine(x, y)
+        engine.backward(loss)
+        stepped.append(engine.step())
+        engine.zero_grad()
+        scales.append(engine.scaler.scale)
+        losses.append(loss.item())
+        if step == 0:
+            after_skip = engine.full_state_dict(rank0_only=False)
+            poison["on"] = False
+    handle.remove()
+    unchanged = all(torch.equal(before[k], after_skip[k]) for k in before)
+    return stepped, scales, unchanged, losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_overflow_skips_the_step_on_every_rank(stage):
+    for stepped, scales, unchanged, losses in run_world(_fp16_overflow, 2, stage):
+        assert stepped == [False, True, True, True]
+        assert scales[0] == 128.0 and scales[1:] == [128.0, 128.0, 128.0]
+        assert unchanged
+        assert all(0 < v < 10 for v in losses)
