@@ -22,7 +22,10 @@ def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=120),
         )
         result = fn(rank, world_size, *args, **kwargs)
@@ -36,8 +39,14 @@ def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-              expect_errors: bool = False, **kwargs: Any) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240,
+    expect_errors: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
     """Each rank runs fn(rank, world_size, *args); returns the results in rank order.
 
     With expect_errors, returns each rank's (status, payload) instead of raising; status is
@@ -75,7 +84,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     p.kill()
     if expect_errors:
         return [results[r] for r in range(world_size)]
-    errors = [f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"]
+    errors = [
+        f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"
+    ]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]

@@ -49,7 +49,9 @@ def test_each_invalid_config_value_names_field_and_fix(name, value, fix):
 
 
 def test_unknown_option_lists_the_known_ones():
-    with pytest.raises(ZeroConfigError, match="Unknown ZeroConfig option.*'stages'.*known options.*'stage'"):
+    with pytest.raises(
+        ZeroConfigError, match=r"Unknown ZeroConfig option.*'stages'.*known options.*'stage'"
+    ):
         ZeroConfig.from_dict({"stages": 3})
 
 
@@ -63,7 +65,7 @@ def test_engine_accepts_a_dict_config_and_rejects_other_types():
 
 def test_lbfgs_is_refused():
     model = make_model()
-    with pytest.raises(UnsupportedOptimizerError, match="LBFGS is not supported.*AdamW"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"LBFGS is not supported.*AdamW"):
         ZeroEngine(model, torch.optim.LBFGS(model.parameters()))
 
 
@@ -88,7 +90,7 @@ def test_unknown_optimizer_is_refused_unless_opted_in():
 
 def test_optimizer_over_another_models_params_is_refused():
     model = make_model()
-    with pytest.raises(ValueError, match="not parameters of the model.*model.parameters"):
+    with pytest.raises(ValueError, match=r"not parameters of the model.*model.parameters"):
         ZeroEngine(model, make_optimizer(make_model()))
 
 
@@ -134,7 +136,7 @@ def test_direct_optimizer_step_is_refused():
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=1))
     x = torch.randint(64, (2, 9))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
-    with pytest.raises(RuntimeError, match="Call engine.step"):
+    with pytest.raises(RuntimeError, match=r"Call engine\.step"):
         engine.optimizer.step()
     assert engine.step()
 
@@ -156,12 +158,13 @@ def test_meta_module_without_initialiser_is_refused():
 
     with torch.device("meta"):
         model = Raw()
-    with pytest.raises(ValueError, match="has no reset_parameters.*param_init_fn"):
+    with pytest.raises(ValueError, match=r"has no reset_parameters.*param_init_fn"):
         ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with torch.device("meta"):
         model = Raw()
     engine = ZeroEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
         param_init_fn=lambda m: nn.init.ones_(m.w) if isinstance(m, Raw) else None,
     )
     assert torch.equal(engine.full_state_dict()["w"], torch.ones(4, 4))

@@ -24,7 +24,10 @@ def _groups(model, lr_scale=0.5):
     """Two groups that differ in lr and weight decay, to show each stays exact."""
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2]
     others = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return [{"params": matrices, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0, "lr": 1e-3 * lr_scale}]
+    return [
+        {"params": matrices, "weight_decay": 0.01},
+        {"params": others, "weight_decay": 0.0, "lr": 1e-3 * lr_scale},
+    ]
 
 
 def _train(rank, world, opt_name, stage, steps=5, frozen=False, **config):
@@ -126,7 +129,8 @@ def test_stage3_evaluation_gathers_and_frees():
 def _fp16_overflow(rank, world, stage):
     model = make_model()
     engine = ZeroEngine(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
         ZeroConfig(stage=stage, compute_dtype="fp16", initial_loss_scale_power=8),
     )
     # Only rank 1 overflows on the first step: every rank must skip it.

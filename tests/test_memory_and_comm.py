@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from distributed import run_world
 from training import local_batch, make_model, make_optimizer
@@ -52,7 +51,12 @@ def test_memory_matches_zero_formulas(stage, world):
         else:
             assert m["parameters"] == 4 * shards and m["gradients"] == 4 * shards
         # Against the formula itself: within the padding (< world elements per unit).
-        formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+        formula = {
+            0: 16 * psi,
+            1: 8 * psi + 8 * psi / n,
+            2: 4 * psi + 12 * psi / n,
+            3: 16 * psi / n,
+        }[stage]
         model_state = m["parameters"] + m["gradients"] + m["optimizer_state"] - step_counters
         assert abs(model_state - formula) <= 16 * (padded - psi), (model_state, formula)
     if stage:

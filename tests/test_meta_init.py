@@ -54,9 +54,18 @@ def _build(rank: int, world: int, on_meta: bool):
     x = torch.randint(BIG.vocab_size, (2, 17))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
     engine.step()
-    return dict(full=full_bytes, peak=peak, params=held["parameters"], held=held["total"],
-                largest_unit=largest_unit,
-                state={k: v for k, v in state.items() if k in ("wte.weight", "blocks.3.fc.weight", "ln_f.weight")})
+    return dict(
+        full=full_bytes,
+        peak=peak,
+        params=held["parameters"],
+        held=held["total"],
+        largest_unit=largest_unit,
+        state={
+            k: v
+            for k, v in state.items()
+            if k in ("wte.weight", "blocks.3.fc.weight", "ln_f.weight")
+        },
+    )
 
 
 def test_meta_init_never_allocates_the_full_model():

@@ -82,10 +82,21 @@ def train_ddp(rank: int, world: int, steps: int, accum: int, clip: float, seed: 
     return losses, sd if rank == 0 else None
 
 
-def train_zero(rank: int, world: int, steps: int, accum: int, clip: float, stage: int,
-               seed: int = 0, use_no_sync: bool = True, **config):
+def train_zero(
+    rank: int,
+    world: int,
+    steps: int,
+    accum: int,
+    clip: float,
+    stage: int,
+    seed: int = 0,
+    use_no_sync: bool = True,
+    **config,
+):
     model = make_model(seed)
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=clip, **config))
+    engine = ZeroEngine(
+        model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=clip, **config)
+    )
     losses = []
     for step in range(steps):
         total = 0.0

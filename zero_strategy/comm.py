@@ -50,7 +50,9 @@ class Communicator:
             return _DoneWork() if async_op else None
         return dist.all_gather_single(output, shard, group=self.dp.group, async_op=async_op)
 
-    def reduce_scatter_sum(self, full: torch.Tensor, shard_out: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_sum(
+        self, full: torch.Tensor, shard_out: torch.Tensor, async_op: bool = False
+    ):
         """shard_out <- this rank's slice of the sum of `full` over ranks.
 
         When reduce-scatter is emulated with an all-reduce, `full` is overwritten and the
@@ -89,7 +91,9 @@ class Communicator:
     def control_all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's copy of a small tensor, stacked: used for divergence checks."""
         flat = tensor.reshape(-1)
-        out = torch.empty(self.dp.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        out = torch.empty(
+            self.dp.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device
+        )
         self._count("control", out)
         if self.dp.distributed:
             dist.all_gather_single(out, flat, group=self.dp.group)

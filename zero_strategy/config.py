@@ -91,7 +91,10 @@ class ZeroConfig:
             raise ZeroConfigError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
-            fail("stage", "use 0 (replicated), 1 (optimizer state), 2 (+gradients) or 3 (+parameters).")
+            fail(
+                "stage",
+                "use 0 (replicated), 1 (optimizer state), 2 (+gradients) or 3 (+parameters).",
+            )
         for name in ("bucket_size",):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -118,13 +121,23 @@ class ZeroConfig:
                 scale = -1.0
             if not scale > 0 or scale != scale or scale == float("inf"):
                 fail("loss_scale", "use 'dynamic' or a finite positive number such as 1024.")
-        if not isinstance(self.initial_loss_scale_power, int) or not 0 <= self.initial_loss_scale_power <= 64:
-            fail("initial_loss_scale_power", "use an integer between 0 and 64 (the scale is 2**power).")
+        if (
+            not isinstance(self.initial_loss_scale_power, int)
+            or not 0 <= self.initial_loss_scale_power <= 64
+        ):
+            fail(
+                "initial_loss_scale_power",
+                "use an integer between 0 and 64 (the scale is 2**power).",
+            )
         if not isinstance(self.loss_scale_window, int) or self.loss_scale_window <= 0:
             fail("loss_scale_window", "use a positive number of steps, e.g. 1000.")
         if not _is_number(self.min_loss_scale) or self.min_loss_scale <= 0:
             fail("min_loss_scale", "use a positive number, e.g. 1.0.")
-        if not _is_number(self.gradient_clipping) or self.gradient_clipping < 0 or self.gradient_clipping != self.gradient_clipping:
+        if (
+            not _is_number(self.gradient_clipping)
+            or self.gradient_clipping < 0
+            or self.gradient_clipping != self.gradient_clipping
+        ):
             fail("gradient_clipping", "use 0 (off) or a positive max norm such as 1.0.")
         if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
             fail("collective_timeout", "use a positive number of seconds, e.g. 600.")

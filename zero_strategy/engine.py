@@ -142,7 +142,9 @@ class ZeroEngine:
 
     # ================================================================ set-up helpers
     def _warn_unoptimized(self, params, group_of) -> None:
-        missing = [p.names[0] for p in params if p.param.requires_grad and id(p.param) not in group_of]
+        missing = [
+            p.names[0] for p in params if p.param.requires_grad and id(p.param) not in group_of
+        ]
         if missing:
             warnings.warn(
                 f"{len(missing)} parameter(s) require grad but are in no optimizer group "
@@ -187,6 +189,7 @@ class ZeroEngine:
 
     def _materialize(self, model: nn.Module, on_meta: bool, init_fn) -> None:
         """Give every unit its initial values: rank 0's, one unit at a time at stage 3."""
+
         def flat_for(unit: FlatUnit) -> torch.Tensor:
             return torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
 
@@ -212,7 +215,9 @@ class ZeroEngine:
             flat = flat_for(unit)
             if on_meta:
                 point(unit, flat)
-                meta_init.run_init(model, meta_init.owner_modules(model, unit.layout.slots), init_fn)
+                meta_init.run_init(
+                    model, meta_init.owner_modules(model, unit.layout.slots), init_fn
+                )
             else:
                 copy_in(unit, flat)
             self.comm.broadcast(flat, src=0)

@@ -70,11 +70,15 @@ class FlatUnit:
             self._free_storage_views()
         self.grad_opt = None
         if self.stage < 2 and lay.trainable:
-            self.grad_full = torch.zeros(lay.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.grad_full = torch.zeros(
+                lay.padded_numel, dtype=self.compute_dtype, device=self.device
+            )
             if fp32:
                 self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
         if self.grad_opt is None and lay.trainable:
-            self.grad_opt = torch.zeros(self.opt_end - self.opt_start, dtype=torch.float32, device=self.device)
+            self.grad_opt = torch.zeros(
+                self.opt_end - self.opt_start, dtype=torch.float32, device=self.device
+            )
         if self.grad_full is not None:
             self.attach_param_grads()
 
@@ -104,7 +108,9 @@ class FlatUnit:
         it, and come back to life when it is refilled before backward."""
         nbytes = self.layout.padded_numel * self._empty.element_size()
         if self._buf is None:
-            self._buf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self._buf = torch.empty(
+                self.layout.padded_numel, dtype=self.compute_dtype, device=self.device
+            )
         elif self._buf.untyped_storage().nbytes() != nbytes:
             self._buf.untyped_storage().resize_(nbytes)
         return self._buf
@@ -135,4 +141,3 @@ class FlatUnit:
                 mine.copy_(self.master)
         elif self.shard.data_ptr() != self.master.data_ptr():
             self.shard.copy_(self.master)
-

@@ -120,8 +120,14 @@ class GradReducer:
         if unit.layout.numel == 0:
             return
         if unit.grad_full is None:  # no gradient reached this unit on this rank
-            unit.grad_full = torch.zeros(unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device)
-        sent = unit.grad_full if unit.grad_full.dtype == self.reduce_dtype else unit.grad_full.to(self.reduce_dtype)
+            unit.grad_full = torch.zeros(
+                unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device
+            )
+        sent = (
+            unit.grad_full
+            if unit.grad_full.dtype == self.reduce_dtype
+            else unit.grad_full.to(self.reduce_dtype)
+        )
         if self.world > 1:
             sent.div_(self.world)  # average; dividing first keeps fp16 sums in range
         if self.stage < 2:
@@ -129,8 +135,10 @@ class GradReducer:
             work = self.comm.all_reduce_sum(sent, async_op=True)
         else:
             start, end = unit.layout.shard_range(unit.rank)
-            out = sent[start:end] if self.comm.reduce_scatter_via_all_reduce or self.world == 1 else (
-                torch.empty(end - start, dtype=sent.dtype, device=sent.device)
+            out = (
+                sent[start:end]
+                if self.comm.reduce_scatter_via_all_reduce or self.world == 1
+                else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
             )
             work = self.comm.reduce_scatter_sum(sent, out, async_op=True)
             unit.grad_full = None

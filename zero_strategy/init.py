@@ -39,7 +39,9 @@ def detach_from_meta(params: list[nn.Parameter], device: torch.device) -> None:
     optimizer's references and the module's registrations stay valid)."""
     for p in params:
         if p.is_meta:
-            real = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            real = nn.Parameter(
+                torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+            )
             torch.utils.swap_tensors(p, real)
 
 
@@ -51,7 +53,9 @@ def owner_modules(model: nn.Module, slots: list[ParamSlot]) -> list[tuple[str, n
     return [(path, model.get_submodule(path)) for path in paths]
 
 
-def run_init(model: nn.Module, modules: list[tuple[str, nn.Module]], init_fn: InitFn | None) -> None:
+def run_init(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], init_fn: InitFn | None
+) -> None:
     """Initialise the parameters directly owned by each module (now real, pointing at a
     flat buffer)."""
     hf_init = getattr(model, "_init_weights", None)

@@ -79,7 +79,9 @@ class GatherManager:
                 owners.add(name.rsplit(".", 1)[0] if "." in name else "")
         for path in sorted(owners):
             module = model.get_submodule(path)
-            self.handles.append(module.register_forward_pre_hook(lambda *_: self.ensure(root, FORWARD)))
+            self.handles.append(
+                module.register_forward_pre_hook(lambda *_: self.ensure(root, FORWARD))
+            )
         self.handles.append(model.register_forward_hook(self._root_post_forward))
 
     def _make_pre_forward(self, unit: FlatUnit):
@@ -89,18 +91,26 @@ class GatherManager:
             self.ensure(unit, BACKWARD if in_backward() else FORWARD)
             if not in_backward():
                 self._prefetch_forward(unit)
+
         return hook
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
             if in_backward():  # activation recomputation: backward still needs it
                 return output
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if tensors and torch.is_grad_enabled():
-                register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(unit), mode="any")
+                register_multi_grad_hook(
+                    tensors, lambda _grads: self._pre_backward(unit), mode="any"
+                )
             if not unit.persistent:
                 unit.free_full()
             return output
+
         return hook
 
     def _root_post_forward(self, module, args, output):
@@ -188,12 +198,14 @@ class GatherManager:
             return
         lines = [
             f"  rank {r}: {_PHASE_NAMES.get(ph, '?')} of module '{self.units[i].layout.name}'"
-            if 0 <= i < len(self.units) else f"  rank {r}: unknown unit {i}"
+            if 0 <= i < len(self.units)
+            else f"  rank {r}: unknown unit {i}"
             for r, (i, ph) in enumerate(everyone)
         ]
         raise ModulePathDivergenceError(
             "ZeRO stage 3: ranks took different module paths and would deadlock on the "
-            f"parameter gather (collective #{self._seq} of this process):\n" + "\n".join(lines)
+            f"parameter gather (collective #{self._seq} of this process):\n"
+            + "\n".join(lines)
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "

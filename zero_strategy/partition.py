@@ -159,7 +159,9 @@ def bucket_layouts(
         buckets[-1].append(p)
         filled += p.param.numel()
     return [
-        UnitLayout(index=i, name=f"bucket{i}", slots=_make_slots(b, group_of), world_size=world_size)
+        UnitLayout(
+            index=i, name=f"bucket{i}", slots=_make_slots(b, group_of), world_size=world_size
+        )
         for i, b in enumerate(buckets)
         if b
     ]
@@ -202,7 +204,10 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
 
 
 def module_layouts(
-    model: nn.Module, params: Sequence[_Param], group_of: dict[int, int], world_size: int,
+    model: nn.Module,
+    params: Sequence[_Param],
+    group_of: dict[int, int],
+    world_size: int,
     unit_paths: Sequence[str],
 ) -> list[UnitLayout]:
     """Stage 3: one unit per chosen module, plus the root unit (index 0) for the rest.
@@ -210,6 +215,7 @@ def module_layouts(
     A parameter reachable under several names (tied weights) belongs to the deepest unit
     that contains all of its owners, so that it is gathered wherever it is used.
     """
+
     def owner(name: str) -> str:
         return name.rsplit(".", 1)[0] if "." in name else ""
 

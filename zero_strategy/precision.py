@@ -18,8 +18,14 @@ class LossScaler:
         self.enabled = config.uses_loss_scaling
         self.dynamic = str(config.loss_scale) == "dynamic"
         self.scale = (
-            float(2 ** config.initial_loss_scale_power) if self.dynamic else float(config.loss_scale)
-        ) if self.enabled else 1.0
+            (
+                float(2**config.initial_loss_scale_power)
+                if self.dynamic
+                else float(config.loss_scale)
+            )
+            if self.enabled
+            else 1.0
+        )
         self.window = config.loss_scale_window
         self.min_scale = config.min_loss_scale
         self.clean_steps = 0
@@ -39,7 +45,11 @@ class LossScaler:
             self.scale *= 2.0
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale = float(state["scale"])

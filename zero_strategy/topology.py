@@ -44,7 +44,9 @@ class DataParallelGroup:
             timeout=timedelta(seconds=timeout_s),
             backend=backend,
         )
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group, backend=backend)
+        return cls(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), group=group, backend=backend
+        )
 
     @property
     def distributed(self) -> bool:
