@@ -1,6 +1,6 @@
 """Train a small GPT with ZeRO stage 3 on CPU processes, then write the consolidated model.
 
-    torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --steps 60
+    torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --steps 150
 
 Each rank holds 1/N of the parameters, gradients and AdamW state; the loss goes down as
 with single-process training, and the model is consolidated into one safetensors file.
@@ -28,8 +28,8 @@ from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--out", default="runs/gpt")

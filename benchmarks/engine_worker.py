@@ -1,0 +1,220 @@
+"""One training run of one implementation on one rank; writes a JSON line of figures.
+
+Launched by `benchmarks/engine_bench.py` through torchrun; not meant to be run by hand.
+Implementations: ddp, fsdp2, ds1/ds2/ds3 (DeepSpeed ZeRO, DS_ACCELERATOR=cpu), zero1/2/3.
+Every implementation trains the same GPT on the same batches with AdamW and global-norm
+clipping at 1.0, so the step does the same work everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+SIZES = {
+    # ~82M parameters: 8 layers, d=768, vocab 16384, seq 128, untied head.
+    "bench": GPTConfig(vocab_size=16384, block_size=128, n_layer=8, n_head=12, n_embd=768, tie_embeddings=False),
+    "small": GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512, tie_embeddings=False),
+    "tiny": GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, tie_embeddings=False),
+}
+CLIP = 1.0
+LR = 1e-4
+
+
+class PeakRSS:
+    """Samples this process's RSS every 5 ms while running."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        if hasattr(t, "to_local"):  # DTensor
+            t = t.to_local()
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def reachable_tensors(obj, depth: int = 3):
+    """Tensors reachable from an object's attributes (lists, dicts, nested objects)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if depth == 0:
+        return
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from reachable_tensors(v, depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from reachable_tensors(v, depth - 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for v in vars(obj).values():
+            yield from reachable_tensors(v, depth - 1)
+
+
+def build(impl: str, model: torch.nn.Module):
+    """Returns (forward, backward, step, model_state_bytes) for the implementation."""
+    if impl == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        def state():
+            return unique_bytes([*model.parameters(), *(p.grad for p in model.parameters()),
+                                 *reachable_tensors(opt.state)])
+        return ddp, lambda loss: loss.backward(), step, state
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        def state():
+            return unique_bytes([*model.parameters(), *(p.grad for p in model.parameters()),
+                                 *reachable_tensors(opt.state)])
+        return model, lambda loss: loss.backward(), step, state
+    if impl.startswith("ds"):
+        import deepspeed
+
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": int(impl[2:])},
+        }
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=cfg
+        )
+
+        def state():
+            params = list(engine.module.parameters())
+            return unique_bytes([
+                *(getattr(p, "ds_tensor", p) for p in params), *(p.grad for p in params),
+                *reachable_tensors(opt.state if hasattr(opt, "state") else {}),
+                *reachable_tensors(opt),
+            ])
+        return engine, engine.backward, engine.step, state
+    if impl.startswith("zero"):
+        from zero_strategy import ZeroConfig, ZeroEngine
+
+        engine = ZeroEngine(
+            model, torch.optim.AdamW(model.parameters(), lr=LR),
+            ZeroConfig(stage=int(impl[4:]), gradient_clipping=CLIP),
+        )
+
+        def step():
+            engine.step()
+            engine.zero_grad()
+
+        def state():
+            r = engine.memory_report()
+            return r["parameters"] + r["master_params"] + r["gradients"] + r["optimizer_state"]
+        return engine, engine.backward, step, state
+    raise SystemExit(f"unknown implementation {impl}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", required=True)
+    parser.add_argument("--size", default="bench", choices=sorted(SIZES))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    if args.impl.startswith("ds"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = SIZES[args.size]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    forward, backward, step, state_bytes = build(args.impl, model)
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+
+    times, losses, model_state = [], [], 0
+    with PeakRSS() as rss:
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = forward(x, y)
+            backward(loss)
+            if i == args.warmup - 1:
+                model_state = state_bytes()
+            step()
+            elapsed = time.perf_counter() - t0
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(elapsed)
+    result = {
+        "impl": args.impl, "rank": rank, "params": n_params,
+        "median_step_s": statistics.median(times), "step_times": times,
+        "peak_rss_mib": rss.peak / 2**20,
+        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "model_state_mib": model_state / 2**20, "losses": losses,
+    }
+    with open(os.path.join(args.out, f"{args.impl}.rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
