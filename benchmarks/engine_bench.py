@@ -28,15 +28,29 @@ ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3"]
 def run_one(impl: str, args, out: str) -> dict | None:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "engine_worker.py"), "--impl", impl, "--size", args.size,
-        "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", out,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "engine_worker.py"),
+        "--impl",
+        impl,
+        "--size",
+        args.size,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--out",
+        out,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
-    ranks = [json.load(open(os.path.join(out, f"{impl}.rank{r}.json"))) for r in range(2)]
+    ranks = [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(2)]
     return {
         "step": max(r["median_step_s"] for r in ranks),
         "rss": max(r["peak_rss_mib"] for r in ranks),
@@ -60,7 +74,7 @@ def main() -> None:
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
-            order = impls[r % len(impls):] + impls[: r % len(impls)]
+            order = impls[r % len(impls) :] + impls[: r % len(impls)]
             if r % 2:
                 order.reverse()
             results = {}
@@ -68,24 +82,37 @@ def main() -> None:
                 res = run_one(impl, args, out)
                 if res:
                     results[impl] = res
-                    print(f"round {r} {impl:6s} step {res['step']:.3f}s rss {res['rss']:.0f} MiB "
-                          f"state {res['state']:.1f} MiB loss {res['loss'][-1]:.5f}", flush=True)
+                    print(
+                        f"round {r} {impl:6s} step {res['step']:.3f}s rss {res['rss']:.0f} MiB "
+                        f"state {res['state']:.1f} MiB loss {res['loss'][-1]:.5f}",
+                        flush=True,
+                    )
             rounds.append(results)
     rows = []
     for impl in impls:
         got = [rd[impl] for rd in rounds if impl in rd]
         if not got:
             continue
-        ratios = [rd["ddp"]["step"] / rd[impl]["step"] for rd in rounds if impl in rd and "ddp" in rd]
-        rows.append((
-            impl, statistics.median(g["step"] for g in got),
-            statistics.median(ratios) if ratios else float("nan"),
-            statistics.median(g["rss"] for g in got), got[0]["state"],
-        ))
+        ratios = [
+            rd["ddp"]["step"] / rd[impl]["step"] for rd in rounds if impl in rd and "ddp" in rd
+        ]
+        rows.append(
+            (
+                impl,
+                statistics.median(g["step"] for g in got),
+                statistics.median(ratios) if ratios else float("nan"),
+                statistics.median(g["rss"] for g in got),
+                got[0]["state"],
+            )
+        )
     params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
-    print(f"\nGPT {params / 1e6:.1f}M params, 2 ranks gloo, 1 thread/rank, {args.rounds} rounds "
-          f"x {args.steps} timed steps")
-    print("| impl | median step (s) | throughput vs DDP | peak RSS/rank (MiB) | model state/rank (MiB) |")
+    print(
+        f"\nGPT {params / 1e6:.1f}M params, 2 ranks gloo, 1 thread/rank, {args.rounds} rounds "
+        f"x {args.steps} timed steps"
+    )
+    print(
+        "| impl | median step (s) | throughput vs DDP | peak RSS/rank (MiB) | model state/rank (MiB) |"
+    )
     print("|---|---|---|---|---|")
     for impl, step, ratio, rss, state in rows:
         print(f"| {impl} | {step:.3f} | {ratio:.2f}x | {rss:.0f} | {state:.1f} |")

@@ -24,13 +24,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.gpt import GPT, GPTConfig
 
 SIZES = {
     # ~82M parameters: 8 layers, d=768, vocab 16384, seq 128, untied head.
-    "bench": GPTConfig(vocab_size=16384, block_size=128, n_layer=8, n_head=12, n_embd=768, tie_embeddings=False),
-    "small": GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512, tie_embeddings=False),
-    "tiny": GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, tie_embeddings=False),
+    "bench": GPTConfig(
+        vocab_size=16384, block_size=128, n_layer=8, n_head=12, n_embd=768, tie_embeddings=False
+    ),
+    "small": GPTConfig(
+        vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512, tie_embeddings=False
+    ),
+    "tiny": GPTConfig(
+        vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, tie_embeddings=False
+    ),
 }
 CLIP = 1.0
 LR = 1e-4
@@ -108,8 +114,14 @@ def build(impl: str, model: torch.nn.Module):
             opt.zero_grad(set_to_none=False)
 
         def state():
-            return unique_bytes([*model.parameters(), *(p.grad for p in model.parameters()),
-                                 *reachable_tensors(opt.state)])
+            return unique_bytes(
+                [
+                    *model.parameters(),
+                    *(p.grad for p in model.parameters()),
+                    *reachable_tensors(opt.state),
+                ]
+            )
+
         return ddp, lambda loss: loss.backward(), step, state
     if impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -125,8 +137,14 @@ def build(impl: str, model: torch.nn.Module):
             opt.zero_grad(set_to_none=False)
 
         def state():
-            return unique_bytes([*model.parameters(), *(p.grad for p in model.parameters()),
-                                 *reachable_tensors(opt.state)])
+            return unique_bytes(
+                [
+                    *model.parameters(),
+                    *(p.grad for p in model.parameters()),
+                    *reachable_tensors(opt.state),
+                ]
+            )
+
         return model, lambda loss: loss.backward(), step, state
     if impl.startswith("ds"):
         import deepspeed
@@ -142,17 +160,22 @@ def build(impl: str, model: torch.nn.Module):
 
         def state():
             params = list(engine.module.parameters())
-            return unique_bytes([
-                *(getattr(p, "ds_tensor", p) for p in params), *(p.grad for p in params),
-                *reachable_tensors(opt.state if hasattr(opt, "state") else {}),
-                *reachable_tensors(opt),
-            ])
+            return unique_bytes(
+                [
+                    *(getattr(p, "ds_tensor", p) for p in params),
+                    *(p.grad for p in params),
+                    *reachable_tensors(opt.state if hasattr(opt, "state") else {}),
+                    *reachable_tensors(opt),
+                ]
+            )
+
         return engine, engine.backward, engine.step, state
     if impl.startswith("zero"):
         from zero_strategy import ZeroConfig, ZeroEngine
 
         engine = ZeroEngine(
-            model, torch.optim.AdamW(model.parameters(), lr=LR),
+            model,
+            torch.optim.AdamW(model.parameters(), lr=LR),
             ZeroConfig(stage=int(impl[4:]), gradient_clipping=CLIP),
         )
 
@@ -163,6 +186,7 @@ def build(impl: str, model: torch.nn.Module):
         def state():
             r = engine.memory_report()
             return r["parameters"] + r["master_params"] + r["gradients"] + r["optimizer_state"]
+
         return engine, engine.backward, step, state
     raise SystemExit(f"unknown implementation {impl}")
 
@@ -209,11 +233,15 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(elapsed)
     result = {
-        "impl": args.impl, "rank": rank, "params": n_params,
-        "median_step_s": statistics.median(times), "step_times": times,
+        "impl": args.impl,
+        "rank": rank,
+        "params": n_params,
+        "median_step_s": statistics.median(times),
+        "step_times": times,
         "peak_rss_mib": rss.peak / 2**20,
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "model_state_mib": model_state / 2**20, "losses": losses,
+        "model_state_mib": model_state / 2**20,
+        "losses": losses,
     }
     with open(os.path.join(args.out, f"{args.impl}.rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.corpus import batches, byte_tokens  # noqa: E402
-from examples.gpt import GPT, GPTConfig, decay_groups  # noqa: E402
-from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta  # noqa: E402
+from examples.corpus import batches, byte_tokens
+from examples.gpt import GPT, GPTConfig, decay_groups
+from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
 
 def main() -> None:
@@ -46,21 +46,29 @@ def main() -> None:
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     optimizer = torch.optim.AdamW(decay_groups(model), lr=3e-3, betas=(0.9, 0.95))
     engine = ZeroEngine(
-        model, optimizer,
+        model,
+        optimizer,
         ZeroConfig(stage=args.stage, gradient_clipping=1.0, compute_dtype=args.dtype),
     )
     tokens = byte_tokens()
     if rank == 0:
-        print(f"GPT {n_params / 1e6:.2f}M parameters, ZeRO stage {args.stage}, {world} ranks, "
-              f"corpus {len(tokens) / 1e6:.2f}M bytes")
+        print(
+            f"GPT {n_params / 1e6:.2f}M parameters, ZeRO stage {args.stage}, {world} ranks, "
+            f"corpus {len(tokens) / 1e6:.2f}M bytes"
+        )
 
     per_rank = args.batch // (world * args.accum)
     start = time.perf_counter()
     for step in range(args.steps):
         total = torch.zeros(1)
         for micro in range(args.accum):
-            x, y = batches(tokens, args.batch // args.accum, cfg.block_size, step * args.accum + micro)
-            x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+            x, y = batches(
+                tokens, args.batch // args.accum, cfg.block_size, step * args.accum + micro
+            )
+            x, y = (
+                x[rank * per_rank : (rank + 1) * per_rank],
+                y[rank * per_rank : (rank + 1) * per_rank],
+            )
             sync = engine.no_sync() if micro < args.accum - 1 else torch.enable_grad()
             with sync:
                 loss = engine(x, y) / args.accum
@@ -70,8 +78,11 @@ def main() -> None:
         engine.zero_grad()
         dist.all_reduce(total)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {total.item() / world:.4f}  "
-                  f"{(time.perf_counter() - start) / (step + 1):.2f} s/step", flush=True)
+            print(
+                f"step {step:4d}  loss {total.item() / world:.4f}  "
+                f"{(time.perf_counter() - start) / (step + 1):.2f} s/step",
+                flush=True,
+            )
 
     report = engine.memory_report()
     line = "  ".join(f"{k} {v / 2**20:.2f}" for k, v in report.items() if v)

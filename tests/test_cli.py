@@ -11,6 +11,8 @@ def test_env_reports_backends(capsys):
 
 
 def test_unknown_command_exits_with_usage():
-    proc = subprocess.run([sys.executable, "-m", "zero_strategy.cli", "bogus"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_strategy.cli", "bogus"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
