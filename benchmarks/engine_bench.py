@@ -53,6 +53,7 @@ def run_one(impl: str, args, out: str) -> dict | None:
     ranks = [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(2)]
     return {
         "step": max(r["median_step_s"] for r in ranks),
+        "phases": ranks[0]["phase_medians_s"],
         "rss": max(r["peak_rss_mib"] for r in ranks),
         "state": max(r["model_state_mib"] for r in ranks),
         "loss": ranks[0]["losses"],
@@ -84,7 +85,8 @@ def main() -> None:
                     results[impl] = res
                     print(
                         f"round {r} {impl:6s} step {res['step']:.3f}s rss {res['rss']:.0f} MiB "
-                        f"state {res['state']:.1f} MiB loss {res['loss'][-1]:.5f}",
+                        f"state {res['state']:.1f} MiB loss {res['loss'][-1]:.5f} phases "
+                        + "/".join(f"{v * 1000:.0f}" for v in res["phases"].values()),
                         flush=True,
                     )
             rounds.append(results)

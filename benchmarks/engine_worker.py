@@ -218,26 +218,34 @@ def main() -> None:
     data = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
 
-    times, losses, model_state = [], [], 0
+    times, phases, losses, model_state = [], [], [], 0
     with PeakRSS() as rss:
         for i in range(args.warmup + args.steps):
             dist.barrier()
             t0 = time.perf_counter()
             loss = forward(x, y)
+            t1 = time.perf_counter()
             backward(loss)
+            t2 = time.perf_counter()
             if i == args.warmup - 1:
                 model_state = state_bytes()
+            t2b = time.perf_counter()
             step()
-            elapsed = time.perf_counter() - t0
+            t3 = time.perf_counter()
             losses.append(loss.item())
             if i >= args.warmup:
-                times.append(elapsed)
+                times.append(t3 - t0 - (t2b - t2))
+                phases.append((t1 - t0, t2 - t1, t3 - t2b))
     result = {
         "impl": args.impl,
         "rank": rank,
         "params": n_params,
         "median_step_s": statistics.median(times),
         "step_times": times,
+        "phase_medians_s": {
+            k: statistics.median(p[i] for p in phases)
+            for i, k in enumerate(("forward", "backward", "step"))
+        },
         "peak_rss_mib": rss.peak / 2**20,
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "model_state_mib": model_state / 2**20,

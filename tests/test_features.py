@@ -163,3 +163,23 @@ def test_fp16_overflow_skips_the_step_on_every_rank(stage):
         assert scales[0] == 128.0 and scales[1:] == [128.0, 128.0, 128.0]
         assert unchanged
         assert all(0 < v < 10 for v in losses)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_zero_grad_clears_the_engine_gradients(stage):
+    """Loops that call optimizer.zero_grad() (Lightning's do) must not accumulate across
+    steps: it is routed to engine.zero_grad()."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+    x, y = global_batch(0, 0)
+    engine.backward(engine(x, y))
+    engine.step()
+    unit = engine.units[-1]
+    first = unit.grad_opt.clone()
+    assert float(first.abs().sum()) > 0
+    opt.zero_grad()
+    assert all(float(u.grad_opt.abs().sum()) == 0 for u in engine.units if u.grad_opt is not None)
+    engine.backward(engine(x, y))
+    engine.step()  # lr 0: same parameters, so the same gradient again, not twice it
+    assert torch.equal(unit.grad_opt, first)

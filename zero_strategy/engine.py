@@ -112,6 +112,9 @@ class ZeroEngine:
         self._opt_views: list[tuple[FlatUnit, int, int, nn.Parameter]] = []
         self._repoint_optimizer()
         optimizer.register_step_pre_hook(self._guard_direct_step)
+        # optimizer.zero_grad() (what Lightning and most loops call) must clear the
+        # engine's gradient buffers, not only the optimizer's views of them.
+        optimizer.zero_grad = self.zero_grad
         self._inside_step = False
 
         self.scaler = LossScaler(cfg)
