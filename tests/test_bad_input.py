@@ -36,6 +36,8 @@ BAD_VALUES = [
     ("gradient_clipping", float("nan"), "0 (off) or a positive max norm"),
     ("collective_timeout", 0, "positive number of seconds"),
     ("reduce_scatter_via_all_reduce", "auto", "None (automatic), True or False"),
+    ("all_gather_via_broadcast", 1, "None (automatic), True or False"),
+    ("overlap_param_gather", None, "True or False"),
     ("allow_untested_optimizer", "no", "True or False"),
 ]
 

@@ -114,7 +114,7 @@ def _eval_frees(rank, world):
     engine.step()
     with torch.no_grad():
         loss = engine(x, y).item()
-    gathered_after_eval = engine.memory_report()["comm_buffers"]
+    gathered_after_eval = engine.memory_report()["gathered_parameters"]
     params_visible = [p.numel() for p in model.parameters()]
     return loss, gathered_after_eval, params_visible
 

@@ -2,7 +2,10 @@
 
 Every engine collective goes through `Communicator` so that the report is exact. Bytes
 are counted as the size of the full (unsharded) tensor a collective is about: the input
-of a reduce-scatter or all-reduce, the output of an all-gather.
+of a reduce-scatter or all-reduce, the output of an all-gather. Each is recorded under
+the collective actually issued: on gloo, whose reduce-scatter and all-gather are slower
+than its all-reduce and broadcast, a reduce-scatter is an all-reduce and an all-gather is
+one broadcast per rank (same bytes, counted under "all_reduce" and "broadcast").
 """
 
 from __future__ import annotations
@@ -22,10 +25,28 @@ class _DoneWork:
         return True
 
 
+class _Works:
+    """Several collectives waited on as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
 class Communicator:
-    def __init__(self, dp: DataParallelGroup, reduce_scatter_via_all_reduce: bool):
+    def __init__(
+        self,
+        dp: DataParallelGroup,
+        reduce_scatter_via_all_reduce: bool,
+        all_gather_via_broadcast: bool,
+    ):
         self.dp = dp
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
+        self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
@@ -42,13 +63,35 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """output (world * shard.numel()) <- every rank's shard, in rank order."""
-        self._count("all_gather", output)
+        """output (world * shard.numel()) <- every rank's shard, in rank order.
+
+        With `all_gather_via_broadcast`, each rank broadcasts its slice of `output` in
+        place: on gloo that moves the same bytes about 3x faster than its all-gather."""
         if not self.dp.distributed:
+            self._count("all_gather", output)
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return _DoneWork() if async_op else None
-        return dist.all_gather_single(output, shard, group=self.dp.group, async_op=async_op)
+        if not self.all_gather_via_broadcast:
+            self._count("all_gather", output)
+            return dist.all_gather_single(output, shard, group=self.dp.group, async_op=async_op)
+        self._count("broadcast", output)
+        n = shard.numel()
+        mine = output[self.dp.rank * n : (self.dp.rank + 1) * n]
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        works = _Works(
+            [
+                dist.broadcast(
+                    output[r * n : (r + 1) * n], src=r, group=self.dp.group, async_op=True
+                )
+                for r in range(self.dp.world_size)
+            ]
+        )
+        if async_op:
+            return works
+        works.wait()
+        return None
 
     def reduce_scatter_sum(
         self, full: torch.Tensor, shard_out: torch.Tensor, async_op: bool = False

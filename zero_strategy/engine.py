@@ -39,6 +39,7 @@ from .partition import (
     unique_parameters,
 )
 from .precision import LossScaler
+from .publish import ParameterPublisher
 from .topology import DataParallelGroup
 
 
@@ -65,10 +66,14 @@ class ZeroEngine:
             )
         self.device = _resolve_device(params, device)
         self.dp = DataParallelGroup.create(self.device, cfg.collective_timeout)
-        via_all_reduce = cfg.reduce_scatter_via_all_reduce
-        if via_all_reduce is None:
-            via_all_reduce = self.dp.backend == "gloo"
-        self.comm = Communicator(self.dp, via_all_reduce)
+        on_gloo = self.dp.backend == "gloo"
+        self.comm = Communicator(
+            self.dp,
+            on_gloo
+            if cfg.reduce_scatter_via_all_reduce is None
+            else cfg.reduce_scatter_via_all_reduce,
+            on_gloo if cfg.all_gather_via_broadcast is None else cfg.all_gather_via_broadcast,
+        )
         self.module = model
 
         group_of = group_index_of_params(optimizer, [p.param for p in params])
@@ -127,6 +132,11 @@ class ZeroEngine:
             cfg.reduce_torch_dtype,
             on_unit_ready=self._on_unit_grads_ready,
             on_backward_end=self._on_backward_end,
+        )
+        self.publisher = (
+            ParameterPublisher(model, self.units, self.comm, cfg.overlap_param_gather)
+            if cfg.stage in (1, 2)
+            else None
         )
         if cfg.stage == 3:
             self.gather = GatherManager(
@@ -267,6 +277,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward with the fp16 loss scale applied; reductions run during it."""
+        self.wait_for_parameters()
         if self.scaler.enabled:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
@@ -297,6 +308,7 @@ class ZeroEngine:
     def step(self) -> bool:
         """One optimizer step over this rank's shards, then refresh the compute copies.
         Returns False when the step was skipped for an fp16 overflow."""
+        self.wait_for_parameters()
         norm, overflow = self._unscale_and_measure()
         if overflow:
             self.scaler.update(True)
@@ -319,6 +331,12 @@ class ZeroEngine:
         self._grads_unscaled = False
         self.global_steps += 1
         return True
+
+    def wait_for_parameters(self) -> None:
+        """Finish the post-step parameter gathers (stages 1-2) before reading the full
+        parameters outside the module's forward."""
+        if self.publisher is not None:
+            self.publisher.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (they are kept allocated; `set_to_none` is accepted
@@ -365,14 +383,8 @@ class ZeroEngine:
         for unit in self.units:
             if unit.layout.numel:
                 unit.sync_compute_from_master()
-        if self.config.stage in (1, 2):
-            works = [
-                self.comm.all_gather(u.full, u.full[u.opt_start : u.opt_end], async_op=True)
-                for u in self.units
-                if u.layout.numel
-            ]
-            for w in works:
-                w.wait()
+        if self.publisher is not None:
+            self.publisher.launch()
         elif self.gather is not None:
             self.gather.regather_persistent()
 
@@ -399,6 +411,7 @@ class ZeroEngine:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
         buffers), gathered one unit at a time; empty on other ranks when `rank0_only`."""
+        self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.dp.rank == 0
         for unit in self.units:

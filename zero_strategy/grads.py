@@ -24,6 +24,33 @@ from torch import nn
 from .comm import Communicator
 from .flat_unit import FlatUnit
 
+# Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
+# with the one being filled, that bounds the transient gradient memory to three units.
+MAX_IN_FLIGHT = 2
+
+
+class BufferPool:
+    """Reuses full-size gradient buffers across units and steps.
+
+    Fresh multi-megabyte CPU allocations are page-faulted and zeroed by the kernel on
+    every backward; keeping the few buffers that are alive at once avoids that (the CUDA
+    caching allocator does the same on GPUs). Its bytes are reported as comm_buffers."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        stack = self.free.get((numel, dtype, device))
+        return stack.pop() if stack else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        stack = self.free.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
+        if len(stack) <= MAX_IN_FLIGHT:  # more were alive only under no_sync: let them go
+            stack.append(buffer)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for stack in self.free.values() for t in stack]
+
 
 @dataclass
 class _InFlight:
@@ -57,6 +84,8 @@ class GradReducer:
         self._ready: dict[int, int] = {}  # unit index -> grads received this backward
         self._launched: set[int] = set()
         self._callback_queued = False
+        self.pool = BufferPool()
+        self._written: dict[int, set[int]] = {}  # unit index -> slots written this window
         self._trainable_count = {
             u.layout.index: sum(s.trainable for s in u.layout.slots) for u in units
         }
@@ -89,10 +118,17 @@ class GradReducer:
                     p.grad = view
             else:
                 if unit.grad_full is None:
-                    unit.grad_full = torch.zeros(
-                        unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device
+                    unit.grad_full = self.pool.take(
+                        unit.layout.padded_numel, unit.compute_dtype, unit.device
                     )
-                unit.grad_full[slot.offset : slot.end].add_(p.grad.reshape(-1))
+                    self._written[unit.layout.index] = set()
+                written = self._written[unit.layout.index]
+                target = unit.grad_full[slot.offset : slot.end]
+                if slot_index in written:
+                    target.add_(p.grad.reshape(-1))
+                else:  # first gradient of this window: no zero-fill pass needed
+                    target.copy_(p.grad.reshape(-1))
+                    written.add(slot_index)
                 p.grad = None
             idx = unit.layout.index
             self._ready[idx] = self._ready.get(idx, 0) + 1
@@ -119,15 +155,11 @@ class GradReducer:
         self._launched.add(unit.layout.index)
         if unit.layout.numel == 0:
             return
-        if unit.grad_full is None:  # no gradient reached this unit on this rank
-            unit.grad_full = torch.zeros(
-                unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device
-            )
-        sent = (
-            unit.grad_full
-            if unit.grad_full.dtype == self.reduce_dtype
-            else unit.grad_full.to(self.reduce_dtype)
-        )
+        if self.stage >= 2:
+            self._zero_unwritten(unit)
+        sent = unit.grad_full
+        if sent.dtype != self.reduce_dtype:
+            sent = self.pool.take(sent.numel(), self.reduce_dtype, sent.device).copy_(sent)
         if self.world > 1:
             sent.div_(self.world)  # average; dividing first keeps fp16 sums in range
         if self.stage < 2:
@@ -141,22 +173,45 @@ class GradReducer:
                 else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
             )
             work = self.comm.reduce_scatter_sum(sent, out, async_op=True)
+            if sent is not unit.grad_full:
+                self.pool.give(unit.grad_full)
             unit.grad_full = None
         self.in_flight.append(_InFlight(unit, work, sent, out))
+        # Bound the full-size buffers alive at once (stages 2-3): finish the oldest.
+        while self.stage >= 2 and len(self.in_flight) > MAX_IN_FLIGHT:
+            self._land(self.in_flight.pop(0))
+
+    def _zero_unwritten(self, unit: FlatUnit) -> None:
+        """Zero the parts of a pooled buffer no gradient was written to this window."""
+        if unit.grad_full is None:  # no gradient reached this unit on this rank
+            unit.grad_full = self.pool.take(
+                unit.layout.padded_numel, unit.compute_dtype, unit.device
+            )
+            unit.grad_full.zero_()
+            return
+        written = self._written.pop(unit.layout.index, set())
+        for slot_index, slot in enumerate(unit.layout.slots):
+            if slot_index not in written:
+                unit.grad_full[slot.offset : slot.end].zero_()
+        unit.grad_full[unit.layout.numel :].zero_()
+
+    def _land(self, job: _InFlight) -> None:
+        job.work.wait()
+        unit = job.unit
+        if self.stage < 2:
+            if job.sent is not unit.grad_full:
+                unit.grad_full.copy_(job.sent)
+            mine = unit.grad_full[unit.opt_start : unit.opt_end]
+            if unit.grad_opt.data_ptr() != mine.data_ptr():
+                unit.grad_opt.copy_(mine)
+        else:
+            unit.grad_opt.add_(job.out)
+            self.pool.give(job.sent)
 
     def wait(self) -> None:
         """Finish every reduction in flight and land the results in the fp32 slices."""
         for job in self.in_flight:
-            job.work.wait()
-            unit = job.unit
-            if self.stage < 2:
-                if job.sent is not unit.grad_full:
-                    unit.grad_full.copy_(job.sent)
-                mine = unit.grad_full[unit.opt_start : unit.opt_end]
-                if unit.grad_opt.data_ptr() != mine.data_ptr():
-                    unit.grad_opt.copy_(mine)
-            else:
-                unit.grad_opt.add_(job.out)
+            self._land(job)
         self.in_flight.clear()
 
     def zero_grad(self) -> None:
@@ -164,7 +219,10 @@ class GradReducer:
             if unit.grad_opt is not None:
                 unit.grad_opt.zero_()
             if self.stage >= 2:
+                if unit.grad_full is not None:
+                    self.pool.give(unit.grad_full)
                 unit.grad_full = None
+                self._written.pop(unit.layout.index, None)
             elif unit.grad_full is not None:
                 unit.grad_full.zero_()
                 unit.attach_param_grads()

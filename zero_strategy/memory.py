@@ -14,7 +14,15 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 
-KINDS = ("parameters", "master_params", "gradients", "optimizer_state", "comm_buffers", "buffers")
+KINDS = (
+    "parameters",
+    "master_params",
+    "gradients",
+    "optimizer_state",
+    "gathered_parameters",
+    "comm_buffers",
+    "buffers",
+)
 
 
 class _Ledger:
@@ -36,8 +44,9 @@ class _Ledger:
 def memory_report(engine: ZeroEngine) -> dict[str, int]:
     """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
-    optimizer_state; comm_buffers: transient gathered parameters and gradient buffers in
-    flight; buffers: the model's buffers. `total` sums them."""
+    optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
+    full-size gradient buffers being filled or reduced, and the pool that recycles them;
+    buffers: the model's buffers. `total` sums them."""
     ledger = _Ledger()
     stage = engine.config.stage
     for unit in engine.units:
@@ -54,11 +63,13 @@ def memory_report(engine: ZeroEngine) -> dict[str, int]:
                 ledger.add("optimizer_state", value)
     for unit in engine.units:
         if stage == 3 and unit.gathered_bytes():
-            ledger.add("comm_buffers", unit.full if unit.full is not None else unit._buf)
+            ledger.add("gathered_parameters", unit.full if unit.full is not None else unit._buf)
         if stage >= 2:
             ledger.add("comm_buffers", unit.grad_full)
     for job in engine.reducer.in_flight:
         ledger.add("comm_buffers", job.sent)
+    for buf in engine.reducer.pool.tensors():
+        ledger.add("comm_buffers", buf)
     for buf in engine.module.buffers():
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)

@@ -1,0 +1,62 @@
+"""Stages 1-2: after the optimizer step, every rank's updated shard is all-gathered back
+into the full parameters. The gathers are launched at once, last-used unit last, and each
+module waits only for the units holding its own parameters, in a forward pre-hook: the
+communication overlaps the next forward instead of lengthening the step (as FSDP's
+unsharding in pre-forward does). `engine.backward()`, `step()` and `full_state_dict()`
+wait for whatever is still in flight, which covers parameters used outside their own
+module's forward by the time anything could depend on them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .comm import Communicator
+from .flat_unit import FlatUnit
+
+
+class ParameterPublisher:
+    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Communicator, overlap: bool):
+        self.units = units
+        self.comm = comm
+        self.overlap = overlap
+        self.pending: dict[int, object] = {}
+        unit_of_param = {id(p): u.layout.index for u in units for p in u.params}
+        self.handles = []
+        if not overlap:
+            return
+        for module in model.modules():
+            mine = sorted(
+                {
+                    unit_of_param[id(p)]
+                    for p in module.parameters(recurse=False)
+                    if id(p) in unit_of_param
+                }
+            )
+            if mine:
+                self.handles.append(module.register_forward_pre_hook(self._make_hook(mine)))
+
+    def _make_hook(self, indices: list[int]):
+        def hook(module, args):
+            self.wait(indices)
+
+        return hook
+
+    def launch(self) -> None:
+        """Start gathering every unit's updated shard (first-used units first)."""
+        for unit in reversed(self.units):
+            if unit.layout.numel:
+                self.pending[unit.layout.index] = self.comm.all_gather(
+                    unit.full, unit.full[unit.opt_start : unit.opt_end], async_op=True
+                )
+        if not self.overlap:
+            self.wait_all()
+
+    def wait(self, indices: list[int]) -> None:
+        for idx in indices:
+            work = self.pending.pop(idx, None)
+            if work is not None:
+                work.wait()
+
+    def wait_all(self) -> None:
+        self.wait(list(self.pending))
