@@ -102,50 +102,34 @@ def reachable_tensors(obj, depth: int = 3):
                 yield from reachable_tensors(v, depth - 1)
 
 
+def plain_torch_step_and_state(model: torch.nn.Module):
+    """DDP and FSDP2: torch's AdamW and clip_grad_norm_ (DTensor-aware for FSDP2)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    def state():
+        params = list(model.parameters())
+        return unique_bytes([*params, *(p.grad for p in params), *reachable_tensors(opt.state)])
+
+    return step, state
+
+
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
-    if impl == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if impl in ("ddp", "fsdp2"):
+        if impl == "ddp":
+            runner = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
 
-        def step():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-
-        def state():
-            return unique_bytes(
-                [
-                    *model.parameters(),
-                    *(p.grad for p in model.parameters()),
-                    *reachable_tensors(opt.state),
-                ]
-            )
-
-        return ddp, lambda loss: loss.backward(), step, state
-    if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def step():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-
-        def state():
-            return unique_bytes(
-                [
-                    *model.parameters(),
-                    *(p.grad for p in model.parameters()),
-                    *reachable_tensors(opt.state),
-                ]
-            )
-
-        return model, lambda loss: loss.backward(), step, state
+            for block in model.blocks:
+                fully_shard(block)
+            runner = fully_shard(model)
+        return (runner, lambda loss: loss.backward(), *plain_torch_step_and_state(model))
     if impl.startswith("ds"):
         import deepspeed
 
