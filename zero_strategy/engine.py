@@ -80,24 +80,23 @@ class ZeroEngine:
         for p in params:
             if not p.param.requires_grad:
                 group_of.pop(id(p.param), None)
+        # Cross-rank agreement first: a rank that raised alone would leave the others
+        # waiting in the next collective until the timeout.
+        self._check_same_model_on_all_ranks(params, group_of)
         self._warn_unoptimized(params, group_of)
         self._check_sizes(params, group_of)
-        self._check_same_model_on_all_ranks(params, group_of)
 
         world, rank = self.dp.world_size, self.dp.rank
         if cfg.stage == 3:
             unit_paths = select_unit_modules(model, cfg.unit_module_classes)
             layouts = module_layouts(model, params, group_of, world, unit_paths)
         else:
+            # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
             layouts = bucket_layouts(params, group_of, world if cfg.stage else 1, cfg.bucket_size)
-            if cfg.stage == 0:  # replicated: no padding to the world size needed
-                for lay in layouts:
-                    lay.world_size = 1
-        by_id = {id(p.param): p.param for p in params}
         self.units = [
             FlatUnit(
                 lay,
-                [by_id[_param_id(model, s.name)] for s in lay.slots],
+                [model.get_parameter(s.name) for s in lay.slots],
                 cfg.stage,
                 rank if cfg.stage else 0,
                 self.device,
@@ -457,10 +456,6 @@ def _resolve_device(params, device) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _param_id(model: nn.Module, name: str) -> int:
-    return id(model.get_parameter(name))
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
