@@ -61,17 +61,7 @@ def run_one(impl: str, args, out: str) -> dict | None:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="bench")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--impls", default=",".join(ALL))
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--json", default="", help="also write all figures here")
-    args = parser.parse_args()
-    impls = args.impls.split(",")
+def run_rounds(impls: list[str], args) -> list[dict[str, dict]]:
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
@@ -90,34 +80,57 @@ def main() -> None:
                         flush=True,
                     )
             rounds.append(results)
-    rows = []
+    return rounds
+
+
+def _median_ratio(rounds, num: str, den: str) -> float:
+    ratios = [rd[num]["step"] / rd[den]["step"] for rd in rounds if num in rd and den in rd]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
+    """Median step time; throughput ratios per round (then the median) against DDP and
+    against DeepSpeed at the same stage; peak RSS and model state per rank."""
+    params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
+    print(
+        f"\nGPT {params / 1e6:.1f}M params, 2 ranks gloo, 1 thread/rank, {len(rounds)} rounds "
+        f"x {args.steps} timed steps"
+    )
+    print(
+        "| impl | median step (s) | throughput vs DDP | vs DeepSpeed same stage "
+        "| peak RSS/rank (MiB) | model state/rank (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
     for impl in impls:
         got = [rd[impl] for rd in rounds if impl in rd]
         if not got:
             continue
-        ratios = [
-            rd["ddp"]["step"] / rd[impl]["step"] for rd in rounds if impl in rd and "ddp" in rd
-        ]
-        rows.append(
-            (
-                impl,
-                statistics.median(g["step"] for g in got),
-                statistics.median(ratios) if ratios else float("nan"),
-                statistics.median(g["rss"] for g in got),
-                got[0]["state"],
-            )
+        peer = "ds" + impl[4:] if impl.startswith("zero") else None
+        vs_ds = f"{_median_ratio(rounds, peer, impl):.2f}x" if peer else "-"
+        print(
+            f"| {impl} | {statistics.median(g['step'] for g in got):.3f} "
+            f"| {_median_ratio(rounds, 'ddp', impl):.2f}x | {vs_ds} "
+            f"| {statistics.median(g['rss'] for g in got):.0f} | {got[0]['state']:.1f} |"
         )
-    params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
-    print(
-        f"\nGPT {params / 1e6:.1f}M params, 2 ranks gloo, 1 thread/rank, {args.rounds} rounds "
-        f"x {args.steps} timed steps"
-    )
-    print(
-        "| impl | median step (s) | throughput vs DDP | peak RSS/rank (MiB) | model state/rank (MiB) |"
-    )
-    print("|---|---|---|---|---|")
-    for impl, step, ratio, rss, state in rows:
-        print(f"| {impl} | {step:.3f} | {ratio:.2f}x | {rss:.0f} | {state:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="bench")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--impls", default=",".join(ALL))
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--json", default="", help="also write all figures here")
+    parser.add_argument("--from-json", default="", help="print the table of a saved run")
+    args = parser.parse_args()
+    impls = args.impls.split(",")
+    if args.from_json:
+        rounds = json.loads(Path(args.from_json).read_text())
+    else:
+        rounds = run_rounds(impls, args)
+    print_table(impls, rounds, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rounds, indent=1))
 

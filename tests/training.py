@@ -10,7 +10,7 @@ from examples.gpt import GPT, GPTConfig, decay_groups
 from zero_strategy import ZeroConfig, ZeroEngine
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3 and 4
 LR = 3e-3
 
 
@@ -112,3 +112,39 @@ def train_zero(
         losses.append(_global_mean(total) if world > 1 else total)
     sd = engine.full_state_dict()
     return losses, sd if rank == 0 else None
+
+
+def train_zero_resumable(
+    rank: int,
+    world: int,
+    stage: int,
+    steps: range,
+    ckpt: str,
+    load: bool,
+    save: bool,
+    seed: int = 0,
+    **config,
+):
+    """Train the given steps; optionally load `ckpt` first and/or save it after."""
+    model = make_model(seed)
+    engine = ZeroEngine(
+        model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=0.5, **config)
+    )
+    client = engine.load_checkpoint(ckpt) if load else None
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(2):
+            x, y = local_batch(step, micro, rank, world)
+            with engine.no_sync() if micro == 0 else torch.enable_grad():
+                loss = engine(x, y) / 2
+                engine.backward(loss)
+            total += loss.item()
+        engine.step()
+        engine.zero_grad()
+        losses.append(_global_mean(total) if world > 1 else total)
+    if save:
+        engine.save_checkpoint(
+            ckpt, client_state={"next_step": steps.stop, "tag": torch.tensor([7])}
+        )
+    return losses, engine.full_state_dict(), client

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpoint
 from . import init as meta_init
 from .comm import Communicator
 from .config import ZeroConfig
@@ -407,6 +409,16 @@ class ZeroEngine:
     def reset_comm_report(self) -> None:
         self.comm.reset()
 
+    def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
+        """Write a sharded checkpoint directory (collective: call on every rank). It loads
+        at any world size and stage; `client_state` must load with weights_only=True."""
+        checkpoint.save(self, path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict | None:
+        """Restore from a checkpoint written at any world size and stage (collective);
+        returns the client state saved with it, if any."""
+        return checkpoint.load(self, path)
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
         buffers), gathered one unit at a time; empty on other ranks when `rank0_only`."""
@@ -423,7 +435,7 @@ class ZeroEngine:
                     for name in (slot.name, *slot.aliases):
                         out[name] = value
         if keep:
-            for name, buf in _persistent_buffers(self.module):
+            for name, buf in checkpoint.persistent_buffers(self.module):
                 out[name] = buf.detach().clone()
         return out
 
@@ -456,10 +468,3 @@ def _resolve_device(params, device) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for mod_name, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{mod_name}.{name}" if mod_name else name), buf

@@ -1,0 +1,178 @@
+"""Sharded checkpoints: resume equals uninterrupted, at any world size and stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_world
+from training import make_model, make_optimizer, train_zero_resumable
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.checkpoint import CheckpointError
+
+TOTAL, CUT = 8, 4
+
+
+def _relative_close(a: list[float], b: list[float], tol: float) -> bool:
+    return all(abs(x - y) <= tol * abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_at_the_same_world_and_stage_is_bit_for_bit(stage, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full_losses, full_state, _ = run_world(
+        train_zero_resumable, 2, stage, range(TOTAL), ckpt, False, False
+    )[0]
+    run_world(train_zero_resumable, 2, stage, range(CUT), ckpt, False, True)
+    # A different seed: everything must come from the checkpoint.
+    losses, state, client = run_world(
+        train_zero_resumable, 2, stage, range(CUT, TOTAL), ckpt, True, False, seed=1
+    )[0]
+    assert losses == full_losses[CUT:]
+    for name, value in full_state.items():
+        assert torch.equal(state[name], value), name
+    assert client["next_step"] == CUT and torch.equal(client["tag"], torch.tensor([7]))
+
+
+@pytest.fixture(scope="module")
+def saved_at_four(tmp_path_factory):
+    """Saved by 4 ranks at stage 3 after CUT steps, and the uninterrupted 4-rank run."""
+    ckpt = str(tmp_path_factory.mktemp("w4") / "ckpt")
+    full = run_world(train_zero_resumable, 4, 3, range(TOTAL), ckpt, False, False)[0]
+    run_world(train_zero_resumable, 4, 3, range(CUT), ckpt, False, True)
+    return ckpt, full
+
+
+@pytest.mark.parametrize(("world", "stage"), [(3, 3), (2, 3), (1, 3), (2, 1), (3, 2)])
+def test_resume_at_another_world_size_and_stage(world, stage, saved_at_four):
+    ckpt, (full_losses, full_state, _) = saved_at_four
+    losses, state, _ = run_world(
+        train_zero_resumable, world, stage, range(CUT, TOTAL), ckpt, True, False, seed=1
+    )[0]
+    assert _relative_close(losses, full_losses[CUT:], 1e-5), (losses, full_losses[CUT:])
+    num = sum(((state[k] - v) ** 2).sum() for k, v in full_state.items())
+    den = sum((v**2).sum() for v in full_state.values())
+    assert (num / den).sqrt() < 1e-5
+
+
+def test_stage_1_checkpoint_resumes_at_stage_3_and_back(tmp_path):
+    a = str(tmp_path / "a")
+    full_losses, full_state, _ = run_world(
+        train_zero_resumable, 2, 1, range(TOTAL), a, False, False
+    )[0]
+    run_world(train_zero_resumable, 2, 1, range(3), a, False, True)
+    run_world(train_zero_resumable, 2, 3, range(3, 6), a, True, True)
+    losses, state, _ = run_world(train_zero_resumable, 2, 1, range(6, TOTAL), a, True, False)[0]
+    assert _relative_close(losses, full_losses[6:], 1e-5)
+    for name, value in full_state.items():
+        assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
+
+
+# ------------------------------------------------------------------ the format itself
+def _save_single(tmp_path: Path, stage: int = 3, seed: int = 0) -> tuple[str, ZeroEngine]:
+    model = make_model(seed)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    x = torch.randint(64, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    path = str(tmp_path / "ckpt")
+    engine.save_checkpoint(path)
+    return path, engine
+
+
+def _fresh_engine(stage: int = 3, **model_kwargs) -> ZeroEngine:
+    model = make_model(**model_kwargs)
+    return ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+
+
+def test_layout_is_safetensors_plus_json(tmp_path):
+    path, _ = _save_single(tmp_path)
+    files = sorted(os.listdir(path))
+    assert files == ["index.json", "rank00000.safetensors"]
+    index = json.loads(Path(path, "index.json").read_text())
+    assert index["world_size"] == 1 and index["stage"] == 3 and index["step"] == 1
+    assert index["params"]["wte.weight"]["aliases"] == ["lm_head.weight"]
+    assert index["optimizer"]["elementwise_state"] == ["exp_avg", "exp_avg_sq"]
+    assert index["optimizer"]["scalar_state"][0]["step"]["value"] == 1.0
+
+
+def test_not_a_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        _fresh_engine().load_checkpoint(tmp_path / "nothing")
+    with pytest.raises(CheckpointError, match=r"has no index\.json"):
+        _fresh_engine().load_checkpoint(tmp_path)
+
+
+def test_missing_rank_file(tmp_path):
+    path, _ = _save_single(tmp_path)
+    os.remove(Path(path, "rank00000.safetensors"))
+    with pytest.raises(CheckpointError, match=r"incomplete: missing \['rank00000.safetensors'\]"):
+        _fresh_engine().load_checkpoint(path)
+
+
+def test_truncated_rank_file(tmp_path):
+    path, _ = _save_single(tmp_path)
+    f = Path(path, "rank00000.safetensors")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        _fresh_engine().load_checkpoint(path)
+
+
+def test_index_that_does_not_match_the_files(tmp_path):
+    path, _ = _save_single(tmp_path)
+    index_path = Path(path, "index.json")
+    index = json.loads(index_path.read_text())
+    index["params"]["ln_f.weight"]["pieces"][0]["end"] -= 3
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="index does not match the files"):
+        _fresh_engine().load_checkpoint(path)
+
+
+def test_checkpoint_of_another_model_lists_the_differences(tmp_path):
+    from examples.gpt import GPTConfig
+
+    path, _ = _save_single(tmp_path)
+    other = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=48)
+    with pytest.raises(CheckpointError) as err:
+        _fresh_engine(cfg=other).load_checkpoint(path)
+    message = str(err.value)
+    assert "missing ['blocks.2." in message
+    assert "shape-mismatched ['blocks.0.attn.proj.bias: checkpoint (32,) vs model (48,)" in message
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/zero_strategy_pwned",))
+
+
+def test_malicious_pickle_in_the_directory_is_never_executed(tmp_path):
+    path, _ = _save_single(tmp_path)
+    Path("/tmp/zero_strategy_pwned").unlink(missing_ok=True)
+    with open(Path(path, "client_state.pt"), "wb") as f:
+        pickle.dump(_Exploit(), f)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        _fresh_engine().load_checkpoint(path)
+    assert not Path("/tmp/zero_strategy_pwned").exists()
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path, engine = _save_single(tmp_path)
+    before = json.loads(Path(path, "index.json").read_text())
+    import zero_strategy.checkpoint as ckpt_module
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module, "save_file", crash)
+    x = torch.randint(64, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    with pytest.raises(OSError, match="disk full"):
+        engine.save_checkpoint(path)
+    assert json.loads(Path(path, "index.json").read_text()) == before
+    _fresh_engine().load_checkpoint(path)  # still loads
