@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -342,7 +343,16 @@ def load(engine: ZeroEngine, path: str | os.PathLike) -> dict | None:
     engine.scaler.load_state_dict(index["loss_scaler"])
     engine.global_steps = int(index["step"])
     client = Path(path) / CLIENT_STATE
-    return torch.load(client, weights_only=True) if client.exists() else None
+    if not client.exists():
+        return None
+    try:
+        return torch.load(client, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{client} holds objects that safe loading (weights_only=True) refuses, so it was "
+            f"not executed: {str(e).splitlines()[0]}. Save only tensors, numbers, strings, "
+            "lists and dicts as client state."
+        ) from e
 
 
 def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader) -> None:
