@@ -332,14 +332,7 @@ def load(engine: ZeroEngine, path: str | os.PathLike) -> dict | None:
     _load_optimizer_state(engine, reader)
     for name, buf in persistent_buffers(engine.module):
         buf.data.copy_(reader.buffer(name))
-    for unit in engine.units:
-        if unit.layout.numel:
-            unit.sync_compute_from_master()
-    if engine.publisher is not None:
-        engine.publisher.launch()
-        engine.publisher.wait_all()
-    if engine.gather is not None:
-        engine.gather.regather_persistent()
+    engine.refresh_from_masters()
     engine.scaler.load_state_dict(index["loss_scaler"])
     engine.global_steps = int(index["step"])
     client = Path(path) / CLIENT_STATE

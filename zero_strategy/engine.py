@@ -419,6 +419,19 @@ class ZeroEngine:
         returns the client state saved with it, if any."""
         return checkpoint.load(self, path)
 
+    def load_pretrained(self, path: str | os.PathLike, strict: bool = True) -> dict[str, int]:
+        """Load safetensors weights (a file, or Hugging Face shards with their index),
+        each rank reading only its own ranges; the optimizer state is left as it is."""
+        from .pretrained import load_pretrained
+
+        return load_pretrained(self, path, strict)
+
+    def refresh_from_masters(self) -> None:
+        """After the fp32 masters were written from outside (checkpoint, pretrained
+        weights): rebuild the compute copies and the full parameters each rank holds."""
+        self._publish_parameters()
+        self.wait_for_parameters()
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
         buffers), gathered one unit at a time; empty on other ranks when `rank0_only`."""

@@ -1,0 +1,295 @@
+"""Consolidate a sharded checkpoint into one model file, one tensor at a time.
+
+Peak memory is the largest tensor (read as fp32, plus its cast) and a small buffer, never
+the model: each output file's layout is written first from shapes alone, then every
+tensor is read from the rank files, converted and written into its place.
+
+- safetensors: `model.safetensors`, or Hugging Face shards `model-0000i-of-0000n.safetensors`
+  plus `model.safetensors.index.json` past `max_shard_size` (split by huggingface_hub).
+  The safetensors library writes only from tensors in memory, so the (public, tiny)
+  header is written here and tensor bytes are streamed after it.
+- torch / lightning: a `torch.save` file whose skeleton is written by torch itself from
+  fake tensors (`torch.serialization.skip_data`), its data records then filled in place;
+  the lightning form adds the trainer's saved state so `load_from_checkpoint` accepts it.
+
+Tied weights are written under every name (their bytes repeated), so the output loads
+with `model.load_state_dict(..., strict=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CLIENT_STATE, CheckpointReader
+from .partition import FROZEN_GROUP
+
+OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the name written (a tied weight appears once per alias)
+    source: str  # the parameter it is read from
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def plan(reader: CheckpointReader, dtype: str | None, exclude_frozen: bool) -> list[Entry]:
+    """What the consolidated model holds, in checkpoint order."""
+    out: list[Entry] = []
+    for name, meta in reader.index["params"].items():
+        if exclude_frozen and meta["group"] == FROZEN_GROUP:
+            continue
+        target = OUT_DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
+        for alias in [name, *meta["aliases"]]:
+            out.append(Entry(alias, name, tuple(meta["shape"]), target))
+    for name in reader.index["buffers"]:
+        out.append(Entry(name, "buffer/" + name, (), torch.float32))  # resolved when read
+    return out
+
+
+def _values(reader: CheckpointReader, entry: Entry) -> torch.Tensor:
+    if entry.source.startswith("buffer/"):
+        return reader.buffer(entry.source.removeprefix("buffer/"))
+    meta = reader.index["params"][entry.source]
+    numel = 1
+    for s in meta["shape"]:
+        numel *= s
+    return reader.read(entry.source, 0, numel).view(entry.shape).to(entry.dtype)
+
+
+def _resolve_buffers(reader: CheckpointReader, entries: list[Entry]) -> list[Entry]:
+    """Buffers keep their own dtype and shape, read from rank 0's file header."""
+    resolved = []
+    for e in entries:
+        if e.source.startswith("buffer/"):
+            t = reader.buffer(e.source.removeprefix("buffer/"))
+            e = Entry(e.name, e.source, tuple(t.shape), t.dtype)
+        resolved.append(e)
+    return resolved
+
+
+# ============================================================================ safetensors
+def _st_header(entries: list[Entry]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        if e.dtype not in _ST_DTYPES and e.dtype != torch.int64:
+            raise ValueError(f"{e.name}: dtype {e.dtype} cannot be written to safetensors here.")
+        header[e.name] = {
+            "dtype": _ST_DTYPES.get(e.dtype, "I64"),
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def write_safetensors(reader: CheckpointReader, entries: list[Entry], path: Path, progress) -> None:
+    header = _st_header(entries)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for e in entries:
+            f.write(_tensor_bytes(_values(reader, e)))
+            progress.update(1)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[Entry]]:
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    fake = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+    split = split_torch_state_dict_into_shards(fake, max_shard_size=max_shard_size)
+    by_name = {e.name: e for e in entries}
+    return {
+        fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()
+    }
+
+
+# ============================================================================ torch.save
+def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap, progress) -> None:
+    """torch.save(wrap(state_dict)) without holding the state dict: the archive is
+    written from fake tensors, then each data record is filled with the real bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+    entry_of = {id(fake[e.name]): e for e in entries}
+    obj = wrap(fake)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(obj, path)
+    with zipfile.ZipFile(path) as z:
+        infos = {i.filename: i for i in z.infolist()}
+        start_dir = z.start_dir
+    prefix = next(iter(infos)).split("/")[0]
+    with open(path, "r+b") as f:
+        # Storages are numbered in the order pickling meets them.
+        for key, tensor in enumerate(_tensors_in_pickle_order(obj)):
+            entry = entry_of.get(id(tensor))
+            data = _tensor_bytes(_values(reader, entry) if entry else tensor)
+            info = infos[f"{prefix}/data/{key}"]
+            if info.file_size != len(data):
+                raise RuntimeError(
+                    f"archive record {key} has {info.file_size} bytes, not {len(data)}"
+                )
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            f.seek(info.header_offset + 30 + name_len + extra_len)
+            f.write(data)
+            _patch_crc(f, info, zlib.crc32(data), start_dir)
+            if entry:
+                progress.update(1)
+
+
+def _tensors_in_pickle_order(obj: Any) -> list[torch.Tensor]:
+    """Tensors with distinct storages, depth first in insertion order, as pickle meets them."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            key = (
+                id(x)
+                if x.device.type == "meta" or type(x).__name__ == "FakeTensor"
+                else x.untyped_storage().data_ptr()
+            )
+            if key not in seen:
+                seen.add(key)
+                out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return out
+
+
+def _patch_crc(f, info: zipfile.ZipInfo, crc: int, start_dir: int) -> None:
+    """Keep the archive valid for zip readers that check CRCs (torch's does not)."""
+    f.seek(info.header_offset + 14)
+    f.write(struct.pack("<I", crc))
+    pos = start_dir
+    while True:
+        f.seek(pos)
+        head = f.read(46)
+        if head[:4] != b"PK\x01\x02":
+            return
+        n, m, k = struct.unpack("<HHH", head[28:34])
+        local_offset = struct.unpack("<I", head[42:46])[0]
+        if local_offset == info.header_offset or (
+            local_offset == 0xFFFFFFFF and f.read(n) == info.filename.encode()
+        ):
+            f.seek(pos + 16)
+            f.write(struct.pack("<I", crc))
+            return
+        pos += 46 + n + m + k
+
+
+def _lightning_wrapper(reader: CheckpointReader, path: Path):
+    client = path / CLIENT_STATE
+    extra = torch.load(client, weights_only=True) if client.exists() else {}
+    extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
+    extra.setdefault("epoch", 0)
+    extra.setdefault("global_step", reader.index["step"])
+    try:
+        import lightning
+
+        extra.setdefault("pytorch-lightning_version", lightning.__version__)
+    except ImportError:
+        extra.setdefault("pytorch-lightning_version", "2.0.0")
+    return lambda sd: {"state_dict": sd, **extra}
+
+
+# ============================================================================ entry point
+def consolidate(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "safetensors",
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    exclude_frozen: bool = False,
+    show_progress: bool = True,
+) -> list[Path]:
+    """Write the consolidated model; returns the files written."""
+    if fmt not in ("safetensors", "torch", "lightning"):
+        raise ValueError(f"Unknown format {fmt!r}; use 'safetensors', 'torch' or 'lightning'.")
+    if dtype is not None and dtype not in OUT_DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}.")
+    reader = CheckpointReader(checkpoint)
+    entries = _resolve_buffers(reader, plan(reader, dtype, exclude_frozen))
+    progress = _progress(len(entries), show_progress)
+    out = Path(out)
+    written: list[Path] = []
+    try:
+        if fmt == "safetensors":
+            out.mkdir(parents=True, exist_ok=True)
+            shards = _shards(entries, max_shard_size)
+            if len(shards) == 1:
+                target = out / "model.safetensors"
+                write_safetensors(reader, entries, target, progress)
+                written.append(target)
+            else:
+                weight_map = {}
+                for fname, part in shards.items():
+                    write_safetensors(reader, part, out / fname, progress)
+                    written.append(out / fname)
+                    weight_map.update({e.name: fname for e in part})
+                index = {
+                    "metadata": {"total_size": sum(e.nbytes for e in entries)},
+                    "weight_map": weight_map,
+                }
+                (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+                written.append(out / "model.safetensors.index.json")
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            wrap = (
+                _lightning_wrapper(reader, Path(checkpoint))
+                if fmt == "lightning"
+                else (lambda sd: sd)
+            )
+            write_torch(reader, entries, out, wrap, progress)
+            written.append(out)
+    finally:
+        progress.close()
+    return written
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="consolidating", unit="tensor", disable=not enabled)
+
+
+def iter_tensors(
+    checkpoint: str | os.PathLike, dtype: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The consolidated model as (name, tensor) pairs, one tensor in memory at a time."""
+    reader = CheckpointReader(checkpoint)
+    for e in _resolve_buffers(reader, plan(reader, dtype, exclude_frozen=False)):
+        yield e.name, _values(reader, e)
