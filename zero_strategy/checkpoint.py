@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .safetensors_io import SafetensorsFile
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -240,11 +241,11 @@ class CheckpointReader:
         self.index = read_index(self.path)
         self._files: dict[str, Any] = {}
 
-    def _open(self, rank: int):
+    def _open(self, rank: int) -> SafetensorsFile:
         name = rank_file(rank)
         if name not in self._files:
             try:
-                self._files[name] = safe_open(str(self.path / name), framework="pt")
+                self._files[name] = SafetensorsFile(self.path / name)
             except Exception as e:
                 raise CheckpointError(
                     f"Cannot read {self.path / name}: {e}. The file is truncated or corrupt; "
@@ -253,7 +254,8 @@ class CheckpointReader:
         return self._files[name]
 
     def read(self, name: str, lo: int, hi: int, prefix: str = "") -> torch.Tensor:
-        """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state)."""
+        """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state), fp32,
+        read straight into the result (no mmap, no intermediate copy)."""
         entry = self.index["params"][name]
         out = torch.empty(hi - lo, dtype=torch.float32)
         filled = 0
@@ -263,14 +265,15 @@ class CheckpointReader:
                 continue
             key = f"{prefix}{name}"
             handle = self._open(piece["rank"])
-            try:
-                part = handle.get_slice(key)[a - piece["start"] : b - piece["start"]]
-            except Exception as e:
+            if key not in handle.tensors or handle.dtype(key) != torch.float32:
                 raise CheckpointError(
-                    f"{rank_file(piece['rank'])} in {self.path} lacks '{key}' [{a}:{b}] that "
-                    f"{INDEX} says it holds ({e}); the index does not match the files."
-                ) from e
-            out[a - lo : b - lo] = part.to(torch.float32)
+                    f"{rank_file(piece['rank'])} in {self.path} lacks fp32 '{key}' that "
+                    f"{INDEX} says it holds; the index does not match the files."
+                )
+            try:
+                handle.read_range(key, a - piece["start"], b - piece["start"], out[a - lo : b - lo])
+            except ValueError as e:
+                raise CheckpointError(f"{e}; the index does not match the files.") from e
             filled += b - a
         if filled != hi - lo:
             raise CheckpointError(
@@ -280,7 +283,7 @@ class CheckpointReader:
         return out
 
     def buffer(self, name: str) -> torch.Tensor:
-        return self._open(0).get_tensor(f"buffer/{name}")
+        return self._open(0).read(f"buffer/{name}")
 
 
 def read_index(path: Path) -> dict[str, Any]:

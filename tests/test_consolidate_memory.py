@@ -1,0 +1,56 @@
+"""Consolidation streams: its peak RSS stays under twice the largest tensor plus 400 MB,
+here well below the size of the model itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from distributed import run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+LAYERS, WIDTH = 32, 2048  # 32 x 16 MiB = 512 MiB of fp32 parameters
+
+MEASURE = (
+    "import resource, subprocess, sys\n"
+    "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "sys.stderr.write(proc.stderr)\n"
+    "print(proc.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
+)
+
+
+def _write(rank, world, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+    engine.save_checkpoint(path)
+    last = engine.full_state_dict()
+    return last[f"{LAYERS - 1}.weight"][:2, :5].clone() if rank == 0 else None
+
+
+def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    corner = run_world(_write, 2, ckpt, timeout=300)[0]
+    model_bytes = LAYERS * WIDTH * WIDTH * 4
+    largest = WIDTH * WIDTH * 4
+    cmd = [
+        sys.executable,
+        "-m",
+        "zero_strategy.cli",
+        "consolidate",
+        ckpt,
+        str(tmp_path / "out"),
+        "--quiet",
+    ]
+    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
+    rc, peak = (int(x) for x in out.stdout.split()[-2:])
+    assert rc == 0, out.stderr
+    assert peak < 2 * largest + (400 << 20), peak / 2**20
+    assert peak < model_bytes, (peak / 2**20, model_bytes / 2**20)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == LAYERS
+        assert torch.equal(f.get_slice(f"{LAYERS - 1}.weight")[:2, :5], corner)
