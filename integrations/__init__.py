@@ -1,1 +1,95 @@
-"""Thin adapters of ZeroEngine for Lightning, Fabric, Accelerate and Hydra."""
+"""Thin adapters of ZeroEngine for Lightning, Fabric, Accelerate and Hydra.
+
+`import zero_strategy` makes "zero1".."zero3" valid strategy names. Lightning's and
+Fabric's registries are read when a Trainer or Fabric is built, and Lightning's launcher
+re-runs the script, so registration must come with the import. It does, without making
+`import zero_strategy` pay for importing Lightning: frameworks already imported are
+registered at once, the others the moment their strategies module is first imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+
+_TARGETS: dict[str, Callable[[], None]] = {}
+
+
+def _lightning(name: str) -> Callable[[], None]:
+    def register() -> None:
+        from .lightning import register as register_pl
+
+        register_pl(name.rsplit(".", 1)[0])
+
+    return register
+
+
+def _fabric() -> None:
+    from .fabric import register
+
+    register()
+
+
+def _name_errors(connector_module: str, class_name: str, registry_module: str, registry: str):
+    def wrap() -> None:
+        from .lightning import improve_name_errors
+
+        improve_name_errors(
+            getattr(sys.modules[connector_module], class_name),
+            getattr(sys.modules[registry_module], registry),
+        )
+
+    return wrap
+
+
+_TARGETS["lightning.pytorch.strategies"] = _lightning("lightning.pytorch.strategies")
+_TARGETS["lightning.pytorch.trainer.connectors.accelerator_connector"] = _name_errors(
+    "lightning.pytorch.trainer.connectors.accelerator_connector",
+    "_AcceleratorConnector",
+    "lightning.pytorch.strategies",
+    "StrategyRegistry",
+)
+_TARGETS["lightning.fabric.connector"] = _name_errors(
+    "lightning.fabric.connector", "_Connector", "lightning.fabric.strategies", "STRATEGY_REGISTRY"
+)
+_TARGETS["pytorch_lightning.strategies"] = _lightning("pytorch_lightning.strategies")
+_TARGETS["lightning.fabric.strategies"] = _fabric
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of a target module so that our
+    strategies are registered right after that module has executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _TARGETS:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            _TARGETS[fullname]()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_all() -> None:
+    pending = False
+    for name, register in _TARGETS.items():
+        if name in sys.modules:
+            register()
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

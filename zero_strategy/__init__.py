@@ -20,3 +20,15 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def _register_frameworks() -> None:
+    """`import zero_strategy` makes "zero1".."zero3" valid Lightning/Fabric strategy names.
+    The adapters import their framework only when it is installed; the core modules never
+    import them (this package entry point is the one place that knows both)."""
+    from .integrations import register_all
+
+    register_all()
+
+
+_register_frameworks()

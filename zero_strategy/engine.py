@@ -279,9 +279,18 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward with the fp16 loss scale applied; reductions run during it."""
         self.wait_for_parameters()
-        if self.scaler.enabled:
-            loss = loss * self.scaler.scale
-        loss.backward(**kwargs)
+        self.scale_loss(loss).backward(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the fp16 loss scale (itself otherwise), for callers that run
+        backward themselves."""
+        return loss * self.scaler.scale if self.scaler.enabled else loss
+
+    def reshard(self) -> None:
+        """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
+        did not go through the root module's forward)."""
+        if self.gather is not None:
+            self.gather.release_all()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -305,6 +314,17 @@ class ZeroEngine:
             if coef < 1.0:
                 self._scale_grads(coef)
         return norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value]: elementwise, so exact
+        on shards."""
+        if clip_value <= 0:
+            raise ValueError(f"clip_value must be positive, got {clip_value}.")
+        _, overflow = self._unscale_and_measure()
+        if not overflow:
+            for unit in self.units:
+                if unit.grad_opt is not None:
+                    unit.grad_opt.clamp_(-clip_value, clip_value)
 
     def step(self) -> bool:
         """One optimizer step over this rank's shards, then refresh the compute copies.

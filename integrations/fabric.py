@@ -1,0 +1,160 @@
+"""Fabric: `Fabric(strategy="zero3")`, an adapter over `ZeroEngine`.
+
+`fabric.setup(model, optimizer)` hands both to a `ZeroEngine`; `fabric.backward`,
+`clip_gradients`, the optimizer step, `no_backward_sync`, `save` and `load` go through it.
+Checkpoints are the engine's sharded directories; the other entries of the state dict are
+saved beside them, loadable with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+
+from zero_strategy import ZeroConfig, ZeroEngine
+
+from .lightning import PRECISIONS, to_weights_only, zero_config_from
+
+
+class _EngineSyncControl(_BackwardSyncControl):
+    def __init__(self, strategy: ZeroFabricStrategy):
+        self.strategy = strategy
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        engine = self.strategy.engine
+        if not enabled or engine is None:
+            return contextlib.nullcontext()
+        return engine.no_sync()
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """ZeRO stages 1-3 for Fabric; takes any ZeroConfig field, or `config=ZeroConfig(...)`."""
+
+    def __init__(
+        self,
+        stage: int | None = None,
+        config: ZeroConfig | Mapping | None = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision=None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        **zero_options: Any,
+    ):
+        self._zero_base = zero_config_from(stage, config, zero_options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self.engine: ZeroEngine | None = None
+        self._backward_sync_control = _EngineSyncControl(self)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"zero{stage}", cls, description=f"ZeRO stage {stage} (zero-strategy)", stage=stage
+            )
+
+    def setup_environment(self) -> None:
+        if self.root_device.type not in ("cpu", "cuda"):
+            raise RuntimeError(
+                f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on "
+                f"'{self.root_device.type}'. Use Fabric(accelerator='cpu') or 'cuda'."
+            )
+        super().setup_environment()
+
+    def _config(self) -> ZeroConfig:
+        flag = str(getattr(self.precision, "precision", "32-true"))
+        if flag not in PRECISIONS or PRECISIONS[flag][1] is not None:
+            raise ValueError(
+                f"precision={flag!r} is not supported by the ZeRO Fabric strategy; use "
+                "'32-true', 'bf16-true' or '16-mixed' (fp16 compute with loss scaling)."
+            )
+        return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": PRECISIONS[flag][0]})
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
+        if len(optimizers) != 1:
+            raise RuntimeError(
+                f"The ZeRO strategy shards one optimizer, got {len(optimizers)}. Use param "
+                "groups in a single optimizer."
+            )
+        self.engine = ZeroEngine(module, optimizers[0], self._config(), device=self.root_device)
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        raise RuntimeError(
+            "The ZeRO strategy shards a model together with its optimizer: call "
+            "fabric.setup(model, optimizer) rather than setup_module()."
+        )
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # the engine places this rank's shard on the device
+
+    def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
+        self.engine.backward(tensor, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        return self.engine.step()
+
+    def clip_gradients_norm(
+        self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True
+    ):
+        if norm_type != 2.0:
+            raise ValueError("The ZeRO strategy clips by the global L2 norm only (norm_type=2).")
+        norm = self.engine.clip_grad_norm_(float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total gradient norm is {norm}; set error_if_nonfinite=False to skip."
+            )
+        return norm
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        self.engine.clip_grad_value_(float(clip_val))
+
+    def save_checkpoint(
+        self, path, state: dict[str, Any], storage_options=None, filter=None
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "The ZeRO strategy writes sharded directories: storage_options and filter are not supported."
+            )
+        client = {
+            k: v for k, v in state.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))
+        }
+        self.engine.save_checkpoint(str(path), client_state=to_weights_only(client))
+
+    def load_checkpoint(
+        self, path, state=None, strict: bool = True, weights_only=None
+    ) -> dict[str, Any]:
+        client = self.engine.load_checkpoint(str(path)) or {}
+        if not state:
+            return client
+        for name in list(state):
+            if isinstance(state[name], (nn.Module, torch.optim.Optimizer)):
+                continue  # restored, sharded, by the engine
+            if name in client:
+                state[name] = client.pop(name)
+            elif strict:
+                raise KeyError(
+                    f"'{name}' is not in the checkpoint at {path}; pass strict=False to skip it."
+                )
+        return client
+
+
+def register() -> None:
+    if "zero3" not in STRATEGY_REGISTRY:
+        ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)

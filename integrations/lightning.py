@@ -1,0 +1,363 @@
+"""Lightning: `Trainer(strategy="zero3")`, an adapter over `ZeroEngine`.
+
+The strategy subclasses Lightning's `DDPStrategy` for its launchers, rank handling and
+collectives, but never wraps the model in DDP: `setup()` hands the LightningModule and its
+optimizer to a `ZeroEngine`, and a precision plugin routes backward, clipping and the
+optimizer step through the engine. Checkpoints are the engine's sharded directories, with
+the trainer's own state (loops, callbacks, schedulers) saved beside them, loadable with
+`torch.load(weights_only=True)`.
+
+The same body serves `lightning.pytorch` and `pytorch_lightning` (separate class
+hierarchies, separate registries): `make_strategy(pl)` builds the class for either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import PurePath
+from typing import Any
+
+import torch
+
+from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+
+PRECISIONS = {
+    # Lightning flag -> (engine compute dtype, autocast dtype or None)
+    "32-true": ("fp32", None),
+    "32": ("fp32", None),
+    "bf16-mixed": ("fp32", torch.bfloat16),
+    "bf16-true": ("bf16", None),
+    "16-mixed": ("fp16", None),  # fp16 compute, fp32 masters, dynamic loss scaling
+    "16-true": ("fp16", None),
+}
+
+
+def zero_config_from(
+    stage: int | None, config: ZeroConfig | Mapping | None, options: dict
+) -> ZeroConfig:
+    """One ZeroConfig from the strategy's arguments; unknown options list the known ones."""
+    values: dict[str, Any] = {}
+    if isinstance(config, ZeroConfig):
+        values.update(vars(config))
+    elif config is not None:
+        values.update(dict(config))
+    values.update(options)
+    if stage is not None:
+        values["stage"] = stage
+    return ZeroConfig.from_dict(values)
+
+
+def to_weights_only(value: Any, where: str = "checkpoint") -> Any:
+    """Trainer state reduced to what `torch.load(weights_only=True)` accepts: containers,
+    numbers, strings, tensors. Anything else is kept as its repr, with a warning."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, torch.Size)):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: to_weights_only(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [to_weights_only(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return value.item()
+    warnings.warn(
+        f"{where} holds a {type(value).__name__}, which safe loading cannot restore; it is "
+        "saved as its repr(). Keep trainer state to numbers, strings, tensors and containers.",
+        stacklevel=2,
+    )
+    return repr(value)
+
+
+def make_precision(root: str):
+    base = importlib.import_module(f"{root}.plugins.precision").Precision
+
+    class ZeroPrecision(base):
+        """Backward, clipping and the step go through the engine (global norm over all
+        shards, fp16 loss scaling with skips agreed across ranks)."""
+
+        def __init__(self, precision: str, strategy):
+            super().__init__()
+            self.precision = precision
+            self._strategy = strategy
+            self._autocast = PRECISIONS[precision][1]
+
+        def forward_context(self):
+            if self._autocast is None:
+                return contextlib.nullcontext()
+            device = self._strategy.root_device.type
+            return torch.autocast(device, dtype=self._autocast)
+
+        def convert_input(self, data: Any) -> Any:
+            dtype = self._strategy.engine_config.compute_torch_dtype
+            if dtype == torch.float32:
+                return data
+            from lightning_utilities.core.apply_func import apply_to_collection
+
+            return apply_to_collection(
+                data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t
+            )
+
+        def backward(self, tensor, model, optimizer, *args, **kwargs):
+            engine = self._strategy.engine
+            engine.wait_for_parameters()
+            model.backward(engine.scale_loss(tensor), *args, **kwargs)
+
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            closure_result = closure()
+            self._after_closure(model, optimizer)
+            skip = model.automatic_optimization and closure_result is None
+            if not skip:
+                self._strategy.engine.step()
+            return closure_result
+
+        def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+            self._strategy.engine.clip_grad_norm_(float(clip_val))
+
+        def clip_grad_by_value(self, optimizer, clip_val) -> None:
+            self._strategy.engine.clip_grad_value_(float(clip_val))
+
+    return ZeroPrecision
+
+
+def make_strategy(root: str):
+    """The ZeRO strategy class for `root` ("lightning.pytorch" or "pytorch_lightning").
+    Only its strategies module is needed now: this may run while the framework is still
+    being imported; the rest is looked up at setup()."""
+    DDPStrategy = importlib.import_module(f"{root}.strategies").DDPStrategy
+    precision_class: list[type] = []
+
+    class ZeroStrategy(DDPStrategy):
+        """ZeRO stages 1-3 over `ZeroEngine`. `ZeroStrategy(stage=3, gradient_clipping=0,
+        ...)` takes any ZeroConfig field, or `config=ZeroConfig(...)`."""
+
+        strategy_name = "zero"
+
+        def __init__(
+            self,
+            stage: int | None = None,
+            config: ZeroConfig | Mapping | None = None,
+            accelerator=None,
+            parallel_devices=None,
+            cluster_environment=None,
+            checkpoint_io=None,
+            precision_plugin=None,
+            process_group_backend: str | None = None,
+            start_method: str = "popen",
+            **zero_options: Any,
+        ):
+            self._zero_base = zero_config_from(stage, config, zero_options)  # validates early
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=parallel_devices,
+                cluster_environment=cluster_environment,
+                checkpoint_io=checkpoint_io,
+                precision_plugin=precision_plugin,
+                process_group_backend=process_group_backend,
+                start_method=start_method,
+            )
+            self.engine: ZeroEngine | None = None
+            self.engine_config = self._zero_base
+
+        # ------------------------------------------------------------ registry
+        @classmethod
+        def register_strategies(cls, strategy_registry) -> None:
+            for stage in (1, 2, 3):
+                strategy_registry.register(
+                    f"zero{stage}",
+                    cls,
+                    description=f"ZeRO stage {stage} (zero-strategy)",
+                    stage=stage,
+                )
+
+        @property
+        def is_distributed(self) -> bool:
+            return True
+
+        # ------------------------------------------------------------ set-up
+        def setup_environment(self) -> None:
+            device = self.root_device
+            if device.type not in ("cpu", "cuda"):
+                raise RuntimeError(
+                    f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on '{device.type}'. "
+                    "Use Trainer(accelerator='cpu') or accelerator='cuda'."
+                )
+            super().setup_environment()
+
+        def _precision_flag(self) -> str:
+            plugin = self.precision_plugin
+            flag = str(getattr(plugin, "precision", "32-true"))
+            if flag not in PRECISIONS:
+                raise ValueError(
+                    f"precision={flag!r} is not supported by the ZeRO strategy; use one of "
+                    f"{sorted(PRECISIONS)}."
+                )
+            return flag
+
+        def setup(self, trainer) -> None:
+            assert self.accelerator is not None
+            self.accelerator.setup(trainer)
+            flag = self._precision_flag()
+            compute = PRECISIONS[flag][0]
+            self.engine_config = ZeroConfig.from_dict(
+                {**vars(self._zero_base), "compute_dtype": compute}
+            )
+            if not precision_class:
+                precision_class.append(make_precision(root))
+            self.precision_plugin = precision_class[0](flag, self)
+            self.model_to_device()
+            model = self.lightning_module
+            if trainer.state.fn == "fit":  # TrainerFn is a str enum
+                self.setup_optimizers(trainer)
+                if len(self.optimizers) != 1:
+                    raise RuntimeError(
+                        f"The ZeRO strategy shards one optimizer, but configure_optimizers "
+                        f"returned {len(self.optimizers)}. Put all parameters in one optimizer "
+                        "with param groups, or use strategy='ddp' for multi-optimizer training."
+                    )
+                optimizer = self.optimizers[0]
+            else:
+                # Evaluation only: the engine still owns (and at stage 3 gathers) the
+                # parameters; a learning-rate-0 SGD stands in for the optimizer.
+                optimizer = torch.optim.SGD(
+                    [p for p in model.parameters() if p.requires_grad] or list(model.parameters()),
+                    lr=0.0,
+                )
+            self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)
+            self.model = model
+
+        def model_to_device(self) -> None:
+            """Move real tensors only: parameters built on the meta device are
+            materialized, already sharded, by the engine."""
+            device = self.root_device
+            for module in self.model.modules():
+                for p in module._parameters.values():
+                    if p is not None and not p.is_meta and p.device != device:
+                        p.data = p.data.to(device)
+                for name, b in module._buffers.items():
+                    if b is not None and not b.is_meta and b.device != device:
+                        module._buffers[name] = b.to(device)
+
+        @contextlib.contextmanager
+        def model_sharded_context(self) -> Iterator[None]:
+            """configure_model() runs here: modules are built on the meta device and the
+            engine materializes only this rank's shard, one unit at a time."""
+            with init_on_meta():
+                yield
+
+        @contextlib.contextmanager
+        def block_backward_sync(self) -> Iterator[None]:
+            with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext():
+                yield
+
+        def _evaluation_step(self, name: str, *args, **kwargs):
+            try:
+                return getattr(super(), name)(*args, **kwargs)
+            finally:
+                if self.engine is not None and not torch.is_grad_enabled():
+                    self.engine.reshard()
+
+        def validation_step(self, *args, **kwargs):
+            return self._evaluation_step("validation_step", *args, **kwargs)
+
+        def test_step(self, *args, **kwargs):
+            return self._evaluation_step("test_step", *args, **kwargs)
+
+        def predict_step(self, *args, **kwargs):
+            return self._evaluation_step("predict_step", *args, **kwargs)
+
+        # ------------------------------------------------------------ checkpoints
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+        @property
+        def lightning_restore_optimizer(self) -> bool:
+            return False  # the engine restores its own sharded optimizer state
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            return {}  # the parameters live in the engine's sharded files
+
+        def optimizer_state(self, optimizer) -> dict[str, Any]:
+            return {}
+
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath, storage_options=None
+        ) -> None:
+            if storage_options is not None:
+                raise TypeError(
+                    "The ZeRO strategy writes its own sharded directory; storage_options are "
+                    "not supported. Drop them or use a CheckpointIO with strategy='ddp'."
+                )
+            client = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
+            self.engine.save_checkpoint(str(filepath), client_state=to_weights_only(client))
+
+        def load_checkpoint(
+            self, checkpoint_path, weights_only: bool | None = None
+        ) -> dict[str, Any]:
+            client = self.engine.load_checkpoint(str(checkpoint_path)) or {}
+            client.setdefault("state_dict", {})
+            return client
+
+        def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+            pass  # loaded by load_checkpoint, sharded
+
+        def load_optimizer_state_dict(self, checkpoint) -> None:
+            pass
+
+        def teardown(self) -> None:
+            if self.engine is not None:
+                self.engine.wait_for_parameters()
+            super().teardown()
+
+    ZeroStrategy.__name__ = ZeroStrategy.__qualname__ = "ZeroStrategy"
+    return ZeroStrategy
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def register(root: str):
+    """Add zero1..zero3 to the strategy registry of `root`; returns the strategy class."""
+    if root not in _CLASSES:
+        cls = make_strategy(root)
+        registry = importlib.import_module(f"{root}.strategies").StrategyRegistry
+        if "zero3" not in registry:
+            cls.register_strategies(registry)
+        _CLASSES[root] = cls
+    return _CLASSES[root]
+
+
+def explain_unknown_strategy(error: ValueError, registry, name: object) -> ValueError:
+    """Lightning's message for a mistyped name shows a few examples; ours lists every
+    registered name and the closest ones."""
+    import difflib
+
+    names = sorted(registry)
+    close = difflib.get_close_matches(str(name), names, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"{error}\nRegistered strategy names: {', '.join(names)}.{hint}")
+
+
+def improve_name_errors(connector_cls, registry) -> None:
+    """Wrap a connector's __init__ so an unknown strategy name lists the registered ones."""
+    if getattr(connector_cls, "_zero_strategy_wrapped", False):
+        return
+    original = connector_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        try:
+            original(self, *args, **kwargs)
+        except ValueError as e:
+            name = kwargs.get("strategy")
+            if "invalid strategy name" in str(e) and isinstance(name, str):
+                raise explain_unknown_strategy(e, registry, name) from e
+            raise
+
+    connector_cls.__init__ = __init__
+    connector_cls._zero_strategy_wrapped = True

@@ -1,0 +1,105 @@
+"""A LightningModule and Trainer runner shared by the Lightning tests. Ranks are forked
+by tests/distributed.py with the process group already up, as under torchrun."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from training import TINY, make_model, make_optimizer
+
+STEPS = 20
+
+
+def lit_module_class():
+    import lightning as L
+
+    class LitGPT(L.LightningModule):
+        def __init__(self, lr_schedule: bool = False):
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = make_model()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.model(x, y)
+            self.log("train_loss", loss, sync_dist=True)
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.model(x, y)
+            self.log("val_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            opt = make_optimizer(self.model)
+            if not self.hparams.lr_schedule:
+                return opt
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return LitGPT
+
+
+def loader(n_batches: int = 2 * STEPS, per_rank: int = 2, world: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(
+        TINY.vocab_size, (n_batches * per_rank * world, TINY.block_size + 1), generator=g
+    )
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=per_rank, shuffle=False)
+
+
+def fit(
+    rank: int,
+    world: int,
+    strategy,
+    max_steps: int = STEPS,
+    ckpt_dir: str | None = None,
+    resume: str | None = None,
+    lr_schedule: bool = False,
+    epoch_steps: int | None = None,
+    accumulate: int = 2,
+    **trainer_kwargs,
+):
+    import lightning as L
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    callbacks = []
+    if ckpt_dir:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=bool(ckpt_dir),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    module = lit_module_class()(lr_schedule=lr_schedule)
+    batches = accumulate * (STEPS if epoch_steps is None else epoch_steps)
+    trainer.fit(module, loader(n_batches=batches, world=world), ckpt_path=resume)
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    return {
+        "losses": module.losses,
+        "strategy": type(trainer.strategy).__name__,
+        "sampler": type(trainer.train_dataloader.sampler).__name__,
+        "lr": lr,
+        "global_step": trainer.global_step,
+    }
