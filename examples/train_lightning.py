@@ -19,10 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zero_strategy  # noqa: E402  (registers "zero1".."zero3")
-from examples.corpus import byte_tokens  # noqa: E402
-from examples.gpt import GPT, GPTConfig, decay_groups  # noqa: E402
-from zero_strategy.consolidate import consolidate  # noqa: E402
+from examples.corpus import byte_tokens
+from examples.gpt import GPT, GPTConfig, decay_groups
+from zero_strategy.consolidate import consolidate
 
 
 class ByteWindows(Dataset):
@@ -43,7 +42,9 @@ class LitGPT(L.LightningModule):
     def __init__(self, n_layer: int = 4, n_embd: int = 128, lr: float = 3e-3):
         super().__init__()
         self.save_hyperparameters()
-        self.cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd)
+        self.cfg = GPTConfig(
+            vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd
+        )
 
     def configure_model(self) -> None:
         # Runs inside the strategy's sharded context: built on the meta device, each rank
@@ -92,7 +93,10 @@ def main() -> None:
         files = consolidate(ckpt, Path(args.out) / "consolidated", show_progress=False)
         print(f"sharded checkpoint: {ckpt}/  consolidated model: {files[0]}")
         report = trainer.strategy.engine.memory_report()
-        print("rank 0 memory (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in report.items() if v))
+        print(
+            "rank 0 memory (MiB): "
+            + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in report.items() if v)
+        )
 
 
 if __name__ == "__main__":

@@ -102,9 +102,7 @@ def make_precision(root: str):
             )
 
         def backward(self, tensor, model, optimizer, *args, **kwargs):
-            engine = self._strategy.engine
-            engine.wait_for_parameters()
-            model.backward(engine.scale_loss(tensor), *args, **kwargs)
+            model.backward(self._strategy.engine.scale_loss(tensor), *args, **kwargs)
 
         def optimizer_step(self, optimizer, model, closure, **kwargs):
             closure_result = closure()

@@ -183,3 +183,21 @@ def test_optimizer_zero_grad_clears_the_engine_gradients(stage):
     engine.backward(engine(x, y))
     engine.step()  # lr 0: same parameters, so the same gradient again, not twice it
     assert torch.equal(unit.grad_opt, first)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_grad_through_an_optimizer_wrapper_is_honoured(stage):
+    """Wrappers (Fabric's) call Optimizer.zero_grad on the class, bypassing the engine's
+    routing: the cleared .grad of the optimizer's params is noticed before the next pass."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+    x, y = global_batch(0, 0)
+    engine.backward(engine(x, y))
+    engine.step()
+    unit = engine.units[-1]
+    first = unit.grad_opt.clone()
+    torch.optim.Optimizer.zero_grad(opt)  # what a wrapper's inherited zero_grad does
+    engine.backward(engine(x, y))
+    engine.step()
+    assert torch.equal(unit.grad_opt, first)  # not 2x: the old gradient was dropped

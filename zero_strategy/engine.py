@@ -150,6 +150,8 @@ class ZeroEngine:
                 on_backward_start=self.reducer.backward_started,
             )
         self._grads_unscaled = False
+        self._grads_live = False
+        model.register_forward_pre_hook(lambda *_: self._zero_if_cleared_elsewhere())
         self._last_grad_norm: torch.Tensor | None = None
         self.global_steps = 0
         self.comm.reset()
@@ -271,6 +273,28 @@ class ZeroEngine:
         if self.gather is not None:
             self.gather.release_all()
             self.gather.end_of_pass()
+        # Expose the gradients to the optimizer params: a zero_grad() that bypasses the
+        # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
+        for unit, lo, hi, opt_param in self._opt_views:
+            opt_param.grad = unit.grad_opt[lo:hi]
+        self._grads_live = True
+
+    def _zero_if_cleared_elsewhere(self) -> None:
+        """Honour a zero_grad() that did not come through the engine: optimizer params
+        (or, at stages 0-1, model params) whose .grad was set to None since backward."""
+        if not self._grads_live:
+            return
+        cleared = any(p.grad is None for *_, p in self._opt_views) or (
+            self.config.stage < 2
+            and any(
+                p.grad is None
+                for u in self.units
+                for s, p in zip(u.layout.slots, u.params)
+                if s.trainable
+            )
+        )
+        if cleared:
+            self.zero_grad()
 
     # ================================================================ training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -278,12 +302,13 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward with the fp16 loss scale applied; reductions run during it."""
-        self.wait_for_parameters()
         self.scale_loss(loss).backward(**kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the fp16 loss scale (itself otherwise), for callers that run
-        backward themselves."""
+        """Prepare for a backward the caller runs: finish parameter gathers, honour an
+        outside zero_grad(), and return the loss times the fp16 loss scale."""
+        self.wait_for_parameters()
+        self._zero_if_cleared_elsewhere()
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
     def reshard(self) -> None:
@@ -367,6 +392,7 @@ class ZeroEngine:
         for _, _, _, opt_param in self._opt_views:
             opt_param.grad = None
         self._grads_unscaled = False
+        self._grads_live = False
 
     # ================================================================ step internals
     def _unscale_and_measure(self) -> tuple[torch.Tensor, bool]:
