@@ -208,6 +208,20 @@ def make_strategy(root: str):
             self.precision_plugin = precision_class[0](flag, self)
             self.model_to_device()
             model = self.lightning_module
+            existing = getattr(model, "_zero_engine", None)
+            if existing is not None:
+                # The module was sharded by an earlier fit/validate: its parameters live in
+                # that engine. Evaluation reuses it; a second fit would need the new
+                # optimizer re-pointed at shards that no longer match model.parameters().
+                if trainer.state.fn == "fit":
+                    raise RuntimeError(
+                        "This LightningModule was already sharded by a ZeRO strategy run; "
+                        "fit it once per instance (resume with fit(ckpt_path=...) on a new "
+                        "instance) or evaluate it with validate/test/predict."
+                    )
+                self.engine = existing
+                self.model = model
+                return
             if trainer.state.fn == "fit":  # TrainerFn is a str enum
                 self.setup_optimizers(trainer)
                 if len(self.optimizers) != 1:
@@ -225,6 +239,7 @@ def make_strategy(root: str):
                     lr=0.0,
                 )
             self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)
+            model._zero_engine = self.engine
             self.model = model
 
         def model_to_device(self) -> None:

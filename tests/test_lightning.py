@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from lightning_helpers import fit
 
 from distributed import run_world
@@ -106,3 +107,87 @@ def test_clip_by_value_is_supported_and_matches_ddp():
 
 def test_environment_is_clean():
     assert "LOCAL_RANK" not in os.environ  # ranks run in forked children only
+
+
+def _fit_precision(rank, world, precision):
+    return fit(rank, world, "zero3", 6, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed"])
+def test_precision_flags_train_close_to_fp32(precision):
+    """bf16/fp16 keep 8/11 significant bits; masters, optimizer state and the loss stay
+    fp32, so over 6 steps the losses stay within 2e-2 of fp32 training."""
+    fp32 = run_world(fit, 2, "zero3", 6)
+    low = run_world(_fit_precision, 2, precision)
+    for a, b in zip(low, fp32):
+        assert len(a["losses"]) == len(b["losses"]) == 12
+        assert all(abs(x - y) <= 2e-2 * abs(y) for x, y in zip(a["losses"], b["losses"]))
+
+
+def _evaluate(rank, world):
+    import lightning as L
+    from lightning_helpers import lit_module_class, loader
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="zero3",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = lit_module_class()()
+    trainer.fit(module, loader(n_batches=4, world=world), loader(n_batches=2, world=world))
+    val = trainer.validate(module, loader(n_batches=2, world=world), verbose=False)[0]["val_loss"]
+    fresh = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="zero3",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module.test_step = module.validation_step
+    fresh.test(module, loader(n_batches=2, world=world), verbose=False)
+    return val
+
+
+def test_validate_and_test_run_with_sharded_parameters():
+    vals = run_world(_evaluate, 2)
+    assert vals[0] == vals[1] and 0 < vals[0] < 10  # sync_dist: the same on every rank
+
+
+def _two_optimizers(rank, world):
+    import lightning as L
+    from lightning_helpers import lit_module_class, loader
+
+    class GAN(lit_module_class()):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            half = len(list(self.model.parameters())) // 2
+            params = list(self.model.parameters())
+            return torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="zero2",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GAN(), loader(n_batches=2, world=world))
+
+
+def test_more_than_one_optimizer_is_refused_at_setup():
+    for status, message in run_world(_two_optimizers, 2, expect_errors=True):
+        assert (
+            status == "error"
+            and "shards one optimizer, but configure_optimizers returned 2" in message
+        )
