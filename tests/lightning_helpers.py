@@ -64,6 +64,7 @@ def fit(
     lr_schedule: bool = False,
     epoch_steps: int | None = None,
     accumulate: int = 2,
+    clip: float = 0.5,
     **trainer_kwargs,
 ):
     import lightning as L
@@ -83,7 +84,7 @@ def fit(
         strategy=strategy,
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
-        gradient_clip_val=0.5,
+        gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=bool(ckpt_dir),
         callbacks=callbacks,

@@ -191,3 +191,87 @@ def test_more_than_one_optimizer_is_refused_at_setup():
             status == "error"
             and "shards one optimizer, but configure_optimizers returned 2" in message
         )
+
+
+def _manual(rank, world, strategy):
+    import lightning as L
+    from lightning_helpers import lit_module_class, loader
+
+    class Manual(lit_module_class()):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = self.model(x, y)
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            self.losses.append(loss.item())
+
+    module = Manual()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader(n_batches=6, world=world))
+    return module.losses
+
+
+def test_manual_optimization_with_one_optimizer_matches_ddp():
+    ddp = run_world(_manual, 2, "ddp")
+    ours = run_world(_manual, 2, "zero3")
+    for a, b in zip(ours, ddp):
+        assert len(a) == 6 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
+
+
+def _configure_model(rank, world):
+    import lightning as L
+    from lightning_helpers import loader
+
+    from examples.gpt import GPT, GPTConfig
+
+    big = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=256)
+    seen = {}
+
+    class Sharded(L.LightningModule):
+        def configure_model(self):
+            self.model = GPT(big)
+            seen["built_on_meta"] = all(p.is_meta for p in self.model.parameters())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    module = Sharded()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="zero3",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader(n_batches=2, world=world))
+    held = trainer.strategy.engine.memory_report()["parameters"]
+    full = 4 * sum(u.layout.numel for u in trainer.strategy.engine.units)
+    return seen["built_on_meta"], held, full
+
+
+def test_configure_model_builds_on_meta_and_each_rank_holds_its_shard():
+    for on_meta, held, full in run_world(_configure_model, 2):
+        assert on_meta
+        assert held <= full / 2 + 4 * 16
