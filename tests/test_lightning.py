@@ -275,3 +275,42 @@ def test_configure_model_builds_on_meta_and_each_rank_holds_its_shard():
     for on_meta, held, full in run_world(_configure_model, 2):
         assert on_meta
         assert held <= full / 2 + 4 * 16
+
+
+def _pytorch_lightning_fit(rank, world):
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import zero_strategy  # noqa: F401
+    from training import make_model, make_optimizer
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = make_model()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch)
+
+        def configure_optimizers(self):
+            return make_optimizer(self.model)
+
+    data = torch.randint(64, (8, 17))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="zero2",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Lit(), DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2))
+    return type(trainer.strategy).__module__, trainer.global_step
+
+
+def test_pytorch_lightning_package_has_the_names_too():
+    pytest.importorskip("pytorch_lightning")
+    for module, steps in run_world(_pytorch_lightning_fit, 2):
+        assert module == "zero_strategy.integrations.lightning" and steps == 2
