@@ -374,3 +374,11 @@ def improve_name_errors(connector_cls, registry) -> None:
 
     connector_cls.__init__ = __init__
     connector_cls._zero_strategy_wrapped = True
+
+
+def __getattr__(name: str):
+    """`from zero_strategy.integrations.lightning import ZeroStrategy`: the class for
+    `lightning.pytorch` (use `register("pytorch_lightning")` for the other package)."""
+    if name == "ZeroStrategy":
+        return register("lightning.pytorch")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

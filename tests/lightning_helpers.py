@@ -46,6 +46,22 @@ def lit_module_class():
     return LitGPT
 
 
+def quiet_trainer(world: int, strategy, pl_module=None, **kwargs):
+    """A Trainer on `world` CPU devices with logging, checkpoints and bars off."""
+    if pl_module is None:
+        import lightning.pytorch as pl_module
+    defaults = dict(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl_module.Trainer(**{**defaults, **kwargs})
+
+
 def loader(n_batches: int = 2 * STEPS, per_rank: int = 2, world: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     data = torch.randint(
@@ -78,18 +94,14 @@ def fit(
                 dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{step}"
             )
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        world,
+        strategy,
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
-        logger=False,
         enable_checkpointing=bool(ckpt_dir),
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )

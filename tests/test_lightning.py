@@ -58,10 +58,9 @@ def test_resume_from_a_sharded_checkpoint_continues_as_ddp_does(tmp_path, accumu
 
 
 def test_strategy_instance_with_options():
-    from zero_strategy.integrations.lightning import register
+    from zero_strategy.integrations.lightning import ZeroStrategy
 
-    cls = register("lightning.pytorch")
-    s = cls(stage=2, bucket_size=1000, gradient_clipping=0.0)
+    s = ZeroStrategy(stage=2, bucket_size=1000, gradient_clipping=0.0)
     assert s.engine_config.stage == 2 and s.engine_config.bucket_size == 1000
 
 
@@ -125,30 +124,13 @@ def test_precision_flags_train_close_to_fp32(precision):
 
 
 def _evaluate(rank, world):
-    import lightning as L
-    from lightning_helpers import lit_module_class, loader
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero3",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world, "zero3", max_steps=2)
     module = lit_module_class()()
     trainer.fit(module, loader(n_batches=4, world=world), loader(n_batches=2, world=world))
     val = trainer.validate(module, loader(n_batches=2, world=world), verbose=False)[0]["val_loss"]
-    fresh = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero3",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    fresh = quiet_trainer(world, "zero3")
     module.test_step = module.validation_step
     fresh.test(module, loader(n_batches=2, world=world), verbose=False)
     return val
@@ -160,8 +142,7 @@ def test_validate_and_test_run_with_sharded_parameters():
 
 
 def _two_optimizers(rank, world):
-    import lightning as L
-    from lightning_helpers import lit_module_class, loader
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
 
     class GAN(lit_module_class()):
         def __init__(self):
@@ -173,15 +154,7 @@ def _two_optimizers(rank, world):
             params = list(self.model.parameters())
             return torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero2",
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world, "zero2", max_steps=1)
     trainer.fit(GAN(), loader(n_batches=2, world=world))
 
 
@@ -194,8 +167,7 @@ def test_more_than_one_optimizer_is_refused_at_setup():
 
 
 def _manual(rank, world, strategy):
-    import lightning as L
-    from lightning_helpers import lit_module_class, loader
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
 
     class Manual(lit_module_class()):
         def __init__(self):
@@ -213,16 +185,7 @@ def _manual(rank, world, strategy):
             self.losses.append(loss.item())
 
     module = Manual()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world, strategy, max_steps=6)
     trainer.fit(module, loader(n_batches=6, world=world))
     return module.losses
 
@@ -236,7 +199,7 @@ def test_manual_optimization_with_one_optimizer_matches_ddp():
 
 def _configure_model(rank, world):
     import lightning as L
-    from lightning_helpers import loader
+    from lightning_helpers import loader, quiet_trainer
 
     from examples.gpt import GPT, GPTConfig
 
@@ -255,16 +218,7 @@ def _configure_model(rank, world):
             return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
     module = Sharded()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero3",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world, "zero3", max_steps=2)
     trainer.fit(module, loader(n_batches=2, world=world))
     held = trainer.strategy.engine.memory_report()["parameters"]
     full = 4 * sum(u.layout.numel for u in trainer.strategy.engine.units)
@@ -279,6 +233,7 @@ def test_configure_model_builds_on_meta_and_each_rank_holds_its_shard():
 
 def _pytorch_lightning_fit(rank, world):
     import pytorch_lightning as pl
+    from lightning_helpers import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     import zero_strategy  # noqa: F401
@@ -296,16 +251,7 @@ def _pytorch_lightning_fit(rank, world):
             return make_optimizer(self.model)
 
     data = torch.randint(64, (8, 17))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero2",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(world, "zero2", pl_module=pl, max_steps=2)
     trainer.fit(Lit(), DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2))
     return type(trainer.strategy).__module__, trainer.global_step
 
