@@ -1,5 +1,5 @@
-"""`zero-strategy` command line: consolidate and inspect sharded checkpoints; `env` reports
-what this machine offers the engine."""
+"""`zero-strategy` command line: consolidate and inspect sharded checkpoints, estimate
+memory and communication; `env` reports what this machine offers the engine."""
 
 from __future__ import annotations
 
@@ -45,6 +45,61 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from . import planner
+
+    root = 0
+    if args.hf_config:
+        params, root = _params_of_hf_config(args.hf_config)
+    elif args.params:
+        params = planner.parse_count(args.params)
+    else:
+        raise ValueError("give --params (e.g. 7.5B) or --hf-config config.json")
+    activations = 0.0
+    if args.batch and args.seq and args.hidden and args.layers:
+        activations = planner.activation_bytes(args.batch, args.seq, args.hidden, args.layers)
+    stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+    device = args.device_memory * planner.GB if args.device_memory else None
+    plans = [
+        planner.plan(
+            params,
+            args.world_size * args.nodes,
+            s,
+            args.dtype,
+            args.optimizer,
+            args.accounting,
+            root,
+            activations,
+            device,
+            args.ep_size,
+            args.expert_params,
+        )
+        for s in stages
+    ]
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], indent=1))
+    else:
+        print("\n\n".join(planner.format_table(p) for p in plans))
+        if device is not None:
+            best = next((p.stage for p in plans if p.fits), None)
+            print(f"\ncheapest stage that fits: {best if best is not None else 'none'}")
+    return 0
+
+
+def _params_of_hf_config(path: str) -> tuple[int, int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .planner import count_params
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return count_params(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-strategy", description="ZeRO sharding for PyTorch.")
     parser.add_argument("--version", action="version", version=f"zero-strategy {__version__}")
@@ -78,6 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     i.add_argument("checkpoint")
     i.set_defaults(func=_inspect)
+
+    e = sub.add_parser("estimate", help="per-rank memory and communication for a model size")
+    e.add_argument("--params", help="parameter count, e.g. 7.5B, 350M")
+    e.add_argument("--hf-config", help="a Hugging Face config.json (model built on meta)")
+    e.add_argument("--world-size", type=int, default=1, help="ranks per node")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--stage", default="all", choices=["0", "1", "2", "3", "all"])
+    e.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--accounting", default="zero-strategy", choices=["zero-strategy", "zero-paper"])
+    e.add_argument("--ep-size", type=int, default=1)
+    e.add_argument("--expert-params", type=int, default=0)
+    e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
+    e.add_argument("--batch", type=int, default=0)
+    e.add_argument("--seq", type=int, default=0)
+    e.add_argument("--hidden", type=int, default=0)
+    e.add_argument("--layers", type=int, default=0)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_estimate)
 
     args = parser.parse_args(argv)
     try:

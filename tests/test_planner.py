@@ -1,0 +1,127 @@
+"""The planner reproduces the ZeRO paper and predicts this engine's real figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distributed import run_world
+from training import local_batch, make_model, make_optimizer
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.cli import main
+from zero_strategy.planner import GB, PlanError, cheapest_stage, count_params, plan
+
+
+@pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_example(stage, gb):
+    """7.5B parameters, 64 ranks, mixed-precision Adam (ZeRO paper, Figure 1)."""
+    p = plan(7_500_000_000, 64, stage, "fp16", accounting="zero-paper")
+    assert round(p.model_state / GB, 1) == gb
+
+
+def test_cheapest_stage_that_fits():
+    assert (
+        cheapest_stage(7_500_000_000, 64, 32 * GB, compute_dtype="fp16", accounting="zero-paper")
+        == 1
+    )
+    assert (
+        cheapest_stage(7_500_000_000, 64, 2 * GB, compute_dtype="fp16", accounting="zero-paper")
+        == 3
+    )
+    assert (
+        cheapest_stage(7_500_000_000, 64, 1 * GB, compute_dtype="fp16", accounting="zero-paper")
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": -5}, "params=-5 is invalid"),
+        ({"compute_dtype": "fp8"}, "compute_dtype='fp8' is invalid"),
+        ({"ep_size": 3}, "ep_size=3 is invalid: it must divide world_size=8"),
+        ({"stage": 4}, "stage=4 is invalid"),
+        ({"optimizer": "lion"}, "optimizer='lion' is invalid"),
+    ],
+)
+def test_bad_input(kwargs, message):
+    args = {"params": 1000, "world_size": 8, "stage": 3, **kwargs}
+    with pytest.raises(PlanError, match=message):
+        plan(**args)
+
+
+def _measure(rank, world, stage, dtype):
+    model = make_model()
+    engine = ZeroEngine(
+        model,
+        make_optimizer(model),
+        ZeroConfig(
+            stage=stage,
+            compute_dtype=dtype,
+            reduce_scatter_via_all_reduce=False,
+            all_gather_via_broadcast=False,
+        ),
+    )
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    m = engine.memory_report()
+    state = m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
+    comm = {k: v["bytes"] for k, v in engine.comm_report().items() if k != "control"}
+    return state, comm
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_planner_matches_the_engine_within_2_percent(stage, world, dtype):
+    params, root = count_params(make_model())
+    predicted = plan(params, world, stage, dtype, root_params=root)
+    state, comm = run_world(_measure, world, stage, dtype)[0]
+    assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, state)
+    if world > 1:
+        assert comm.keys() == predicted.comm.keys()
+        for kind, value in comm.items():
+            assert abs(predicted.comm[kind] - value) <= 0.02 * value, (kind, predicted.comm, comm)
+
+
+def test_estimate_cli_table_and_json(capsys):
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "7.5B",
+                "--world-size",
+                "8",
+                "--nodes",
+                "8",
+                "--accounting",
+                "zero-paper",
+                "--dtype",
+                "fp16",
+                "--device-memory",
+                "32",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "cheapest stage that fits: 1" in out and "120.000 GB" in out
+    assert (
+        main(["estimate", "--params", "350M", "--world-size", "4", "--stage", "3", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["params"] == 350_000_000 and data[0]["stage"] == 3
+    assert main(["estimate", "--params=-1B"]) == 1
+
+
+def test_estimate_from_a_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    cfg.save_pretrained(tmp_path)
+    assert main(["estimate", "--hf-config", str(tmp_path), "--world-size", "2", "--stage", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(cfg).parameters())  # tied once
+    assert data[0]["params"] == expected

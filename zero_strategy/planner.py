@@ -1,0 +1,206 @@
+"""A model of cost: per-rank memory by kind and communication per step, for any model
+size, world size and stage, before anything is allocated.
+
+Two accountings:
+- "zero-strategy" (default): this engine's layout, validated against `memory_report()`
+  and `comm_report()` of real runs (tests/test_planner.py).
+- "zero-paper": the ZeRO paper's mixed-precision Adam model (2 bytes of parameters, 2 of
+  gradients, K=12 of fp32 master and moments per parameter), for comparison with its
+  figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+GB = 1e9
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Elementwise optimizer state, fp32 bytes per parameter.
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8,
+    "adam": 8,
+    "sgd": 0,
+    "sgd-momentum": 4,
+    "adagrad": 4,
+    "rmsprop": 4,
+    "adamax": 8,
+    "nadam": 8,
+    "radam": 8,
+}
+
+
+class PlanError(ValueError):
+    """Invalid planner input; the message names the field and the fix."""
+
+
+@dataclass
+class Plan:
+    params: int
+    world_size: int
+    stage: int
+    compute_dtype: str
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per rank by kind
+    comm: dict[str, float] = field(default_factory=dict)  # bytes per step by collective
+    device_memory: float | None = None
+
+    @property
+    def model_state(self) -> float:
+        return sum(v for k, v in self.memory.items() if k != "activations")
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "model_state": self.model_state,
+            "total": self.total,
+            "fits": self.fits,
+        }
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(parameters, parameters of the stage-3 root unit), each tied tensor once; works on
+    a model built on the meta device."""
+    from .partition import module_layouts, select_unit_modules, unique_parameters
+
+    params = unique_parameters(model)
+    layouts = module_layouts(model, params, {}, 1, select_unit_modules(model, []))
+    return sum(p.param.numel() for p in params), layouts[0].numel
+
+
+def plan(
+    params: int,
+    world_size: int,
+    stage: int,
+    compute_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    accounting: str = "zero-strategy",
+    root_params: int = 0,
+    activations: float = 0.0,
+    device_memory: float | None = None,
+    ep_size: int = 1,
+    expert_params: int = 0,
+) -> Plan:
+    """Per-rank bytes by kind and per-step communication (one micro-batch, gradients
+    reduced once) for a model of `params` parameters, `expert_params` of them in MoE
+    experts split over `ep_size` expert-parallel ranks."""
+    _validate(params, world_size, stage, compute_dtype, optimizer, accounting, root_params)
+    if not isinstance(ep_size, int) or ep_size <= 0 or world_size % ep_size:
+        raise PlanError(
+            f"ep_size={ep_size!r} is invalid: it must divide world_size={world_size} (expert "
+            "groups are contiguous ranks), e.g. 1, 2 or 4 for 8 ranks."
+        )
+    if not isinstance(expert_params, int) or not 0 <= expert_params <= params:
+        raise PlanError(
+            f"expert_params={expert_params!r} is invalid: use a count between 0 and params."
+        )
+    n = float(world_size)
+    # What one rank would hold unsharded: the dense part and its own experts.
+    psi = float(params - expert_params) + expert_params / ep_size
+    shard = params / n  # dense over n ranks; experts over n / ep_size, of 1/ep_size of them
+    opt = OPTIMIZER_STATE_BYTES[optimizer]
+    if accounting == "zero-paper":
+        # Mixed-precision Adam: 2 + 2 + K bytes, K = 12 (fp32 master, momentum, variance).
+        k = 4 + opt
+        memory = {
+            "parameters": 2 * (shard if stage >= 3 else psi),
+            "gradients": 2 * (shard if stage >= 2 else psi),
+            "optimizer_state": k * (shard if stage >= 1 else psi),
+        }
+    else:
+        c = _DTYPE_BYTES[compute_dtype]
+        mixed = c != 4
+        opt_range = psi if stage == 0 else shard  # what this rank's optimizer steps
+        memory = {
+            "parameters": c * (shard if stage == 3 else psi),
+            "master_params": 4 * opt_range if mixed else 0.0,
+            # stages 0-1 keep full gradients in the compute dtype (plus an fp32 slice
+            # when mixed); stages 2-3 keep only the fp32 slice
+            "gradients": (c * psi + (4 * opt_range if mixed else 0)) if stage < 2 else 4 * shard,
+            "optimizer_state": opt * opt_range,
+        }
+    if activations:
+        memory["activations"] = activations
+    dtype_bytes = 2 if accounting == "zero-paper" else _DTYPE_BYTES[compute_dtype]
+    comm: dict[str, float] = {}
+    if world_size > 1:
+        full = dtype_bytes * psi
+        if stage <= 1:
+            comm["all_reduce"] = full
+        else:
+            comm["reduce_scatter"] = full
+        if stage in (1, 2):
+            comm["all_gather"] = full
+        elif stage == 3:
+            comm["all_gather"] = 2 * full - dtype_bytes * root_params
+    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory)
+
+
+def cheapest_stage(params: int, world_size: int, device_memory: float, **kwargs) -> int | None:
+    """The lowest stage (least communication) whose plan fits, or None."""
+    for stage in (0, 1, 2, 3):
+        if plan(params, world_size, stage, device_memory=device_memory, **kwargs).fits:
+            return stage
+    return None
+
+
+def activation_bytes(batch: int, seq: int, hidden: int, layers: int, dtype_bytes: int = 2) -> float:
+    """A transformer's saved activations without recomputation, about 34·b·s·h bytes per
+    layer at 2 bytes per value (Korthikanti et al., attention scores left out)."""
+    return 34.0 * batch * seq * hidden * layers * dtype_bytes / 2
+
+
+def _validate(params, world_size, stage, compute_dtype, optimizer, accounting, root_params) -> None:
+    def fail(name: str, value, fix: str) -> None:
+        raise PlanError(f"{name}={value!r} is invalid: {fix}")
+
+    if not isinstance(params, int) or params <= 0:
+        fail("params", params, "use a positive number of parameters, e.g. 7_500_000_000.")
+    if not isinstance(world_size, int) or world_size <= 0:
+        fail("world_size", world_size, "use a positive number of ranks.")
+    if stage not in (0, 1, 2, 3):
+        fail("stage", stage, "use 0, 1, 2 or 3.")
+    if compute_dtype not in _DTYPE_BYTES:
+        fail("compute_dtype", compute_dtype, f"use one of {sorted(_DTYPE_BYTES)}.")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        fail("optimizer", optimizer, f"use one of {sorted(OPTIMIZER_STATE_BYTES)}.")
+    if accounting not in ("zero-strategy", "zero-paper"):
+        fail("accounting", accounting, "use 'zero-strategy' or 'zero-paper'.")
+    if not isinstance(root_params, int) or not 0 <= root_params <= params:
+        fail("root_params", root_params, "use a count between 0 and params.")
+
+
+def format_table(p: Plan) -> str:
+    rows = [
+        f"{p.params:,} parameters, {p.world_size} ranks, stage {p.stage}, {p.compute_dtype}",
+        "per-rank memory:",
+    ]
+    rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.memory.items()]
+    rows.append(f"  {'total':<18} {p.total / GB:10.3f} GB")
+    if p.device_memory is not None:
+        rows.append(f"  fits in {p.device_memory / GB:.0f} GB: {'yes' if p.fits else 'NO'}")
+    rows.append("communication per step:")
+    rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.comm.items()] or ["  none (one rank)"]
+    return "\n".join(rows)
+
+
+def parse_count(text: str) -> int:
+    """'7.5B', '350M', '1T', '125000' -> an integer count."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    text = text.strip().upper()
+    try:
+        if text and text[-1] in scale:
+            return round(float(text[:-1]) * scale[text[-1]])
+        return int(text)
+    except ValueError:
+        raise PlanError(
+            f"params={text!r} is invalid: use a number such as 7.5B, 350M or 125000."
+        ) from None
