@@ -121,7 +121,30 @@ def test_estimate_from_a_hugging_face_config(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
     cfg.save_pretrained(tmp_path)
-    assert main(["estimate", "--hf-config", str(tmp_path), "--world-size", "2", "--stage", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--hf-config",
+                str(tmp_path),
+                "--world-size",
+                "2",
+                "--stage",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(cfg).parameters())  # tied once
     assert data[0]["params"] == expected
+
+
+def test_offload_moves_optimizer_state_to_host():
+    on_device = plan(13_000_000_000, 8, 2, "bf16")
+    offloaded = plan(13_000_000_000, 8, 2, "bf16", offload="optimizer")
+    assert offloaded.host_memory["optimizer_state"] == on_device.memory["optimizer_state"]
+    assert offloaded.model_state == on_device.model_state - sum(offloaded.host_memory.values())
+    with pytest.raises(PlanError, match="offload='nvme' is invalid"):
+        plan(1000, 1, 0, offload="nvme")

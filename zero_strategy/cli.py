@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--ep-size", type=int, default=1)
     e.add_argument("--expert-params", type=int, default=0)
     e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
+    e.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
     e.add_argument("--batch", type=int, default=0)
     e.add_argument("--seq", type=int, default=0)
     e.add_argument("--hidden", type=int, default=0)

@@ -44,9 +44,11 @@ class Plan:
     memory: dict[str, float] = field(default_factory=dict)  # bytes per rank by kind
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by collective
     device_memory: float | None = None
+    host_memory: dict[str, float] = field(default_factory=dict)  # offloaded, per rank
 
     @property
     def model_state(self) -> float:
+        """Device bytes of model state (offloaded kinds are in host_memory)."""
         return sum(v for k, v in self.memory.items() if k != "activations")
 
     @property
@@ -88,6 +90,7 @@ def plan(
     device_memory: float | None = None,
     ep_size: int = 1,
     expert_params: int = 0,
+    offload: str = "none",
 ) -> Plan:
     """Per-rank bytes by kind and per-step communication (one micro-batch, gradients
     reduced once) for a model of `params` parameters, `expert_params` of them in MoE
@@ -129,6 +132,19 @@ def plan(
         }
     if activations:
         memory["activations"] = activations
+    if offload not in ("none", "optimizer", "optimizer+params"):
+        raise PlanError(
+            f"offload={offload!r} is invalid: use 'none', 'optimizer' (masters and optimizer "
+            "state in host memory, as ZeRO-Offload) or 'optimizer+params' (ZeRO-Infinity style)."
+        )
+    host: dict[str, float] = {}
+    moved = ("optimizer_state", "master_params") + (
+        ("parameters",) if offload == "optimizer+params" else ()
+    )
+    if offload != "none":
+        for kind in moved:
+            if kind in memory:
+                host[kind] = memory.pop(kind)
     dtype_bytes = 2 if accounting == "zero-paper" else _DTYPE_BYTES[compute_dtype]
     comm: dict[str, float] = {}
     if world_size > 1:
@@ -141,7 +157,7 @@ def plan(
             comm["all_gather"] = full
         elif stage == 3:
             comm["all_gather"] = 2 * full - dtype_bytes * root_params
-    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory)
+    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host)
 
 
 def cheapest_stage(params: int, world_size: int, device_memory: float, **kwargs) -> int | None:
@@ -185,6 +201,9 @@ def format_table(p: Plan) -> str:
     ]
     rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.memory.items()]
     rows.append(f"  {'total':<18} {p.total / GB:10.3f} GB")
+    if p.host_memory:
+        rows.append("offloaded to host memory per rank:")
+        rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.host_memory.items()]
     if p.device_memory is not None:
         rows.append(f"  fits in {p.device_memory / GB:.0f} GB: {'yes' if p.fits else 'NO'}")
     rows.append("communication per step:")
