@@ -20,6 +20,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.launch import torchrun  # noqa: E402
 
 WRITER = r"""
 import os, sys, torch, torch.distributed as dist
@@ -59,25 +62,7 @@ def dir_bytes(path: Path) -> int:
 def write_checkpoint(impl: str, size: str, out: Path) -> None:
     script = out.parent / f"write_{impl}.py"
     script.write_text(WRITER.format(root=str(ROOT)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            impl,
-            size,
-            str(out),
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    torchrun(str(script), impl, size, str(out))
 
 
 _MEASURE = (

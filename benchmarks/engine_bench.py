@@ -14,26 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.launch import torchrun  # noqa: E402
+
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3"]
 
 
 def run_one(impl: str, args, out: str) -> dict | None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+    proc = torchrun(
         str(HERE / "engine_worker.py"),
         "--impl",
         impl,
@@ -45,8 +40,9 @@ def run_one(impl: str, args, out: str) -> dict | None:
         str(args.steps),
         "--out",
         out,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        timeout=args.timeout,
+        check=False,
+    )
     if proc.returncode != 0:
         print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +20,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.launch import torchrun  # noqa: E402
+
 IMPLS = ["engine-zero3", "lightning-zero3", "lightning-ddp"]
 
 
@@ -105,25 +106,9 @@ def worker(impl: str, size: str, steps: int, out: str) -> None:
 
 
 def run(impl: str, args, out: str) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        "--worker",
-        impl,
-        "--size",
-        args.size,
-        "--steps",
-        str(args.steps),
-        "--out",
-        out,
-    ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    torchrun(
+        __file__, "--worker", impl, "--size", args.size, "--steps", str(args.steps), "--out", out
+    )
     per_rank = [
         json.loads(Path(out, f"{impl}.{r}.json").read_text())[args.warmup :] for r in range(2)
     ]
