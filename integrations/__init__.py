@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable
 
 _TARGETS: dict[str, Callable[[], None]] = {}
@@ -78,17 +79,29 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             real_exec(module)
-            _TARGETS[fullname]()
+            _safely(_TARGETS[fullname], fullname)
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _safely(register: Callable[[], None], target: str) -> None:
+    """A failed registration must never break the framework's own import."""
+    try:
+        register()
+    except Exception as e:  # e.g. a framework version whose internals moved
+        warnings.warn(
+            f"zero-strategy could not register its strategies with {target}: {e!r}. "
+            "Pass ZeroStrategy(...) instances instead of names.",
+            stacklevel=2,
+        )
 
 
 def register_all() -> None:
     pending = False
     for name, register in _TARGETS.items():
         if name in sys.modules:
-            register()
+            _safely(register, name)
         else:
             pending = True
     if pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):

@@ -260,3 +260,15 @@ def test_pytorch_lightning_package_has_the_names_too():
     pytest.importorskip("pytorch_lightning")
     for module, steps in run_world(_pytorch_lightning_fit, 2):
         assert module == "zero_strategy.integrations.lightning" and steps == 2
+
+
+def test_a_failing_registration_never_breaks_the_framework_import():
+    from zero_strategy import integrations
+
+    def broken():
+        raise AttributeError("internals moved")
+
+    with pytest.warns(
+        UserWarning, match="could not register its strategies with x.y: .*internals moved"
+    ):
+        integrations._safely(broken, "x.y")
