@@ -78,11 +78,14 @@ class ZeroFabricStrategy(DDPStrategy):
         super().setup_environment()
 
     def _config(self) -> ZeroConfig:
+        """The engine's compute dtype from Fabric's precision flag. Autocast ("bf16-mixed")
+        and input casting stay with Fabric's own precision plugin; "16-mixed" becomes fp16
+        compute with the engine's loss scaling (the engine runs backward and the step)."""
         flag = str(getattr(self.precision, "precision", "32-true"))
-        if flag not in PRECISIONS or PRECISIONS[flag][1] is not None:
+        if flag not in PRECISIONS:
             raise ValueError(
-                f"precision={flag!r} is not supported by the ZeRO Fabric strategy; use "
-                "'32-true', 'bf16-true' or '16-mixed' (fp16 compute with loss scaling)."
+                f"precision={flag!r} is not supported by the ZeRO Fabric strategy; use one of "
+                f"{sorted(PRECISIONS)}."
             )
         return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": PRECISIONS[flag][0]})
 

@@ -272,3 +272,25 @@ def test_a_failing_registration_never_breaks_the_framework_import():
         UserWarning, match="could not register its strategies with x.y: .*internals moved"
     ):
         integrations._safely(broken, "x.y")
+
+
+def _predict(rank, world):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    class Predicting(lit_module_class()):
+        def predict_step(self, batch, batch_idx):
+            x, y = batch
+            return self.model(x, y)
+
+    module = Predicting()
+    trainer = quiet_trainer(world, "zero3", max_steps=2)
+    trainer.fit(module, loader(n_batches=4, world=world))
+    out = trainer.predict(module, loader(n_batches=2, world=world))
+    gathered = trainer.strategy.engine.memory_report()["gathered_parameters"]
+    return [float(v) for v in out], gathered
+
+
+def test_predict_after_fit_gathers_then_frees():
+    for losses, gathered in run_world(_predict, 2):
+        assert len(losses) == 2 and all(0 < v < 10 for v in losses)
+        assert gathered == 0
