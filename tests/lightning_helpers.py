@@ -81,6 +81,7 @@ def fit(
     epoch_steps: int | None = None,
     accumulate: int = 2,
     clip: float = 0.5,
+    save_at_end: str | None = None,
     **trainer_kwargs,
 ):
     import lightning as L
@@ -108,6 +109,8 @@ def fit(
     module = lit_module_class()(lr_schedule=lr_schedule)
     batches = accumulate * (STEPS if epoch_steps is None else epoch_steps)
     trainer.fit(module, loader(n_batches=batches, world=world), ckpt_path=resume)
+    if save_at_end:
+        trainer.save_checkpoint(save_at_end)
     lr = trainer.optimizers[0].param_groups[0]["lr"]
     return {
         "losses": module.losses,

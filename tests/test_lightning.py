@@ -40,12 +40,27 @@ def _resume_runs(tmp_path, strategy: str, accumulate: int):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_resume_with_ckpt_path_equals_the_uninterrupted_run(tmp_path, stage, accumulate):
+    """Train one epoch (5 optimizer steps), save, resume for the second with ckpt_path:
+    the continued losses, the scheduler and the step count are those of a 2-epoch run,
+    bit for bit."""
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    kw = dict(epoch_steps=5, accumulate=accumulate)
+    full = run_world(fit, 2, stage, -1, None, None, True, max_epochs=2, **kw)
+    run_world(fit, 2, stage, -1, None, None, True, save_at_end=ckpt, max_epochs=1, **kw)
+    assert (tmp_path / "epoch1.ckpt" / "index.json").exists()
+    resumed = run_world(fit, 2, stage, -1, None, ckpt, True, max_epochs=2, **kw)
+    for a, b in zip(resumed, full):
+        assert a["losses"] == b["losses"][5 * accumulate :]
+        assert a["lr"] == b["lr"] and a["global_step"] == b["global_step"] == 10
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
 def test_resume_from_a_sharded_checkpoint_continues_as_ddp_does(tmp_path, accumulate):
-    """Epochs of 5 steps, resumed from the checkpoint written at the end of the first.
-    Lightning's own resume does not replay the uninterrupted run exactly (DDP's continued
-    losses differ from its uninterrupted ones from the second batch on, with or without
-    accumulation); ZeRO continues exactly as DDP does. The engine's checkpoints themselves
-    resume bit for bit (tests/test_checkpoint.py)."""
+    """ModelCheckpoint in the middle of a max_steps run: Lightning re-enters the epoch at
+    batch_idx 5 and starts the next epoch early, so the continuation is not the
+    uninterrupted run's, for DDP either; ZeRO continues exactly as DDP does."""
     _, ddp, _ = _resume_runs(tmp_path, "ddp", accumulate)
     _, ours, ckpt = _resume_runs(tmp_path, "zero3", accumulate)
     assert (ckpt / "index.json").exists() and (ckpt / "client_state.pt").exists()
