@@ -19,7 +19,13 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
 
-from .lightning import PRECISIONS, to_weights_only, zero_config_from
+from .lightning import (
+    PRECISIONS,
+    register_zero_names,
+    require_cpu_or_cuda,
+    to_weights_only,
+    zero_config_from,
+)
 
 
 class _EngineSyncControl(_BackwardSyncControl):
@@ -64,17 +70,10 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}", cls, description=f"ZeRO stage {stage} (zero-strategy)", stage=stage
-            )
+        register_zero_names(cls, strategy_registry)
 
     def setup_environment(self) -> None:
-        if self.root_device.type not in ("cpu", "cuda"):
-            raise RuntimeError(
-                f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on "
-                f"'{self.root_device.type}'. Use Fabric(accelerator='cpu') or 'cuda'."
-            )
+        require_cpu_or_cuda(self.root_device, "Fabric")
         super().setup_environment()
 
     def _config(self) -> ZeroConfig:

@@ -72,6 +72,23 @@ def to_weights_only(value: Any, where: str = "checkpoint") -> Any:
     return repr(value)
 
 
+def require_cpu_or_cuda(device: torch.device, entry: str) -> None:
+    """The engine runs on gloo (CPU) and NCCL (CUDA) only; `entry` names where to fix it."""
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(
+            f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on '{device.type}'. "
+            f"Use {entry}(accelerator='cpu') or accelerator='cuda'."
+        )
+
+
+def register_zero_names(cls: type, registry) -> None:
+    """zero1..zero3 in a Lightning or Fabric strategy registry."""
+    for stage in (1, 2, 3):
+        registry.register(
+            f"zero{stage}", cls, description=f"ZeRO stage {stage} (zero-strategy)", stage=stage
+        )
+
+
 def make_precision(root: str):
     base = importlib.import_module(f"{root}.plugins.precision").Precision
 
@@ -163,13 +180,7 @@ def make_strategy(root: str):
         # ------------------------------------------------------------ registry
         @classmethod
         def register_strategies(cls, strategy_registry) -> None:
-            for stage in (1, 2, 3):
-                strategy_registry.register(
-                    f"zero{stage}",
-                    cls,
-                    description=f"ZeRO stage {stage} (zero-strategy)",
-                    stage=stage,
-                )
+            register_zero_names(cls, strategy_registry)
 
         @property
         def is_distributed(self) -> bool:
@@ -177,12 +188,7 @@ def make_strategy(root: str):
 
         # ------------------------------------------------------------ set-up
         def setup_environment(self) -> None:
-            device = self.root_device
-            if device.type not in ("cpu", "cuda"):
-                raise RuntimeError(
-                    f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on '{device.type}'. "
-                    "Use Trainer(accelerator='cpu') or accelerator='cuda'."
-                )
+            require_cpu_or_cuda(self.root_device, "Trainer")
             super().setup_environment()
 
         def _precision_flag(self) -> str:

@@ -48,7 +48,7 @@ def rank_file(rank: int) -> str:
 
 
 # ============================================================================ saving
-def _owned_pieces(engine: ZeroEngine, rank: int, world: int) -> Iterator[tuple[Any, Any, int, int]]:
+def _owned_pieces(engine: ZeroEngine, rank: int) -> Iterator[tuple[Any, Any, int, int]]:
     """(unit, slot, lo, hi) for every range of a parameter that `rank` writes; ranges are
     in flattened-parameter coordinates. Stage 0 is replicated: rank 0 writes everything."""
     for unit in engine.units:
@@ -130,7 +130,7 @@ def save(engine: ZeroEngine, path: str | os.PathLike, client_state: dict | None 
     segments = _state_by_segment(engine)
     tensors: dict[str, torch.Tensor] = {}
     state_keys: set[str] = set()
-    for unit, slot, lo, hi in _owned_pieces(engine, rank, world):
+    for unit, slot, lo, hi in _owned_pieces(engine, rank):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
         tensors[slot.name] = unit.master[a:b]
         for key, value in _elementwise_state(engine, unit, slot, lo, hi, segments).items():
@@ -193,7 +193,7 @@ def _index(
 ) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for r in range(world):
-        for _unit, slot, lo, hi in _owned_pieces(engine, r, world):
+        for _unit, slot, lo, hi in _owned_pieces(engine, r):
             entry = params.setdefault(
                 slot.name,
                 {
