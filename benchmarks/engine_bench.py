@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.launch import torchrun  # noqa: E402
 
-ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3"]
+ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
 
 
 def run_one(impl: str, args, out: str) -> dict | None:
@@ -101,7 +101,7 @@ def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
         got = [rd[impl] for rd in rounds if impl in rd]
         if not got:
             continue
-        peer = "ds" + impl[4:] if impl.startswith("zero") else None
+        peer = "ds" + impl[4] if impl.startswith("zero") else None
         vs_ds = f"{_median_ratio(rounds, peer, impl):.2f}x" if peer else "-"
         print(
             f"| {impl} | {statistics.median(g['step'] for g in got):.3f} "

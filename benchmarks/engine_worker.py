@@ -1,7 +1,9 @@
 """One training run of one implementation on one rank; writes a JSON line of figures.
 
 Launched by `benchmarks/engine_bench.py` through torchrun; not meant to be run by hand.
-Implementations: ddp, fsdp2, ds1/ds2/ds3 (DeepSpeed ZeRO, DS_ACCELERATOR=cpu), zero1/2/3.
+Implementations: ddp, fsdp2, ds1/ds2/ds3 (DeepSpeed ZeRO, DS_ACCELERATOR=cpu), zero1/2/3,
+and zero3-reuse: stage 3 with DeepSpeed's default reuse distance (1e9 elements), which keeps
+every unit gathered from forward into backward, as ds3 does by default.
 Every implementation trains the same GPT on the same batches with AdamW and global-norm
 clipping at 1.0, so the step does the same work everywhere.
 """
@@ -25,6 +27,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import GPT, GPTConfig
+
+# DeepSpeed's default stage3_max_reuse_distance (deepspeed/runtime/zero/config.py).
+DEEPSPEED_REUSE_DISTANCE = 1_000_000_000
 
 SIZES = {
     # ~82M parameters: 8 layers, d=768, vocab 16384, seq 128, untied head.
@@ -160,7 +165,11 @@ def build(impl: str, model: torch.nn.Module):
         engine = ZeroEngine(
             model,
             torch.optim.AdamW(model.parameters(), lr=LR),
-            ZeroConfig(stage=int(impl[4:]), gradient_clipping=CLIP),
+            ZeroConfig(
+                stage=int(impl[4]),
+                gradient_clipping=CLIP,
+                max_reuse_distance=DEEPSPEED_REUSE_DISTANCE if impl.endswith("-reuse") else 0,
+            ),
         )
 
         def step():

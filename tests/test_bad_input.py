@@ -22,6 +22,7 @@ BAD_VALUES = [
     ("bucket_size", 2.5, "positive number of elements"),
     ("prefetch_depth", -1, "non-negative integer"),
     ("persistence_threshold", -5, "non-negative integer"),
+    ("max_reuse_distance", -1, "non-negative integer"),
     ("overlap_comm", "yes", "True or False"),
     ("verify_module_order", 1, "True or False"),
     ("unit_module_classes", "Block", "list of module class names"),

@@ -98,6 +98,8 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains(stage):
         {"overlap_comm": False},
         {"unit_module_classes": ["Block", "CausalSelfAttention"]},
         {"bucket_size": 1000},
+        {"max_reuse_distance": 10**9},  # gathered once per step
+        {"max_reuse_distance": 10**9, "unit_module_classes": ["Block", "CausalSelfAttention"]},
     ],
 )
 def test_stage3_options_keep_training_exact(config):

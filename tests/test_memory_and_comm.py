@@ -49,8 +49,10 @@ def test_memory_matches_zero_formulas(stage, world):
         step_counters = 4 * r["n_opt"]  # AdamW's per-tensor fp32 `step`
         assert m["master_params"] == 0  # fp32: the master is the parameter shard itself
         assert m["gathered_parameters"] == 0  # nothing is left gathered after the step
-        # Only the recycled gradient buffers (stages 2-3): at most three units' worth.
-        assert m["comm_buffers"] <= (0 if stage < 2 else 3 * 4 * r["largest_unit"])
+        # Only recycled memory: at most three units' worth of gradient buffers (stages
+        # 2-3) and, at stage 3, prefetch_depth + 1 spare gather buffers per unit size.
+        recycled = {0: 0, 1: 0, 2: 3, 3: 3 + 2}[stage]
+        assert m["comm_buffers"] <= recycled * 4 * r["largest_unit"]
         if stage == 0:
             assert m["parameters"] == 4 * psi and m["gradients"] == 4 * psi
             assert m["optimizer_state"] == 8 * psi + step_counters
@@ -119,3 +121,52 @@ def test_no_sync_micro_batches_move_no_gradients(stage):
     reduce_kinds = {"all_reduce", "reduce_scatter"}
     assert not reduce_kinds & set(during)
     assert reduce_kinds & set(after)
+
+
+def _second_step(rank: int, world: int, max_reuse_distance: int):
+    """Step 1 records the module order; return what step 2 gathers and holds."""
+    model = make_model()
+    config = ZeroConfig(stage=3, max_reuse_distance=max_reuse_distance)
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    losses = []
+    for step in range(3):
+        x, y = local_batch(step, 0, rank, world)
+        if step == 1:
+            engine.comm.reset()
+        loss = engine(x, y)
+        if step == 1:
+            held_after_forward = engine.memory_report()["gathered_parameters"]
+        engine.backward(loss)
+        engine.step()
+        if step == 1:
+            comm = engine.comm_report()
+            held_after_step = engine.memory_report()["gathered_parameters"]
+        losses.append(loss.item())
+    units = [(u.layout.padded_numel, u.layout.module_path == "") for u in engine.units]
+    return dict(
+        losses=losses,
+        gathered=comm["broadcast"]["bytes"],
+        held_after_forward=held_after_forward,
+        held_after_step=held_after_step,
+        units=units,
+    )
+
+
+def test_reuse_distance_keeps_units_from_forward_into_backward():
+    """max_reuse_distance=0 gathers every block twice per step; 1 keeps only the last block
+    (backward needs it first); a distance above twice the model gathers each unit once.
+    Training is bit-identical whichever is chosen."""
+    by_distance = {d: run_world(_second_step, 2, d)[0] for d in (0, 1, 10**9)}
+    units = by_distance[0]["units"]
+    root = sum(n for n, is_root in units if is_root)
+    blocks = [n for n, is_root in units if not is_root]
+    padded = root + sum(blocks)
+    assert len(blocks) >= 2
+    expected = {0: 2 * padded - root, 1: 2 * padded - root - blocks[-1], 10**9: padded}
+    for distance, r in by_distance.items():
+        assert r["gathered"] == 4 * expected[distance], distance
+        assert r["held_after_step"] == 0
+        assert r["losses"] == by_distance[0]["losses"]
+    assert by_distance[0]["held_after_forward"] == 4 * root
+    assert by_distance[1]["held_after_forward"] == 4 * (root + blocks[-1])
+    assert by_distance[10**9]["held_after_forward"] == 4 * padded

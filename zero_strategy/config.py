@@ -61,6 +61,12 @@ class ZeroConfig:
     prefetch_depth: int = 1
     # Stage 3: units with fewer elements than this stay gathered (no re-gather per pass).
     persistence_threshold: int = 0
+    # Stage 3: keep a unit gathered from forward into backward when fewer than this many
+    # parameter elements are gathered between the two uses (DeepSpeed's
+    # stage3_max_reuse_distance). 0 frees every unit after its forward: least memory, two
+    # gathers per step. A value above twice the model size gathers once per step, at the
+    # cost of holding the whole model in compute dtype at the end of forward.
+    max_reuse_distance: int = 0
     # Stage 3: names of module classes that become units; empty = every child of every
     # nn.ModuleList (the transformer blocks of most models), with the rest in the root unit.
     unit_module_classes: list[str] = field(default_factory=list)
@@ -105,7 +111,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(name, "use a positive number of elements, e.g. 25_000_000.")
-        for name in ("prefetch_depth", "persistence_threshold"):
+        for name in ("prefetch_depth", "persistence_threshold", "max_reuse_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 fail(name, "use a non-negative integer (0 disables it).")

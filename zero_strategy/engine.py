@@ -147,6 +147,7 @@ class ZeroEngine:
                 cfg.prefetch_depth,
                 cfg.persistence_threshold,
                 cfg.verify_module_order,
+                cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
             )
         self._grads_unscaled = False
@@ -313,9 +314,10 @@ class ZeroEngine:
 
     def reshard(self) -> None:
         """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
-        did not go through the root module's forward)."""
+        did not go through the root module's forward), and drop the spare gather memory."""
         if self.gather is not None:
             self.gather.release_all()
+            self.gather.storage_pool.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .partition import UnitLayout
+from .storage_pool import StoragePool
 
 
 class FlatUnit:
@@ -50,6 +51,7 @@ class FlatUnit:
         self.persistent = stage < 3  # stage 3: set by the gather manager
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
+        self.pool: StoragePool | None = None  # stage 3: recycles gather memory (set by the gatherer)
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:
@@ -106,13 +108,17 @@ class FlatUnit:
         """The buffer to all-gather into. It is always the same storage, grown back to
         full size: tensors autograd saved in forward (views such as weight.t()) point at
         it, and come back to life when it is refilled before backward."""
-        nbytes = self.layout.padded_numel * self._empty.element_size()
         if self._buf is None:
             self._buf = torch.empty(
                 self.layout.padded_numel, dtype=self.compute_dtype, device=self.device
             )
-        elif self._buf.untyped_storage().nbytes() != nbytes:
-            self._buf.untyped_storage().resize_(nbytes)
+            return self._buf
+        nbytes = self.layout.padded_numel * self._empty.element_size()
+        storage = self._buf.untyped_storage()
+        if self.pool is not None:
+            self.pool.fill(storage, nbytes)
+        elif storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
         return self._buf
 
     def expose_full(self) -> None:
@@ -126,7 +132,10 @@ class FlatUnit:
         if self.full is None:
             return
         self._free_storage_views()
-        self._buf.untyped_storage().resize_(0)
+        if self.pool is not None:
+            self.pool.drain(self._buf.untyped_storage())
+        else:
+            self._buf.untyped_storage().resize_(0)
         self.full = None
 
     def gathered_bytes(self) -> int:

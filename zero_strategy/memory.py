@@ -31,9 +31,10 @@ class _Ledger:
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
 
     def add(self, kind: str, tensor: torch.Tensor | None) -> None:
-        if tensor is None:
-            return
-        storage = tensor.untyped_storage()
+        if tensor is not None:
+            self.add_storage(kind, tensor.untyped_storage())
+
+    def add_storage(self, kind: str, storage: torch.UntypedStorage) -> None:
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in self.seen:
             return
@@ -45,7 +46,8 @@ def memory_report(engine: ZeroEngine) -> dict[str, int]:
     """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
     optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
-    full-size gradient buffers being filled or reduced, and the pool that recycles them;
+    full-size gradient buffers being filled or reduced, and the pools that recycle them
+    and stage 3's gather memory;
     buffers: the model's buffers. `total` sums them."""
     ledger = _Ledger()
     stage = engine.config.stage
@@ -70,6 +72,9 @@ def memory_report(engine: ZeroEngine) -> dict[str, int]:
         ledger.add("comm_buffers", job.sent)
     for buf in engine.reducer.pool.tensors():
         ledger.add("comm_buffers", buf)
+    if engine.gather is not None:
+        for storage in engine.gather.storage_pool.storages():
+            ledger.add_storage("comm_buffers", storage)
     for buf in engine.module.buffers():
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from .comm import Communicator
 from .flat_unit import FlatUnit
+from .storage_pool import StoragePool
 
 FORWARD, BACKWARD = 0, 1
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward"}
@@ -47,12 +48,15 @@ class GatherManager:
         prefetch_depth: int,
         persistence_threshold: int,
         verify_order: bool,
+        max_reuse_distance: int,
         on_backward_start: Callable[[], None],
     ):
         self.units = units
         self.comm = comm
         self.prefetch_depth = prefetch_depth
         self.verify_order = verify_order
+        self.max_reuse_distance = max_reuse_distance
+        self._reuse_distance: dict[int, int] = {}  # unit index -> numel gathered in between
         self.on_backward_start = on_backward_start
         self.pending: dict[int, object] = {}  # unit index -> in-flight gather work
         self.order: list[int] | None = None  # recorded forward order (non-root units)
@@ -60,8 +64,11 @@ class GatherManager:
         self._cursor = 0
         self._seq = 0
         self.handles: list = []
+        # Enough spare gather memory per size for the units in flight at once.
+        self.storage_pool = StoragePool(capacity=prefetch_depth + 1)
         for unit in units:
             unit.persistent = unit.layout.numel < persistence_threshold or unit.layout.numel == 0
+            unit.pool = self.storage_pool
         self._install_hooks(model)
 
     # ---------------------------------------------------------------- hooks
@@ -107,11 +114,21 @@ class GatherManager:
                 register_multi_grad_hook(
                     tensors, lambda _grads: self._pre_backward(unit), mode="any"
                 )
-            if not unit.persistent:
+            if not unit.persistent and not (tensors and self._kept_for_backward(unit)):
                 unit.free_full()
             return output
 
         return hook
+
+    def _kept_for_backward(self, unit: FlatUnit) -> bool:
+        """Whether backward reuses `unit` soon enough (in gathered elements) to skip the
+        free and re-gather; it is then freed once its gradients are reduced."""
+        distance = self._reuse_distance.get(unit.layout.index)
+        return (
+            torch.is_grad_enabled()
+            and distance is not None
+            and distance < self.max_reuse_distance
+        )
 
     def _root_post_forward(self, module, args, output):
         if not torch.is_grad_enabled() and not in_backward():
@@ -138,8 +155,19 @@ class GatherManager:
         """Called at the end of each backward: freeze the trace after the first one."""
         if self.order is None and self._recording:
             self.order = self._recording
+            self._reuse_distance = self._reuse_distances(self.order)
         self._recording = []
         self._cursor = 0
+
+    def _reuse_distances(self, order: list[int]) -> dict[int, int]:
+        """Elements gathered between a unit's (last) forward use and its backward use: the
+        units after it, once in forward and once in backward."""
+        distances: dict[int, int] = {}
+        after = 0
+        for idx in reversed(order):
+            distances.setdefault(idx, 2 * after)
+            after += self.units[idx].layout.numel
+        return distances
 
     def _prefetch_forward(self, unit: FlatUnit) -> None:
         if self.order is None or not self.prefetch_depth:
