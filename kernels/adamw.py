@@ -80,13 +80,12 @@ def fused_adamw_(
         from . import adamw_triton
 
         for idx in _launch_groups(grads, compute_copies):
-            pick = lambda ts: [ts[i] for i in idx]  # noqa: E731
             adamw_triton.launch(
-                pick(params),
-                pick(grads),
-                pick(exp_avgs),
-                pick(exp_avg_sqs),
-                pick(compute_copies) if compute_copies is not None else None,
+                [params[i] for i in idx],
+                [grads[i] for i in idx],
+                [exp_avgs[i] for i in idx],
+                [exp_avg_sqs[i] for i in idx],
+                [compute_copies[i] for i in idx] if compute_copies is not None else None,
                 coeffs,
                 **hyper,
             )
@@ -168,4 +167,3 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, copies) -> None:
         for name in ("exp_avgs", "exp_avg_sqs"):
             if lists[name][i].dtype != torch.float32:
                 raise TypeError(f"fused_adamw_: {name}[{i}] must be float32.")
-

@@ -46,7 +46,9 @@ def topk_route(
     Weights are the softmax probabilities of the chosen experts, renormalised to sum to 1
     when `normalize` (Mixtral) or left as they are (GShard top-1/top-2)."""
     if logits.dim() != 2:
-        raise ValueError(f"topk_route: logits must be [tokens, experts], got {tuple(logits.shape)}.")
+        raise ValueError(
+            f"topk_route: logits must be [tokens, experts], got {tuple(logits.shape)}."
+        )
     if not 1 <= k <= logits.shape[1]:
         raise ValueError(f"topk_route: k={k} must be between 1 and the {logits.shape[1]} experts.")
     if use_triton(logits):

@@ -216,7 +216,12 @@ def row_dot(grad, y, rows):
     out = torch.zeros(tokens, k, dtype=torch.float32, device=grad.device)
     if tokens * k and hidden:
         _row_dot_kernel[(tokens * k,)](
-            grad.contiguous(), y.contiguous(), rows.contiguous(), out, hidden, K=k,
+            grad.contiguous(),
+            y.contiguous(),
+            rows.contiguous(),
+            out,
+            hidden,
+            K=k,
             BLOCK_H=_block_h(hidden),
         )
     return out

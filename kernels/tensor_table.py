@@ -34,9 +34,7 @@ def chunk_tables(
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    addresses = torch.tensor(
-        [[t.data_ptr() for t in ts] for ts in operands], dtype=torch.int64
-    )
+    addresses = torch.tensor([[t.data_ptr() for t in ts] for ts in operands], dtype=torch.int64)
     per_tensor = [max(1, -(-n // chunk)) for n in numels]
     owner = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(per_tensor))
     first_chunk = torch.cumsum(torch.tensor([0, *per_tensor[:-1]]), 0)

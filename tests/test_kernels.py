@@ -57,8 +57,15 @@ def test_fused_adamw_matches_torch_over_many_steps(adamw, weight_decay, maximize
     params = _shards(RAGGED, 0)
     ref_params = [torch.nn.Parameter(p.clone()) for p in params]
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    ref = cls(ref_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-              maximize=maximize, foreach=False)
+    ref = cls(
+        ref_params,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        foreach=False,
+    )
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     step = torch.zeros((), device=DEVICE)
@@ -68,8 +75,19 @@ def test_fused_adamw_matches_torch_over_many_steps(adamw, weight_decay, maximize
             rp.grad = g.clone()
         ref.step()
         with use_backend("triton"):
-            fused_adamw_(params, grads, m, v, step=step, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, adamw=adamw, maximize=maximize)
+            fused_adamw_(
+                params,
+                grads,
+                m,
+                v,
+                step=step,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                adamw=adamw,
+                maximize=maximize,
+            )
     assert step.item() == steps
     for p, rp in zip(params, ref_params):
         torch.testing.assert_close(p, rp.detach(), rtol=2e-6, atol=2e-7)
@@ -91,13 +109,21 @@ def test_fused_adamw_scale_skip_and_compute_copy_match_reference():
             for i, skip in enumerate([0.0, 1.0, 0.0]):
                 found_inf = torch.tensor(skip, device=DEVICE)
                 grads = _shards(sizes, 10 + i, scale=1024.0)
-                fused_adamw_(params, grads, m, v, step=step, lr=1e-2, weight_decay=0.01,
-                             grad_scale=torch.tensor(1 / 1024, device=DEVICE),
-                             found_inf=found_inf, compute_copies=copies)
+                fused_adamw_(
+                    params,
+                    grads,
+                    m,
+                    v,
+                    step=step,
+                    lr=1e-2,
+                    weight_decay=0.01,
+                    grad_scale=torch.tensor(1 / 1024, device=DEVICE),
+                    found_inf=found_inf,
+                    compute_copies=copies,
+                )
                 if skip:
                     before = [p.clone() for p in params]
-                    fused_adamw_(params, grads, m, v, step=step, lr=1e-2,
-                                 found_inf=found_inf)
+                    fused_adamw_(params, grads, m, v, step=step, lr=1e-2, found_inf=found_inf)
                     assert all(torch.equal(a, b) for a, b in zip(before, params))
         assert step.item() == 2
         for p, c in zip(params, copies):

@@ -51,7 +51,9 @@ class FlatUnit:
         self.persistent = stage < 3  # stage 3: set by the gather manager
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
-        self.pool: StoragePool | None = None  # stage 3: recycles gather memory (set by the gatherer)
+        self.pool: StoragePool | None = (
+            None  # stage 3: recycles gather memory (set by the gatherer)
+        )
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:

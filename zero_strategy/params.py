@@ -125,9 +125,7 @@ class GatherManager:
         free and re-gather; it is then freed once its gradients are reduced."""
         distance = self._reuse_distance.get(unit.layout.index)
         return (
-            torch.is_grad_enabled()
-            and distance is not None
-            and distance < self.max_reuse_distance
+            torch.is_grad_enabled() and distance is not None and distance < self.max_reuse_distance
         )
 
     def _root_post_forward(self, module, args, output):
