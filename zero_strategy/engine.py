@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, fused_step
 from . import init as meta_init
 from .comm import Communicator
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
 from .grads import GradReducer
+from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
 from .params import GatherManager
@@ -118,6 +119,7 @@ class ZeroEngine:
         self._opt_views: list[tuple[FlatUnit, int, int, nn.Parameter]] = []
         self._repoint_optimizer()
         optimizer.register_step_pre_hook(self._guard_direct_step)
+        self.fused_step = fused_step.build(optimizer, own_hooks=1)
         # optimizer.zero_grad() (what Lightning and most loops call) must clear the
         # engine's gradient buffers, not only the optimizer's views of them.
         optimizer.zero_grad = self.zero_grad
@@ -369,13 +371,20 @@ class ZeroEngine:
                 self._scale_grads(coef)
         for unit, lo, hi, opt_param in self._opt_views:
             opt_param.grad = unit.grad_opt[lo:hi]
-        self._inside_step = True
-        try:
-            self.optimizer.step()
-        finally:
-            self._inside_step = False
+        fused = self.fused_step is not None and self.fused_step.applies(
+            [p for *_, p in self._opt_views]
+        )
+        if fused:
+            self.fused_step.step(self._fused_views())
+        else:
+            self._inside_step = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._inside_step = False
         self.scaler.update(False)
-        self._publish_parameters()
+        # The fused kernel wrote the compute copies in the same pass.
+        self._publish_parameters(copies_written=fused)
         self._grads_unscaled = False
         self.global_steps += 1
         return True
@@ -403,11 +412,13 @@ class ZeroEngine:
         self.reducer.wait()
         if self._grads_unscaled:
             return self._last_grad_norm, False
-        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for unit in self.units:
-            for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
-                g = unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
-                sq += torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2
+        shards = [
+            unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
+            for unit in self.units
+            for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+        ]
+        # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
+        sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
         if self.config.stage > 0:
             self.comm.control_all_reduce(sq)
         scale = self.scaler.scale
@@ -426,11 +437,27 @@ class ZeroEngine:
             if unit.grad_opt is not None:
                 unit.grad_opt.mul_(factor)
 
-    def _publish_parameters(self) -> None:
-        """Make the updated shards visible: compute copies, then (stages 1-2) every rank's
-        full parameters, (stage 3) units that stay gathered."""
+    def _fused_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
+        """Per param group, in the group's order: (master view, gradient view, the slice of
+        the compute-dtype copy it must be written to, or None when that is the master)."""
+        fp32 = self.config.compute_torch_dtype == torch.float32
+        by_param = {}
+        for unit, lo, hi, opt_param in self._opt_views:
+            if fp32:
+                copy = None
+            elif self.config.stage < 3:
+                copy = unit.full[unit.opt_start + lo : unit.opt_start + hi]
+            else:
+                copy = unit.shard[lo:hi]
+            by_param[id(opt_param)] = (opt_param.detach(), opt_param.grad, copy)
+        return [[by_param[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _publish_parameters(self, copies_written: bool = False) -> None:
+        """Make the updated shards visible: compute copies (unless the fused step wrote
+        them), then (stages 1-2) every rank's full parameters, (stage 3) units that stay
+        gathered."""
         for unit in self.units:
-            if unit.layout.numel:
+            if unit.layout.numel and not copies_written:
                 unit.sync_compute_from_master()
         if self.publisher is not None:
             self.publisher.launch()
