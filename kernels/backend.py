@@ -6,8 +6,9 @@ under the Triton interpreter (``TRITON_INTERPRET=1``, how the tests exercise the
 machines without a GPU). ``reference`` forces plain torch. Choose with the
 ``ZERO_STRATEGY_KERNELS`` environment variable or, in code, with ``use_backend(...)``.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so the Triton modules are
-imported on first use, never at package import.
+Triton reads ``TRITON_INTERPRET`` when each jit function is defined, its own library's
+included, so the variable must be set before triton is first imported; the kernel modules
+are imported on first use, never at package import.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not on_cuda and not interpreting():
         raise RuntimeError(
             "The 'triton' kernel backend on CPU tensors needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before the first kernel call, or use CUDA tensors."
+            "TRITON_INTERPRET=1 in the environment before triton is first imported, or use "
+            "CUDA tensors."
         )
     return True

@@ -1,20 +1,16 @@
 """Every Triton kernel against its plain-torch reference.
 
 On a machine without a GPU the kernels run under the Triton interpreter
-(TRITON_INTERPRET=1, set here before any kernel is defined) on fp32 CPU tensors; with a GPU
+(TRITON_INTERPRET=1, set by conftest.py before triton is imported) on CPU tensors; with a GPU
 they run compiled on CUDA (benchmarks/gpu_check.py runs this file there).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+ON_GPU = torch.cuda.is_available()  # without one, conftest.py set TRITON_INTERPRET=1
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels cannot be tested")
 
