@@ -5,7 +5,8 @@
 
 It (1) runs tests/test_kernels.py with the kernels compiled, (2) trains the small GPT with
 the engine at world size 1 on CUDA, through an NCCL process group and the fused AdamW step,
-and compares the losses with the same run on CPU, and (3) measures achieved bandwidth of
+and through Trainer(strategy="zero3", accelerator="cuda"), and compares the losses with
+the same runs on CPU, and (3) measures achieved bandwidth of
 the fused AdamW over 1B parameters of ragged shards (bytes read + written), against torch's
 AdamW(fused=True) on the same tensors and against the device's copy bandwidth, and of the
 MoE permute. Targets: AdamW >= 85% of copy bandwidth and >= 1.1x torch fused; permute >=
@@ -15,6 +16,7 @@ MoE permute. Targets: AdamW >= 85% of copy bandwidth and >= 1.1x torch fused; pe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -84,37 +86,26 @@ def run_kernel_tests() -> bool:
 
 # ----------------------------------------------------------------------------- (2) training
 def train_losses(device: torch.device, steps: int) -> tuple[list[float], int]:
+    """Losses of the small GPT at stage 3, and how many fused-kernel steps the engine took."""
     from examples.gpt import GPT, GPTConfig, decay_groups
     from zero_strategy import ZeroConfig, ZeroEngine
-    from zero_strategy import fused_step as fused_module
 
-    calls = []
-    original = fused_module.fused_adamw_
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    fused_module.fused_adamw_ = counting
-    try:
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
-        model = GPT(cfg).to(device)
-        optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3, betas=(0.9, 0.95))
-        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, gradient_clipping=1.0))
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(steps):
-            data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-            x, y = data[:, :-1].to(device), data[:, 1:].to(device)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-        return losses, len(calls)
-    finally:
-        fused_module.fused_adamw_ = original
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3, betas=(0.9, 0.95))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, gradient_clipping=1.0))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
+        x, y = data[:, :-1].to(device), data[:, 1:].to(device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses, engine.fused_step.launches
 
 
 def check_training(device: torch.device, steps: int) -> tuple[bool, str]:
@@ -135,6 +126,37 @@ def check_training(device: torch.device, steps: int) -> tuple[bool, str]:
         f"engine stage 3 on {device.type} ({'nccl' if device.type == 'cuda' else 'gloo'}, "
         f"fused AdamW calls {fused_calls}) vs CPU over {steps} steps: worst relative loss "
         f"difference {worst:.2e} (first {got[0]:.4f}/{ref[0]:.4f}, last {got[-1]:.4f}/{ref[-1]:.4f})"
+    )
+
+
+def check_lightning(cuda: bool) -> tuple[bool, str]:
+    """Trainer(strategy="zero3", accelerator="cuda", devices=1) against the same run on
+    CPU (tests/launched_fit.py, each in a fresh process)."""
+    losses = {}
+    for accelerator in dict.fromkeys(("cuda" if cuda else "cpu", "cpu")):
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [
+                sys.executable,
+                str(ROOT / "tests" / "launched_fit.py"),
+                out,
+                "--devices",
+                "1",
+                "--accelerator",
+                accelerator,
+            ]
+            env = dict(os.environ, ZERO_STRATEGY_KERNELS="auto")
+            result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            report = Path(out, "rank0.json")
+            if result.returncode or not report.exists():
+                tail = (result.stdout + result.stderr)[-3000:]
+                return False, f"Lightning on {accelerator} failed:\n{tail}"
+            losses[accelerator] = json.loads(report.read_text())["losses"]
+    got, ref = losses["cuda" if cuda else "cpu"], losses["cpu"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    where = "cuda" if cuda else "cpu"
+    return worst < 1e-3, (
+        f'Trainer(strategy="zero3", accelerator="{where}", devices=1) vs CPU: worst relative '
+        f"loss difference {worst:.2e} over {len(got)} micro-batches"
     )
 
 
@@ -258,7 +280,9 @@ def main() -> int:
     ok = run_kernel_tests() if not args.no_kernel_tests else True
     trained, line = check_training(device, sizes["steps"])
     print(line)
-    ok = ok and trained
+    lightning_ok, line = check_lightning(cuda)
+    print(line)
+    ok = ok and trained and lightning_ok
     copy_bw = copy_bandwidth(device, sizes["copy"], sizes["repeats"])
     adam = bench_adamw(device, sizes["adam"], sizes["pieces"], sizes["repeats"])
     permute_bw = bench_permute(

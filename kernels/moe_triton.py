@@ -170,43 +170,35 @@ def _block_h(hidden: int) -> int:
     return min(1024, triton.next_power_of_2(max(hidden, 1)))
 
 
-def scatter_rows(x, rows, weights, num_rows: int, zero_fill: bool):
-    tokens, hidden = x.shape
-    k = rows.shape[1]
-    out = (torch.zeros if zero_fill else torch.empty)(
-        num_rows, hidden, dtype=x.dtype, device=x.device
-    )
-    if tokens * k and hidden:
+def _move_rows(kernel, programs: int, src, rows, weights, out) -> None:
+    """Launch a row kernel over `programs` rows x hidden blocks (nothing when empty)."""
+    hidden = src.shape[1]
+    if programs and hidden:
         block = _block_h(hidden)
-        _scatter_rows_kernel[(tokens * k, triton.cdiv(hidden, block))](
-            x.contiguous(),
+        kernel[(programs, triton.cdiv(hidden, block))](
+            src.contiguous(),
             rows.contiguous(),
             weights.contiguous() if weights is not None else rows,
             out,
             hidden,
-            K=k,
+            K=rows.shape[1],
             HAS_WEIGHTS=weights is not None,
             BLOCK_H=block,
         )
+
+
+def scatter_rows(x, rows, weights, num_rows: int, zero_fill: bool):
+    """out[rows[t, j]] = x[t] (* weights[t, j]); rows of -1 are skipped."""
+    alloc = torch.zeros if zero_fill else torch.empty
+    out = alloc(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
+    _move_rows(_scatter_rows_kernel, rows.numel(), x, rows, weights, out)
     return out
 
 
 def gather_rows(y, rows, weights):
-    tokens, k = rows.shape
-    hidden = y.shape[1]
-    out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
-    if tokens and hidden:
-        block = _block_h(hidden)
-        _gather_rows_kernel[(tokens, triton.cdiv(hidden, block))](
-            y.contiguous(),
-            rows.contiguous(),
-            weights.contiguous() if weights is not None else rows,
-            out,
-            hidden,
-            K=k,
-            HAS_WEIGHTS=weights is not None,
-            BLOCK_H=block,
-        )
+    """out[t] = sum_j y[rows[t, j]] (* weights[t, j]); rows of -1 contribute nothing."""
+    out = torch.empty(rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    _move_rows(_gather_rows_kernel, rows.shape[0], y, rows, weights, out)
     return out
 
 

@@ -21,47 +21,33 @@ from distributed import run_world
 from examples.gpt import decay_groups
 from training import local_batch, make_model
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy import fused_step as fused_step_module
 from zero_strategy.kernels import use_backend
 
 STEPS = 4
 
 
 def _train(rank, world, backend, stage, compute_dtype="fp32", clip=0.5, amsgrad=False):
-    calls = []
-    original = fused_step_module.fused_adamw_
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    fused_step_module.fused_adamw_ = counting
-    try:
-        model = make_model()
-        optimizer = torch.optim.AdamW(
-            decay_groups(model), lr=3e-3, betas=(0.9, 0.95), amsgrad=amsgrad
-        )
-        config = ZeroConfig(stage=stage, gradient_clipping=clip, compute_dtype=compute_dtype)
-        engine = ZeroEngine(model, optimizer, config)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        losses = []
-        with use_backend(backend):
-            for step in range(STEPS):
-                x, y = local_batch(step, 0, rank, world)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
-                scheduler.step()
-                losses.append(loss.item())
-        state = engine.full_state_dict()
-        opt_state = optimizer.state_dict()["state"]
-        layout = sorted({tuple(sorted(s)) for s in opt_state.values()})
-        steps = sorted({float(s["step"]) for s in opt_state.values()})
-        groups_here = sum(1 for g in optimizer.param_groups if g["params"])
-        return losses, state, len(calls) / (STEPS * groups_here), layout, steps
-    finally:
-        fused_step_module.fused_adamw_ = original
+    model = make_model()
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=3e-3, betas=(0.9, 0.95), amsgrad=amsgrad)
+    config = ZeroConfig(stage=stage, gradient_clipping=clip, compute_dtype=compute_dtype)
+    engine = ZeroEngine(model, optimizer, config)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    losses = []
+    with use_backend(backend):
+        for step in range(STEPS):
+            x, y = local_batch(step, 0, rank, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            scheduler.step()
+            losses.append(loss.item())
+    state = engine.full_state_dict()
+    opt_state = optimizer.state_dict()["state"]
+    layout = sorted({tuple(sorted(s)) for s in opt_state.values()})
+    steps = sorted({float(s["step"]) for s in opt_state.values()})
+    groups_here = sum(1 for g in optimizer.param_groups if g["params"])
+    return losses, state, engine.fused_step.launches / (STEPS * groups_here), layout, steps
 
 
 def _close(a: dict, b: dict, rtol: float) -> None:

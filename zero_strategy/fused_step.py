@@ -31,6 +31,7 @@ class FusedAdamStep:
     def __init__(self, optimizer: torch.optim.Optimizer, own_hooks: int):
         self.optimizer = optimizer
         self.own_hooks = own_hooks  # step hooks the engine itself registered
+        self.launches = 0  # kernel calls so far (one per param group per step)
 
     def applies(self, masters: Sequence[torch.Tensor]) -> bool:
         opt = self.optimizer
@@ -55,6 +56,7 @@ class FusedAdamStep:
             params = group["params"]
             steps = [self._state(p)["step"] for p in params]
             copies = [c for _, _, c in views]
+            self.launches += 1
             fused_adamw_(
                 [m for m, _, _ in views],
                 [g for _, g, _ in views],

@@ -1,0 +1,58 @@
+"""A Trainer(strategy="zero3") run started by a real launcher (Lightning's script re-run,
+torchrun, a SLURM allocation, several nodes); each rank writes what it saw as JSON.
+
+    python tests/launched_fit.py OUT_DIR --devices 2 [--num-nodes 1] [--accelerator cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from lightning_helpers import lit_module_class, loader, quiet_trainer  # noqa: E402
+
+import zero_strategy  # noqa: E402, F401
+
+STEPS = 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args()
+    world = args.devices * args.num_nodes
+    trainer = quiet_trainer(
+        args.devices,
+        "zero3",
+        num_nodes=args.num_nodes,
+        accelerator=args.accelerator,
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        num_sanity_val_steps=0,
+    )
+    module = lit_module_class()()
+    trainer.fit(module, loader(n_batches=2 * STEPS, world=world))
+    report = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
+        "cluster": type(trainer.strategy.cluster_environment).__name__,
+        "launcher": type(trainer.strategy.launcher).__name__ if trainer.strategy.launcher else None,
+        "engine_world": trainer.strategy.engine.dp.world_size,
+        "losses": module.losses,
+    }
+    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    print(f"rank {trainer.global_rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
