@@ -46,31 +46,34 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[str]:
-    """Start every process, wait for all; on timeout kill their process groups."""
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: Path) -> None:
+    """Start every process (output to a log file each: a full pipe would block a rank and
+    stall the collective), wait for all; on timeout kill their process groups."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    for i, (cmd, env) in enumerate(commands):
+        f = open(logs / f"process{i}.log", "w")  # noqa: SIM115 - closed below
+        files.append(f)
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         )
-        for cmd, env in commands
-    ]
-    outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT)
-            outputs.append(out)
-            assert p.returncode == 0, out[-4000:]
+            p.wait(timeout=TIMEOUT)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    return outputs
+        for f in files:
+            f.close()
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(
+        f"--- process {i} exited {procs[i].returncode}:\n"
+        + (logs / f"process{i}.log").read_text()[-4000:]
+        for i in failed
+    )
 
 
 def _reports(out: Path, world: int) -> list[dict]:
@@ -96,7 +99,8 @@ def script_rerun_losses(tmp_path_factory):
                 [sys.executable, SCRIPT, str(out), "--devices", "2"],
                 _clean_env(MASTER_PORT=str(_free_port())),
             )
-        ]
+        ],
+        out / "logs",
     )
     reports = _reports(out, 2)
     assert {r["launcher"] for r in reports} == {"_SubprocessScriptLauncher"}
@@ -123,7 +127,7 @@ def test_torchrun_gives_the_same_losses(tmp_path, script_rerun_losses):
         "--devices",
         "2",
     ]
-    _run_all([(cmd, _clean_env())])
+    _run_all([(cmd, _clean_env())], tmp_path / "logs")
     losses = _check_world(_reports(tmp_path, 2), "TorchElasticEnvironment")
     assert losses == script_rerun_losses
 
@@ -147,7 +151,7 @@ def test_slurm_allocation_gives_the_same_losses(tmp_path, script_rerun_losses):
             MASTER_PORT=port,
         )
         commands.append(([sys.executable, SCRIPT, str(tmp_path), "--devices", "2"], env))
-    _run_all(commands)
+    _run_all(commands, tmp_path / "logs")
     losses = _check_world(_reports(tmp_path, 2), "SLURMEnvironment")
     assert losses == script_rerun_losses
 
@@ -179,7 +183,7 @@ def test_two_nodes_give_the_same_losses(tmp_path, script_rerun_losses):
             "2",
         ]
         commands.append((cmd, _clean_env()))
-    _run_all(commands)
+    _run_all(commands, tmp_path / "logs")
     reports = _reports(tmp_path, 2)
     assert sorted(r["node_rank"] for r in reports) == [0, 1]
     assert all(r["local_rank"] == 0 for r in reports)
