@@ -41,9 +41,12 @@ def build(arch: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _train(rank, world, arch, stage, steps=3):
+def _train(rank, world, arch, stage, steps=3, checkpointing=None):
     model = build(arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if checkpointing is not None:  # activation recomputation, as HF Trainer users enable it
+        model.train()
+        model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
     if stage == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -80,3 +83,16 @@ def test_hf_model_matches_ddp(arch, stage):
             assert torch.equal(state[name], value), name
     params = {n for n, _ in build(arch).named_parameters(remove_duplicate=False)}
     assert params <= state.keys()
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_gradient_checkpointing_at_stage_3_matches_ddp(arch, checkpointing):
+    """Recomputed forwards inside backward gather their units again; the result is DDP's
+    (without recomputation) to the bit."""
+    ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
+    losses, state = run_world(_train, 2, arch, 3, checkpointing=checkpointing)[0]
+    assert losses == ddp_losses
+    for name, value in ddp_state.items():
+        if name in state:
+            assert torch.equal(state[name], value), name
