@@ -88,7 +88,8 @@ def main() -> None:
     model = LitGPT()
     trainer.fit(model, data)
     ckpt = Path(args.out) / "last.ckpt"
-    trainer.save_checkpoint(ckpt)  # every rank writes its shard; a directory for zero*
+    # Every rank writes its shard (a directory for zero*); optimizer state included.
+    trainer.save_checkpoint(ckpt, weights_only=False)
     if trainer.is_global_zero and args.strategy.startswith("zero"):
         files = consolidate(ckpt, Path(args.out) / "consolidated", show_progress=False)
         print(f"sharded checkpoint: {ckpt}/  consolidated model: {files[0]}")
