@@ -272,9 +272,24 @@ def make_strategy(root: str):
             with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext():
                 yield
 
-        def _evaluation_step(self, name: str, *args, **kwargs):
+        def _around_forward(self, name: str, *args, **kwargs):
+            """The user's step runs the model through submodules, not the root's forward:
+            run the engine's forward bookkeeping around it (buffer broadcast, an outside
+            zero_grad), as DDP's forward redirection does."""
+            if self.engine is None:
+                return getattr(super(), name)(*args, **kwargs)
+            self.engine.before_forward()
             try:
                 return getattr(super(), name)(*args, **kwargs)
+            finally:
+                self.engine.after_forward()
+
+        def training_step(self, *args, **kwargs):
+            return self._around_forward("training_step", *args, **kwargs)
+
+        def _evaluation_step(self, name: str, *args, **kwargs):
+            try:
+                return self._around_forward(name, *args, **kwargs)
             finally:
                 if self.engine is not None and not torch.is_grad_enabled():
                     self.engine.reshard()

@@ -309,3 +309,56 @@ def test_predict_after_fit_gathers_then_frees():
     for losses, gathered in run_world(_predict, 2):
         assert len(losses) == 2 and all(0 < v < 10 for v in losses)
         assert gathered == 0
+
+
+def _batchnorm_fit(rank, world, strategy):
+    """A BatchNorm module trained on rank-dependent data, then validated: each rank's
+    validation loss depends on the running statistics it holds."""
+    from lightning_helpers import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class BatchNormNet(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16),
+                torch.nn.BatchNorm1d(16),
+                torch.nn.ReLU(),
+                torch.nn.Linear(16, 1),
+            )
+            self.val_losses = []
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.net(x * (1 + self.global_rank)).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            (x,) = batch
+            self.val_losses.append(self.net(x).pow(2).mean().item())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    data = torch.randn(48, 8, generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(TensorDataset(data), batch_size=6)
+    trainer = quiet_trainer(
+        world, strategy, max_steps=3, num_sanity_val_steps=0, limit_val_batches=2
+    )
+    module = BatchNormNet()
+    trainer.fit(module, loader)
+    trainer.validate(module, loader, verbose=False)
+    assert len(module.val_losses) == 2
+    return module.val_losses, module.net[1].running_mean.clone()
+
+
+def test_batchnorm_statistics_follow_ddp():
+    """Rank 0's statistics reach every rank before each forward that follows a training
+    forward, as under DDP's broadcast_buffers: validation on rank 1 sees what DDP gives."""
+    ddp = run_world(_batchnorm_fit, 2, "ddp")
+    ours = run_world(_batchnorm_fit, 2, "zero3")
+    for (our_val, our_mean), (ddp_val, ddp_mean) in zip(ours, ddp):
+        assert our_val == pytest.approx(ddp_val, rel=1e-5)
+        torch.testing.assert_close(our_mean, ddp_mean, rtol=1e-5, atol=1e-6)

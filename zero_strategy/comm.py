@@ -118,8 +118,8 @@ class Communicator:
             return _DoneWork() if async_op else None
         return dist.all_reduce(tensor, group=self.dp.group, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._count("broadcast", tensor)
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> None:
+        self._count(kind, tensor)
         if self.dp.distributed:
             dist.broadcast(tensor, src=src, group=self.dp.group)
 

@@ -91,6 +91,9 @@ class ZeroConfig:
     # All-gather implemented as one in-place broadcast per rank: about 3x faster on gloo.
     # None = on for gloo, off otherwise.
     all_gather_via_broadcast: bool | None = None
+    # Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each training forward,
+    # as DDP's default broadcast_buffers=True does.
+    broadcast_buffers: bool = True
     # Optimizers outside torch's elementwise set are refused unless this is True.
     allow_untested_optimizer: bool = False
 
@@ -119,6 +122,7 @@ class ZeroConfig:
             "overlap_comm",
             "overlap_param_gather",
             "verify_module_order",
+            "broadcast_buffers",
             "allow_untested_optimizer",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -33,7 +33,7 @@ from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
-from .params import GatherManager
+from .params import GatherManager, in_backward
 from .partition import (
     FROZEN_GROUP,
     bucket_layouts,
@@ -154,7 +154,9 @@ class ZeroEngine:
             )
         self._grads_unscaled = False
         self._grads_live = False
-        model.register_forward_pre_hook(lambda *_: self._zero_if_cleared_elsewhere())
+        self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
+        model.register_forward_pre_hook(lambda *_: self.before_forward())
+        model.register_forward_hook(lambda *_: self.after_forward())
         self._last_grad_norm: torch.Tensor | None = None
         self.global_steps = 0
         self.comm.reset()
@@ -282,6 +284,38 @@ class ZeroEngine:
             opt_param.grad = unit.grad_opt[lo:hi]
         self._grads_live = True
 
+    def before_forward(self) -> None:
+        """Runs before every forward of the root module. A framework that runs the model
+        through a method other than the root's forward (Lightning's training_step) calls
+        it, and `after_forward`, itself, as DDP's forward redirection does."""
+        self._zero_if_cleared_elsewhere()
+        if self.config.broadcast_buffers and self._buffers_stale:
+            self._sync_buffers()
+            self._buffers_stale = False
+
+    def after_forward(self) -> None:
+        """As DDP: a forward followed by a synchronised backward may have changed buffers
+        (BatchNorm statistics); the next forward, of any kind, starts from rank 0's.
+        Evaluation and no_sync() forwards leave them as they are."""
+        if not in_backward():
+            self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync
+
+    def _sync_buffers(self) -> None:
+        """DDP's broadcast_buffers: rank 0's buffers overwrite every rank's, one collective
+        per dtype, so that every rank trains and evaluates with the statistics DDP would
+        give it."""
+        if not self.dp.distributed:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            if buf.device.type == self.device.type and buf.numel():
+                by_dtype.setdefault(buf.dtype, []).append(buf)
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            self.comm.broadcast(flat, src=0, kind="buffers")
+            for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
+                buf.copy_(value.view_as(buf))
+
     def _zero_if_cleared_elsewhere(self) -> None:
         """Honour a zero_grad() that did not come through the engine: optimizer params
         (or, at stages 0-1, model params) whose .grad was set to None since backward."""
@@ -316,10 +350,10 @@ class ZeroEngine:
 
     def reshard(self) -> None:
         """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
-        did not go through the root module's forward), and drop the spare gather memory."""
+        did not go through the root module's forward). The few spare gather buffers kept
+        for reuse (at most prefetch_depth + 1 per unit size) stay."""
         if self.gather is not None:
             self.gather.release_all()
-            self.gather.storage_pool.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
