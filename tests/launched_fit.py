@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import torch  # noqa: E402
 from lightning_helpers import lit_module_class, loader, quiet_trainer  # noqa: E402
 
 import zero_strategy  # noqa: E402, F401
@@ -51,6 +52,11 @@ def main() -> None:
         "losses": module.losses,
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    pending = trainer.strategy.engine.gather.pending if trainer.strategy.engine.gather else {}
+    assert not pending, f"collectives still in flight after fit: {sorted(pending)}"
+    # Tear the process groups down before the interpreter does: a gloo group destroyed
+    # during interpreter shutdown can abort ("terminate called without an active exception").
+    torch.distributed.destroy_process_group()
     print(f"rank {trainer.global_rank} done", flush=True)
 
 

@@ -253,11 +253,17 @@ class CheckpointReader:
                 ) from e
         return self._files[name]
 
-    def read(self, name: str, lo: int, hi: int, prefix: str = "") -> torch.Tensor:
+    def read(
+        self, name: str, lo: int, hi: int, prefix: str = "", out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state), fp32,
-        read straight into the result (no mmap, no intermediate copy)."""
+        read straight into the result (no mmap, no intermediate copy); into `out` (a
+        contiguous fp32 tensor of hi - lo elements) when given."""
         entry = self.index["params"][name]
-        out = torch.empty(hi - lo, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(hi - lo, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.numel() != hi - lo or not out.is_contiguous():
+            raise ValueError(f"read(out=...) needs a contiguous fp32 tensor of {hi - lo} elements.")
         filled = 0
         for piece in entry["pieces"]:
             a, b = max(lo, piece["start"]), min(hi, piece["end"])
