@@ -95,12 +95,24 @@ MORE = {
 }
 
 
-def build(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if arch in MORE:
-        return MORE[arch]()
-    if arch == "gpt2":
-        cfg = transformers.GPT2Config(
+def _llama(tied: bool):
+    return lambda: T.LlamaForCausalLM(
+        T.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
+MODELS = {
+    "gpt2": lambda: T.GPT2LMHeadModel(
+        T.GPT2Config(
             vocab_size=VOCAB,
             n_positions=SEQ,
             n_embd=32,
@@ -110,18 +122,16 @@ def build(arch: str) -> torch.nn.Module:
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=arch == "llama-tied",
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    ),
+    "llama": _llama(tied=False),
+    "llama-tied": _llama(tied=True),
+    **MORE,
+}
+
+
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[arch]()
 
 
 def _train(rank, world, arch, stage, steps=3, checkpointing=None):
@@ -157,15 +167,21 @@ def _train(rank, world, arch, stage, steps=3, checkpointing=None):
     return losses, state
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-tied"])
-@pytest.mark.parametrize("stage", [1, 3])
-def test_hf_model_matches_ddp(arch, stage):
+def _assert_trains_like_ddp(arch: str, stage: int, **kwargs) -> dict:
+    """Losses and every trained tensor equal DDP's to the bit; returns the state."""
     ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
-    losses, state = run_world(_train, 2, arch, stage)[0]
+    losses, state = run_world(_train, 2, arch, stage, **kwargs)[0]
     assert losses == ddp_losses
     for name, value in ddp_state.items():
         if name in state:
             assert torch.equal(state[name], value), name
+    return state
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-tied"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hf_model_matches_ddp(arch, stage):
+    state = _assert_trains_like_ddp(arch, stage)
     params = {n for n, _ in build(arch).named_parameters(remove_duplicate=False)}
     assert params <= state.keys()
 
@@ -175,19 +191,9 @@ def test_hf_model_matches_ddp(arch, stage):
 def test_gradient_checkpointing_at_stage_3_matches_ddp(arch, checkpointing):
     """Recomputed forwards inside backward gather their units again; the result is DDP's
     (without recomputation) to the bit."""
-    ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
-    losses, state = run_world(_train, 2, arch, 3, checkpointing=checkpointing)[0]
-    assert losses == ddp_losses
-    for name, value in ddp_state.items():
-        if name in state:
-            assert torch.equal(state[name], value), name
+    _assert_trains_like_ddp(arch, 3, checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("arch", sorted(MORE))
 def test_more_architectures_match_ddp_at_stage_3(arch):
-    ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
-    losses, state = run_world(_train, 2, arch, 3)[0]
-    assert losses == ddp_losses
-    for name, value in ddp_state.items():
-        if name in state:
-            assert torch.equal(state[name], value), name
+    _assert_trains_like_ddp(arch, 3)
