@@ -68,7 +68,6 @@ def fused_adamw_(
     hyper = dict(
         decay=1.0 - lr * weight_decay,
         weight_decay=weight_decay,
-        beta1=beta1,
         beta2=beta2,
         one_minus_beta1=1.0 - beta1,
         one_minus_beta2=1.0 - beta2,
@@ -103,7 +102,6 @@ def reference_adamw_(
     *,
     decay: float,
     weight_decay: float,
-    beta1: float,
     beta2: float,
     one_minus_beta1: float,
     one_minus_beta2: float,

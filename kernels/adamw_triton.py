@@ -93,7 +93,6 @@ def launch(
     *,
     decay: float,
     weight_decay: float,
-    beta1: float,
     beta2: float,
     one_minus_beta1: float,
     one_minus_beta2: float,

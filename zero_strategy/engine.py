@@ -113,7 +113,7 @@ class ZeroEngine:
         self._materialize(model, on_meta, param_init_fn)
         if on_meta:
             meta_init.check_no_meta_buffers(model)
-        self._broadcast_buffers(model)
+        self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
 
         self.optimizer = optimizer
         self._opt_views: list[tuple[FlatUnit, int, int, nn.Parameter]] = []
@@ -244,11 +244,6 @@ class ZeroEngine:
             self.comm.broadcast(flat, src=0)
             unit.install(flat)
             del flat
-
-    def _broadcast_buffers(self, model: nn.Module) -> None:
-        for buf in model.buffers():
-            if buf.device.type == self.device.type and buf.numel():
-                self.comm.broadcast(buf, src=0)
 
     def _repoint_optimizer(self) -> None:
         """Point the optimizer at 1-D views of the fp32 masters, one per (unit, group)
