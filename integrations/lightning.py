@@ -24,6 +24,8 @@ import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
+from .lightning_summary import patch_model_summary_callback
+
 PRECISIONS = {
     # Lightning flag -> (engine compute dtype, autocast dtype or None)
     "32-true": ("fp32", None),
@@ -363,6 +365,7 @@ def register(root: str):
         registry = importlib.import_module(f"{root}.strategies").StrategyRegistry
         if "zero3" not in registry:
             cls.register_strategies(registry)
+        patch_model_summary_callback(root)
         _CLASSES[root] = cls
     return _CLASSES[root]
 

@@ -362,3 +362,38 @@ def test_batchnorm_statistics_follow_ddp():
     for (our_val, our_mean), (ddp_val, ddp_mean) in zip(ours, ddp):
         assert our_val == pytest.approx(ddp_val, rel=1e-5)
         torch.testing.assert_close(our_mean, ddp_mean, rtol=1e-5, atol=1e-6)
+
+
+def _summary_and_state_dict_after_fit(rank, world, strategy):
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    module = lit_module_class()()
+    full_counts = {name: p.numel() for name, p in module.named_parameters()}
+    trainer = quiet_trainer(world, strategy, max_steps=2, enable_model_summary=True)
+    trainer.fit(module, loader(n_batches=2, world=world))
+    summary = ModelSummary(max_depth=1)._summary(trainer, module)
+    state = module.state_dict()
+    return {
+        "full_total": sum(full_counts.values()),
+        "summary_total": summary.total_parameters,
+        "summary_trainable": summary.trainable_parameters,
+        "layer_total": summary.total_layer_params,
+        "state": state,
+        "masters": trainer.strategy.engine.full_state_dict(rank0_only=False),
+    }
+
+
+def test_model_summary_and_state_dict_after_fit_see_the_full_model():
+    """Lightning's summary counts p.numel(), 0 for a freed stage-3 parameter; after fit,
+    `module.state_dict()` (called on every rank) holds the trained full values."""
+    for result in run_world(_summary_and_state_dict_after_fit, 2, "zero3"):
+        # GPT ties lm_head to wte: named_parameters() lists the shared tensor once.
+        assert result["summary_total"] == result["full_total"] > 0
+        assert result["summary_trainable"] == result["full_total"]
+        assert result["layer_total"] == result["full_total"]
+        assert result["state"].keys() == result["masters"].keys()
+        for name, value in result["state"].items():
+            assert torch.equal(value, result["masters"][name]), name

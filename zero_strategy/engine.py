@@ -32,6 +32,7 @@ from .flat_unit import FlatUnit
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
+from .module_state import ModuleStateHooks
 from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
 from .params import GatherManager, in_backward
 from .partition import (
@@ -152,6 +153,7 @@ class ZeroEngine:
                 cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
             )
+        self._module_state = ModuleStateHooks(self, model)
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
@@ -417,6 +419,12 @@ class ZeroEngine:
         self._grads_unscaled = False
         self.global_steps += 1
         return True
+
+    def parameter_numel(self, param: torch.Tensor) -> int:
+        """Elements of `param` in the full model, also while stage 3 holds it freed (for
+        summaries and counts that would otherwise read 0)."""
+        owned = self._module_state.owner.get(id(param))
+        return owned[1].numel if owned is not None else param.numel()
 
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2) before reading the full

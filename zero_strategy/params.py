@@ -27,8 +27,8 @@ from .comm import Communicator
 from .flat_unit import FlatUnit
 from .storage_pool import StoragePool
 
-FORWARD, BACKWARD = 0, 1
-_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward"}
+FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
+_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
 
 
 class ModulePathDivergenceError(RuntimeError):

@@ -1,0 +1,147 @@
+"""`model.state_dict()` and `model.load_state_dict()` keep their meaning on a sharded model.
+
+Stage 3 frees each unit's parameters between uses, so a plain `state_dict()` would hand out
+empty tensors and `load_state_dict()` would fail on shape, or (stages 1-2 in reduced
+precision) write values the next step overwrites from the fp32 masters. Hooks on every
+module that owns parameters fix both:
+
+- stage 3: the unit is gathered for the call, the entries are copies of the full values,
+  and the unit is freed again. The gather is a collective, so every rank makes the call,
+  as with FSDP's full state dict (`engine.full_state_dict()` gathers the fp32 masters,
+  unit by unit, onto rank 0 instead);
+- a load writes the values into this rank's shard and its fp32 master, so the next step
+  starts from them;
+- stages 1-2: reads and loads first wait for the parameter gathers still in flight after
+  a step, and a load refreshes the fp32 masters.
+
+Hooks on each unit's own module gather it once for all the modules inside it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .flat_unit import FlatUnit
+from .params import STATE_DICT
+from .partition import ParamSlot
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+class ModuleStateHooks:
+    def __init__(self, engine: ZeroEngine, model: nn.Module):
+        self.engine = engine
+        self.owner: dict[int, tuple[FlatUnit, ParamSlot]] = {
+            id(p): (unit, slot)
+            for unit in engine.units
+            for slot, p in zip(unit.layout.slots, unit.params)
+        }
+        self._held: dict[int, list[FlatUnit]] = {}  # module id -> units it gathered
+        self.handles = []
+        unit_modules = {
+            unit.layout.module_path: unit
+            for unit in engine.units
+            if unit.layout.module_path is not None
+        }
+        for name, module in model.named_modules():
+            own = self._own_units(module)
+            if name in unit_modules:
+                own = [unit_modules[name], *(u for u in own if u is not unit_modules[name])]
+            if not own:
+                continue
+            self.handles += [
+                module.register_state_dict_pre_hook(self._make_pre(own)),
+                module.register_state_dict_post_hook(self._make_save()),
+                module.register_load_state_dict_pre_hook(self._make_load_pre(own)),
+                module.register_load_state_dict_post_hook(self._make_load_post()),
+            ]
+
+    def _own_units(self, module: nn.Module) -> list[FlatUnit]:
+        units: dict[int, FlatUnit] = {}
+        for p in module._parameters.values():
+            if p is not None and id(p) in self.owner:
+                unit = self.owner[id(p)][0]
+                units[unit.layout.index] = unit
+        return list(units.values())
+
+    # ---------------------------------------------------------------- gathering
+    def _acquire(self, module: nn.Module, units: list[FlatUnit]) -> None:
+        engine = self.engine
+        engine.wait_for_parameters()
+        if engine.gather is None:
+            return
+        held = []
+        for unit in units:
+            if not unit.gathered and unit.layout.index not in engine.gather.pending:
+                held.append(unit)
+            engine.gather.ensure(unit, STATE_DICT)
+        if held:
+            self._held.setdefault(id(module), []).extend(held)
+
+    def _release(self, module: nn.Module) -> None:
+        for unit in self._held.pop(id(module), []):
+            unit.free_full()
+
+    def _make_pre(self, units: list[FlatUnit]):
+        def hook(module, prefix, keep_vars):
+            self._acquire(module, units)
+
+        return hook
+
+    def _make_load_pre(self, units: list[FlatUnit]):
+        def hook(module, state_dict, prefix, *args):
+            self._acquire(module, units)
+
+        return hook
+
+    # ---------------------------------------------------------------- per module
+    # (torch marks hooks with attributes, so each registration gets its own function)
+    def _make_save(self):
+        def hook(module, destination, prefix, local_metadata):
+            self._save_own(module, destination, prefix)
+
+        return hook
+
+    def _make_load_post(self):
+        def hook(module, incompatible_keys):
+            self._load_own(module)
+
+        return hook
+
+    def _direct_params(self, module: nn.Module):
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in self.owner:
+                yield name, p, *self.owner[id(p)]
+
+    def _save_own(self, module, destination, prefix) -> None:
+        if self.engine.gather is not None:
+            for name, p, _, _ in self._direct_params(module):
+                key = prefix + name
+                if key in destination and not isinstance(destination[key], nn.Parameter):
+                    destination[key] = p.detach().clone()  # the gather buffer is reused
+        self._release(module)
+
+    @torch.no_grad()
+    def _load_own(self, module) -> None:
+        for _, _, unit, slot in self._direct_params(module):
+            write_back(unit, slot)
+        self._release(module)
+
+
+def write_back(unit: FlatUnit, slot: ParamSlot) -> None:
+    """The slot's full values were just loaded: copy this rank's part into its fp32 master
+    (and at stage 3 its compute-dtype shard)."""
+    lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
+    if lo >= hi or unit.full is None or unit.master is None:
+        return
+    loaded = unit.full[lo:hi]
+    local = slice(lo - unit.opt_start, hi - unit.opt_start)
+    master = unit.master[local]
+    if master.data_ptr() != loaded.data_ptr():
+        master.copy_(loaded)
+    if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
+        unit.shard[local].copy_(loaded)
