@@ -142,7 +142,13 @@ class ZeroFabricStrategy(DDPStrategy):
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only=None
     ) -> dict[str, Any]:
-        client = self.engine.load_checkpoint(str(path)) or {}
+        if isinstance(state, (nn.Module, torch.optim.Optimizer)):
+            state = {"state": state}
+        # A state without the optimizer (evaluation, a new optimizer) reads the model alone.
+        with_optimizer = not state or any(
+            isinstance(v, torch.optim.Optimizer) for v in state.values()
+        )
+        client = self.engine.load_checkpoint(str(path), with_optimizer) or {}
         if not state:
             return client
         for name in list(state):

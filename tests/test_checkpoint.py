@@ -178,3 +178,20 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path, monkey
         engine.save_checkpoint(path)
     assert json.loads(Path(path, "index.json").read_text()) == before
     _fresh_engine().load_checkpoint(path)  # still loads
+
+
+def test_model_only_load_takes_another_optimizer(tmp_path):
+    """Evaluation or fine-tuning from a training checkpoint: the parameters load into an
+    engine built with another optimizer, whose state is left alone."""
+    path, saved = _save_single(tmp_path)
+    expected = saved.full_state_dict()
+    model = make_model(seed=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ZeroEngine(model, sgd, ZeroConfig(stage=3))
+    with pytest.raises(CheckpointError, match="optimizer is AdamW but the engine's is SGD"):
+        engine.load_checkpoint(path)
+    engine.load_checkpoint(path, load_optimizer_states=False)
+    state = engine.full_state_dict()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    assert not sgd.state and engine.global_steps == 0

@@ -64,3 +64,28 @@ def test_fabric_low_precision_stays_close_to_fp32(precision):
     low = run_world(_loop, 2, "zero3", 6, None, None, precision)
     for a, b in zip(low, fp32):
         assert all(abs(x - y) <= 2e-2 * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _load_model_only(rank, world, ckpt):
+    import torch
+
+    import zero_strategy  # noqa: F401
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()
+    model = make_model(seed=1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.load(ckpt, {"model": model})  # no optimizer: the trained AdamW state is not read
+    x, y = local_batch(5, 0, rank, world)
+    with torch.no_grad():
+        return model(x, y).item(), len(optimizer.state)
+
+
+def test_fabric_loads_the_model_alone_into_another_optimizer(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = run_world(_loop, 2, "zero3", 10, ckpt)  # saved after step 5
+    for (loss, sgd_state), trained in zip(run_world(_load_model_only, 2, ckpt), full):
+        assert loss / 2 == trained[10]  # step 5, first micro-batch (halved there), same weights
+        assert sgd_state == 0

@@ -397,3 +397,38 @@ def test_model_summary_and_state_dict_after_fit_see_the_full_model():
         assert result["state"].keys() == result["masters"].keys()
         for name, value in result["state"].items():
             assert torch.equal(value, result["masters"][name]), name
+
+
+def _validate_from_a_checkpoint_in_a_fresh_trainer(rank, world, ckpt):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    data = loader(n_batches=2, world=world)
+    trainer = quiet_trainer(world, "zero3", max_steps=3, num_sanity_val_steps=0)
+    module = lit_module_class()()
+    trainer.fit(module, data)
+    trainer.save_checkpoint(ckpt, weights_only=False)
+    after_fit = trainer.validate(module, data, verbose=False)
+    # A new process would do this: another module, another Trainer, the checkpoint's path.
+    fresh = lit_module_class()()
+    torch.nn.init.zeros_(fresh.model.lm_head.weight)  # nothing may survive from init
+    validated = quiet_trainer(world, "zero3").validate(fresh, data, ckpt_path=ckpt, verbose=False)
+
+    class Testing(lit_module_class()):
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.model(*batch), sync_dist=True)
+
+    tested = quiet_trainer(world, "zero3").test(Testing(), data, ckpt_path=ckpt, verbose=False)
+    return after_fit, validated, tested
+
+
+def test_validate_and_test_load_a_training_checkpoint_into_a_fresh_trainer(tmp_path):
+    """Evaluation holds a stand-in optimizer, so it reads the model alone from the
+    checkpoint (the trained AdamW state is not needed and is not a mismatch)."""
+    ckpt = str(tmp_path / "trained.ckpt")
+    for after_fit, validated, tested in run_world(
+        _validate_from_a_checkpoint_in_a_fresh_trainer, 2, ckpt
+    ):
+        assert validated == after_fit
+        assert tested[0]["test_loss"] == after_fit[0]["val_loss"]  # same data, same model

@@ -319,15 +319,18 @@ def read_index(path: Path) -> dict[str, Any]:
     return index
 
 
-def load(engine: ZeroEngine, path: str | os.PathLike) -> dict | None:
+def load(
+    engine: ZeroEngine, path: str | os.PathLike, load_optimizer_states: bool = True
+) -> dict | None:
     """Restore `engine` from `path`, whatever world size and stage wrote it; returns the
-    client state, if any (loaded with weights_only=True)."""
+    client state, if any (loaded with weights_only=True). Without the optimizer states,
+    only the parameters and buffers are read; the optimizer and loss scale are left."""
     engine.wait_for_parameters()
     reader = CheckpointReader(path)
     index = reader.index
     _check_same_model(engine, index)
     opt_index = index["optimizer"]
-    if opt_index["class"] != type(engine.optimizer).__name__:
+    if load_optimizer_states and opt_index["class"] != type(engine.optimizer).__name__:
         raise CheckpointError(
             f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
             f"{type(engine.optimizer).__name__}; build the same optimizer to resume."
@@ -338,12 +341,14 @@ def load(engine: ZeroEngine, path: str | os.PathLike) -> dict | None:
             if lo < hi:
                 values = reader.read(slot.name, lo - slot.offset, hi - slot.offset)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
-    _load_optimizer_state(engine, reader)
+    if load_optimizer_states:
+        _load_optimizer_state(engine, reader)
     for name, buf in persistent_buffers(engine.module):
         buf.data.copy_(reader.buffer(name))
     engine.refresh_from_masters()
-    engine.scaler.load_state_dict(index["loss_scaler"])
-    engine.global_steps = int(index["step"])
+    if load_optimizer_states:
+        engine.scaler.load_state_dict(index["loss_scaler"])
+        engine.global_steps = int(index["step"])
     client = Path(path) / CLIENT_STATE
     if not client.exists():
         return None

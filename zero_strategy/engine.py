@@ -526,10 +526,13 @@ class ZeroEngine:
         at any world size and stage; `client_state` must load with weights_only=True."""
         checkpoint.save(self, path, client_state)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict | None:
+    def load_checkpoint(
+        self, path: str | os.PathLike, load_optimizer_states: bool = True
+    ) -> dict | None:
         """Restore from a checkpoint written at any world size and stage (collective);
-        returns the client state saved with it, if any."""
-        return checkpoint.load(self, path)
+        returns the client state saved with it, if any. `load_optimizer_states=False`
+        loads the model alone (evaluation, or fine-tuning with another optimizer)."""
+        return checkpoint.load(self, path, load_optimizer_states)
 
     def load_pretrained(self, path: str | os.PathLike, strict: bool = True) -> dict[str, int]:
         """Load safetensors weights (a file, or Hugging Face shards with their index),
