@@ -21,6 +21,7 @@ from zero_strategy import ZeroConfig, ZeroEngine
 
 from .lightning import (
     PRECISIONS,
+    place_buffers,
     register_zero_names,
     require_cpu_or_cuda,
     to_weights_only,
@@ -104,7 +105,7 @@ class ZeroFabricStrategy(DDPStrategy):
         )
 
     def module_to_device(self, module: nn.Module) -> None:
-        pass  # the engine places this rank's shard on the device
+        place_buffers(module, self.root_device)  # the engine places the parameters
 
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
         self.engine.backward(tensor, *args, **kwargs)

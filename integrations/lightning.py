@@ -83,6 +83,18 @@ def require_cpu_or_cuda(device: torch.device, entry: str) -> None:
         )
 
 
+def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the buffers onto `device` and record it as the module's device (what
+    `LightningModule.device` reports, and where `self.log` and Lightning's collectives put
+    their tensors); parameters are placed by the engine, one unit at a time."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                module._buffers[name] = b.to(device)
+        if hasattr(module, "_device"):  # Lightning's device/dtype mixin
+            module._device = device
+
+
 def register_zero_names(cls: type, registry) -> None:
     """zero1..zero3 in a Lightning or Fabric strategy registry."""
     for stage in (1, 2, 3):
@@ -214,9 +226,12 @@ def make_strategy(root: str):
             if not precision_class:
                 precision_class.append(make_precision(root))
             self.precision_plugin = precision_class[0](flag, self)
-            self.model_to_device()
             model = self.lightning_module
             existing = getattr(model, "_zero_engine", None)
+            if trainer.state.fn == "fit" and self._layer_sync and existing is None:
+                self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
+                model = self.lightning_module
+            self.model_to_device()
             if existing is not None:
                 # The module was sharded by an earlier fit/validate: its parameters live in
                 # that engine. Evaluation reuses it; a second fit would need the new
@@ -251,16 +266,9 @@ def make_strategy(root: str):
             self.model = model
 
         def model_to_device(self) -> None:
-            """Move real tensors only: parameters built on the meta device are
-            materialized, already sharded, by the engine."""
-            device = self.root_device
-            for module in self.model.modules():
-                for p in module._parameters.values():
-                    if p is not None and not p.is_meta and p.device != device:
-                        p.data = p.data.to(device)
-                for name, b in module._buffers.items():
-                    if b is not None and not b.is_meta and b.device != device:
-                        module._buffers[name] = b.to(device)
+            """Buffers only: the engine copies each unit's parameters onto the device as it
+            shards them, so the whole model never sits on one device at once."""
+            place_buffers(self.model, self.root_device)
 
         @contextlib.contextmanager
         def model_sharded_context(self) -> Iterator[None]:
@@ -349,9 +357,19 @@ def make_strategy(root: str):
             pass
 
         def teardown(self) -> None:
+            """DDP's teardown without moving the module and optimizer state to the CPU: on
+            CUDA that would re-allocate every parameter away from the engine's buffers
+            (which later validate/test calls reuse)."""
             if self.engine is not None:
                 self.engine.wait_for_parameters()
-            super().teardown()
+            module = self.lightning_module
+            trainer = getattr(module, "_trainer", None) if module is not None else None
+            if trainer is not None and trainer.state.fn == "fit" and self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
 
     ZeroStrategy.__name__ = ZeroStrategy.__qualname__ = "ZeroStrategy"
     return ZeroStrategy

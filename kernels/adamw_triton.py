@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreting
+from .backend import interpreting, on_tensor_device
 from .tensor_table import chunk_tables
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -83,6 +83,7 @@ def _adam_chunk_kernel(
             tl.store(c_ptr + idx, p.to(COPY_DTYPE), mask=mask)
 
 
+@on_tensor_device
 def launch(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

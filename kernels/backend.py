@@ -76,3 +76,28 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             "CUDA tensors."
         )
     return True
+
+
+def _first_device(args) -> torch.device | None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
+            return arg[0].device
+    return None
+
+
+def on_tensor_device(launch):
+    """Triton launches on the current CUDA device, not on the tensors' device: a process
+    that placed its model on cuda:1 without `torch.cuda.set_device` would launch on
+    cuda:0. Enter the device of the first tensor argument for the launch."""
+
+    @functools.wraps(launch)
+    def wrapper(*args, **kwargs):
+        device = _first_device(args)
+        if device is None or device.type != "cuda":
+            return launch(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launch(*args, **kwargs)
+
+    return wrapper

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import on_tensor_device
+
 
 @triton.jit
 def _topk_softmax_kernel(
@@ -22,7 +24,7 @@ def _topk_softmax_kernel(
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * E may pass 2**31
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
     x = tl.load(logits + t * E + cols, mask=valid, other=-float("inf")).to(tl.float32)
@@ -45,6 +47,7 @@ def _topk_softmax_kernel(
             tl.store(weights_out + t * K + j, w / total)
 
 
+@on_tensor_device
 def topk_softmax(logits: torch.Tensor, k: int, normalize: bool):
     tokens, experts = logits.shape
     weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
@@ -88,6 +91,7 @@ def _expert_positions_kernel(
     tl.store(counts_out + e, running)
 
 
+@on_tensor_device
 def expert_positions(expert_index: torch.Tensor, num_experts: int):
     tokens, k = expert_index.shape
     position = torch.empty_like(expert_index, dtype=torch.int64)
@@ -109,7 +113,7 @@ def _scatter_rows_kernel(
     HAS_WEIGHTS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    a = tl.program_id(0)
+    a = tl.program_id(0).to(tl.int64)  # (a // K) * H may pass 2**31
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.load(rows + a)
     mask = cols < tl.where(row >= 0, H, 0)  # a dropped assignment (-1) copies nothing
@@ -130,7 +134,7 @@ def _gather_rows_kernel(
     HAS_WEIGHTS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * H may pass 2**31
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
@@ -153,7 +157,7 @@ def _row_dot_kernel(
     K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    a = tl.program_id(0)
+    a = tl.program_id(0).to(tl.int64)
     row = tl.load(rows + a)
     limit = tl.where(row >= 0, H, 0)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -187,6 +191,7 @@ def _move_rows(kernel, programs: int, src, rows, weights, out) -> None:
         )
 
 
+@on_tensor_device
 def scatter_rows(x, rows, weights, num_rows: int, zero_fill: bool):
     """out[rows[t, j]] = x[t] (* weights[t, j]); rows of -1 are skipped."""
     alloc = torch.zeros if zero_fill else torch.empty
@@ -195,6 +200,7 @@ def scatter_rows(x, rows, weights, num_rows: int, zero_fill: bool):
     return out
 
 
+@on_tensor_device
 def gather_rows(y, rows, weights):
     """out[t] = sum_j y[rows[t, j]] (* weights[t, j]); rows of -1 contribute nothing."""
     out = torch.empty(rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
@@ -202,6 +208,7 @@ def gather_rows(y, rows, weights):
     return out
 
 
+@on_tensor_device
 def row_dot(grad, y, rows):
     tokens, k = rows.shape
     hidden = grad.shape[1]

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .adamw_triton import _TL_DTYPES
-from .backend import interpreting
+from .backend import interpreting, on_tensor_device
 from .tensor_table import chunk_tables
 
 
@@ -38,6 +38,7 @@ def _sum_squares_kernel(
     tl.store(partials + pid, tl.sum(acc, axis=0))
 
 
+@on_tensor_device
 def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of all elements of `tensors` (same dtype), as a float32 scalar."""
     block = 1024

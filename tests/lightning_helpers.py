@@ -118,4 +118,7 @@ def fit(
         "sampler": type(trainer.train_dataloader.sampler).__name__,
         "lr": lr,
         "global_step": trainer.global_step,
+        "compute_dtype": getattr(
+            getattr(trainer.strategy, "engine_config", None), "compute_dtype", None
+        ),
     }

@@ -127,13 +127,19 @@ def _fit_precision(rank, world, precision):
     return fit(rank, world, "zero3", 6, precision=precision)
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed"])
-def test_precision_flags_train_close_to_fp32(precision):
+@pytest.mark.parametrize(
+    "precision,compute",
+    # Lightning turns "16-mixed" into "bf16-mixed" on CPU; "16-true" reaches fp16 compute
+    # (fp32 masters, dynamic loss scaling) as "16-mixed" does on CUDA.
+    [("bf16-mixed", "fp32"), ("bf16-true", "bf16"), ("16-mixed", "fp32"), ("16-true", "fp16")],
+)
+def test_precision_flags_train_close_to_fp32(precision, compute):
     """bf16/fp16 keep 8/11 significant bits; masters, optimizer state and the loss stay
     fp32, so over 6 steps the losses stay within 2e-2 of fp32 training."""
     fp32 = run_world(fit, 2, "zero3", 6)
     low = run_world(_fit_precision, 2, precision)
     for a, b in zip(low, fp32):
+        assert a["compute_dtype"] == compute
         assert len(a["losses"]) == len(b["losses"]) == 12
         assert all(abs(x - y) <= 2e-2 * abs(y) for x, y in zip(a["losses"], b["losses"]))
 
@@ -432,3 +438,32 @@ def test_validate_and_test_load_a_training_checkpoint_into_a_fresh_trainer(tmp_p
     ):
         assert validated == after_fit
         assert tested[0]["test_loss"] == after_fit[0]["val_loss"]  # same data, same model
+
+
+def _sync_batchnorm_types(rank, world):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+
+    class WithBatchNorm(lit_module_class()):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)  # SyncBatchNorm runs on GPUs only: unused
+            self.seen = None
+
+        def on_fit_start(self):
+            self.seen = type(self.norm).__name__
+
+    module = WithBatchNorm()
+    trainer = quiet_trainer(world, "zero1", max_steps=1, sync_batchnorm=True)
+    trainer.fit(module, loader(n_batches=1, world=world))
+    return module.seen, type(module.norm).__name__
+
+
+def test_sync_batchnorm_converts_for_fit_and_reverts_after():
+    """Trainer(sync_batchnorm=True) as under DDP: SyncBatchNorm while fitting, plain
+    BatchNorm again after teardown."""
+    for during, after in run_world(_sync_batchnorm_types, 2):
+        assert during == "SyncBatchNorm"
+        assert after == "_BatchNormXd"  # what Lightning's revert builds, under DDP too

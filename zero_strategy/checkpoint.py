@@ -176,15 +176,18 @@ def _all_gather_json(engine: ZeroEngine, value: Any) -> list[Any]:
     """Every rank's JSON-able `value`, exchanged as bytes (no pickle)."""
     if not engine.dp.distributed:
         return [value]
+    # On the engine's device: its group is NCCL-only on CUDA, which refuses CPU tensors.
+    device = engine.device
     data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX, group=engine.dp.group)
     padded = torch.zeros(int(size), dtype=torch.uint8)
     padded[: data.numel()] = data
-    out = torch.empty(engine.dp.world_size * int(size), dtype=torch.uint8)
-    dist.all_gather_single(out, padded, group=engine.dp.group)
+    out = torch.empty(engine.dp.world_size * int(size), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, padded.to(device), group=engine.dp.group)
     return [
-        json.loads(bytes(chunk.tolist()).rstrip(b"\0")) for chunk in out.chunk(engine.dp.world_size)
+        json.loads(bytes(chunk.tolist()).rstrip(b"\0"))
+        for chunk in out.cpu().chunk(engine.dp.world_size)
     ]
 
 
@@ -353,7 +356,7 @@ def load(
     if not client.exists():
         return None
     try:
-        return torch.load(client, weights_only=True)
+        return torch.load(client, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"{client} holds objects that safe loading (weights_only=True) refuses, so it was "

@@ -235,7 +235,7 @@ def _patch_crc(f, info: zipfile.ZipInfo, crc: int, start_dir: int) -> None:
 
 def _lightning_wrapper(reader: CheckpointReader, path: Path):
     client = path / CLIENT_STATE
-    extra = torch.load(client, weights_only=True) if client.exists() else {}
+    extra = torch.load(client, map_location="cpu", weights_only=True) if client.exists() else {}
     extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
     extra.setdefault("epoch", 0)
     extra.setdefault("global_step", reader.index["step"])

@@ -549,7 +549,8 @@ class ZeroEngine:
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
-        buffers), gathered one unit at a time; empty on other ranks when `rank0_only`."""
+        buffers) in CPU memory, gathered one unit at a time, so the device never holds
+        more than one unit of it; empty on other ranks when `rank0_only`."""
         self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.dp.rank == 0
@@ -559,12 +560,12 @@ class ZeroEngine:
             full = self._gather_master(unit)
             if keep:
                 for slot in unit.layout.slots:
-                    value = full[slot.offset : slot.end].view(slot.shape).clone()
+                    value = full[slot.offset : slot.end].view(slot.shape).to("cpu", copy=True)
                     for name in (slot.name, *slot.aliases):
                         out[name] = value
         if keep:
             for name, buf in checkpoint.persistent_buffers(self.module):
-                out[name] = buf.detach().clone()
+                out[name] = buf.detach().to("cpu", copy=True)
         return out
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:

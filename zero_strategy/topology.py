@@ -33,7 +33,9 @@ class DataParallelGroup:
         if not dist.is_available() or not dist.is_initialized():
             return cls(rank=0, world_size=1, group=None, backend="none")
         backend = backend_for(device)
-        default_backend = str(dist.get_backend()).lower()
+        # get_backend_config, not get_backend: a plain init_process_group() (torchrun's
+        # usual call) reports "undefined" there but "cpu:gloo,cuda:nccl" here.
+        default_backend = str(dist.get_backend_config()).lower()
         if backend == "nccl" and "nccl" not in default_backend:
             raise RuntimeError(
                 "Parameters are on CUDA but the default process group uses "
