@@ -19,14 +19,8 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
 
-from .lightning import (
-    PRECISIONS,
-    place_buffers,
-    register_zero_names,
-    require_cpu_or_cuda,
-    to_weights_only,
-    zero_config_from,
-)
+from .devices import place_buffers, require_cpu_or_cuda
+from .lightning import PRECISIONS, register_zero_names, to_weights_only, zero_config_from
 
 
 class _EngineSyncControl(_BackwardSyncControl):

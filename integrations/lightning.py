@@ -24,6 +24,7 @@ import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
+from .devices import place_buffers, require_cpu_or_cuda
 from .lightning_summary import patch_model_summary_callback
 
 PRECISIONS = {
@@ -72,27 +73,6 @@ def to_weights_only(value: Any, where: str = "checkpoint") -> Any:
         stacklevel=2,
     )
     return repr(value)
-
-
-def require_cpu_or_cuda(device: torch.device, entry: str) -> None:
-    """The engine runs on gloo (CPU) and NCCL (CUDA) only; `entry` names where to fix it."""
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(
-            f"zero-strategy runs on CPU (gloo) and CUDA (nccl), not on '{device.type}'. "
-            f"Use {entry}(accelerator='cpu') or accelerator='cuda'."
-        )
-
-
-def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Move the buffers onto `device` and record it as the module's device (what
-    `LightningModule.device` reports, and where `self.log` and Lightning's collectives put
-    their tensors); parameters are placed by the engine, one unit at a time."""
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None and not b.is_meta and b.device != device:
-                module._buffers[name] = b.to(device)
-        if hasattr(module, "_device"):  # Lightning's device/dtype mixin
-            module._device = device
 
 
 def register_zero_names(cls: type, registry) -> None:

@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from distributed import run_world
-from training import train_ddp, train_reference, train_zero
+from training import rel_l2, train_ddp, train_reference, train_zero
 
 STEPS, ACCUM, CLIP = 20, 2, 0.5
-
-
-def rel_l2(state: dict, ref: dict) -> float:
-    num = sum(((state[k].double() - ref[k].double()) ** 2).sum() for k in ref)
-    den = sum((ref[k].double() ** 2).sum() for k in ref)
-    return float((num / den).sqrt())
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,13 @@ def train_reference(steps: int, accum: int, clip: float, seed: int = 0):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def rel_l2(state: dict, ref: dict) -> float:
+    """Relative L2 distance between two state dicts, over all their tensors."""
+    num = sum(((state[k].double() - ref[k].double()) ** 2).sum() for k in ref)
+    den = sum((ref[k].double() ** 2).sum() for k in ref)
+    return float((num / den).sqrt())
+
+
 def _global_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)

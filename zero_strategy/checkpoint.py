@@ -184,7 +184,7 @@ def _all_gather_json(engine: ZeroEngine, value: Any) -> list[Any]:
     padded = torch.zeros(int(size), dtype=torch.uint8)
     padded[: data.numel()] = data
     out = torch.empty(engine.dp.world_size * int(size), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, padded.to(device), group=engine.dp.group)
+    dist.all_gather_single(out, padded.to(device), group=engine.dp.group)
     return [
         json.loads(bytes(chunk.tolist()).rstrip(b"\0"))
         for chunk in out.cpu().chunk(engine.dp.world_size)

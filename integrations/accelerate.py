@@ -1,0 +1,322 @@
+"""Accelerate: ZeRO under `accelerate launch`, with one changed line in the training script.
+
+    accelerator = ZeroAccelerator()   # was: Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+Accelerate has no place for a third-party sharding plugin: its config file rejects
+unknown keys, `DistributedType` is a closed enum, and the `Accelerator` constructor's
+plugin arguments are typed. So the script swaps the class, and the ZeRO settings come
+from a `ZeroPlugin`: its arguments, else the `ZERO_STRATEGY_*` environment variables that
+`accelerate launch` copies into every process (`ZERO_STRATEGY_STAGE`, and
+`ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields). Launch as
+Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU).
+
+The model is never wrapped: the engine shards it in place, so `unwrap_model` returns the
+user's module and `model(...)` is the user's forward. `backward`, the prepared optimizer's
+`step`/`zero_grad`, `accumulate`/`no_sync`, `clip_grad_norm_`/`clip_grad_value_` go
+through the engine; `save_state`/`load_state` write and read the engine's sharded
+checkpoint beside Accelerate's own files (schedulers, samplers, RNG); `get_state_dict` and
+`save_model` consolidate the model on the main process, unit by unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch import nn
+
+from zero_strategy import ZeroConfig, ZeroEngine
+
+from .devices import place_buffers, require_cpu_or_cuda
+
+ENV_STAGE = "ZERO_STRATEGY_STAGE"
+ENV_CONFIG_FILE = "ZERO_STRATEGY_CONFIG_FILE"
+CHECKPOINT_DIR = "zero_model"  # inside save_state's folder: the engine's sharded checkpoint
+OPTIMIZER_MARKER = {"zero_strategy": "sharded; the state is in the zero_model checkpoint"}
+
+# Accelerate's mixed_precision -> the engine's compute dtype. "bf16" keeps fp32
+# parameters under Accelerate's autocast (its own meaning of the flag); "fp16" computes in
+# fp16 with fp32 masters and the engine's dynamic loss scaling, as DeepSpeed does.
+COMPUTE_DTYPES = {"no": "fp32", "bf16": "fp32", "fp16": "fp16"}
+
+
+@dataclass
+class ZeroPlugin:
+    """The ZeRO settings of a `ZeroAccelerator`.
+
+    Fields are read in this order, later ones winning: the YAML/JSON file
+    (`config_file`, else `$ZERO_STRATEGY_CONFIG_FILE`), `$ZERO_STRATEGY_STAGE`, then
+    `stage` and `options` (any `ZeroConfig` field) given here."""
+
+    stage: int | None = None
+    config_file: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, mixed_precision: str) -> ZeroConfig:
+        values: dict[str, Any] = {"stage": 3}
+        config_file = self.config_file or os.environ.get(ENV_CONFIG_FILE)
+        if config_file:
+            values.update(_read_config_file(config_file))
+        if os.environ.get(ENV_STAGE):
+            values["stage"] = _stage_from_env(os.environ[ENV_STAGE])
+        values.update(self.options)
+        if self.stage is not None:
+            values["stage"] = self.stage
+        if "compute_dtype" not in values:
+            if mixed_precision not in COMPUTE_DTYPES:
+                raise ValueError(
+                    f"mixed_precision={mixed_precision!r} is not supported with ZeRO; use one of "
+                    f"{sorted(COMPUTE_DTYPES)}."
+                )
+            values["compute_dtype"] = COMPUTE_DTYPES[mixed_precision]
+        return ZeroConfig.from_dict(values)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"ZeRO config file {path!r} (from {ENV_CONFIG_FILE} or ZeroPlugin.config_file) "
+            "does not exist. Point it at a YAML or JSON file of ZeroConfig fields."
+        )
+    text = file.read_text()
+    if file.suffix == ".json":
+        values = json.loads(text)
+    else:
+        import yaml  # a dependency of accelerate
+
+        values = yaml.safe_load(text) or {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{path} must hold a mapping of ZeroConfig fields, got {type(values)}.")
+    return dict(values)
+
+
+def _stage_from_env(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{ENV_STAGE}={value!r} is not a stage; set it to 0, 1, 2 or 3.") from None
+
+
+class ZeroOptimizer(AcceleratedOptimizer):
+    """What `prepare` returns for a sharded optimizer: `step` is the engine's (global-norm
+    clipping, fp16 skips) and, like Accelerate's wrapper, runs only when gradients are
+    synchronised. `state_dict()` is a marker: the state lives in the sharded checkpoint."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine):
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError(
+                "The ZeRO optimizer steps without a closure; compute the loss, call "
+                "accelerator.backward(loss), then optimizer.step()."
+            )
+        if self.gradient_state.sync_gradients:
+            self._is_overflow = not self.engine.step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients:
+            self.engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(OPTIMIZER_MARKER)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if dict(state_dict) == OPTIMIZER_MARKER:
+            return  # restored with the model by load_state
+        raise ValueError(
+            "A sharded ZeRO optimizer cannot load a plain optimizer state dict; restore it "
+            "with accelerator.load_state(dir) from a directory written by save_state."
+        )
+
+
+class ZeroAccelerator(Accelerator):
+    """`Accelerator` whose `prepare` shards each (model, optimizer) pair with a `ZeroEngine`.
+    A model prepared without an optimizer (a frozen reference model) is prepared as
+    Accelerate prepares one for evaluation: replicated, not sharded."""
+
+    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.distributed_type in (
+            DistributedType.DEEPSPEED,
+            DistributedType.FSDP,
+            DistributedType.MEGATRON_LM,
+            DistributedType.XLA,
+        ):
+            raise ValueError(
+                f"ZeroAccelerator shards the model itself, but Accelerate is configured for "
+                f"{self.distributed_type.value}. Launch with the plain multi-process type "
+                "(`accelerate launch --multi_gpu ...`, no DeepSpeed/FSDP section in the config)."
+            )
+        require_cpu_or_cuda(self.device, "Accelerator")
+        self.zero_plugin = zero_plugin or ZeroPlugin()
+        self.zero_config = self.zero_plugin.resolve(str(self.mixed_precision))
+        self.engine: ZeroEngine | None = None
+        self._unpaired_models: list[nn.Module] = []
+        self._saving_state = False
+        self.register_save_state_pre_hook(self._save_engine_checkpoint)
+        self.register_load_state_pre_hook(self._load_engine_checkpoint)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        models = [a for a in args if isinstance(a, nn.Module) and not self._is_sharded(a)]
+        optimizers = [
+            a
+            for a in args
+            if isinstance(a, torch.optim.Optimizer) and not isinstance(a, ZeroOptimizer)
+        ]
+        prepared: dict[int, Any] = {}
+        for optimizer in optimizers:
+            model = self._model_of(optimizer, models + self._unpaired_models)
+            prepared[id(optimizer)] = self._shard(model, optimizer)
+            if model in self._unpaired_models:
+                self._unpaired_models.remove(model)
+        for model in models:
+            if not self._is_sharded(model):
+                self._unpaired_models.append(model)
+                place_buffers(model, self.device)
+                super().prepare_model(model, evaluation_mode=True)
+        args = tuple(prepared.get(id(a), a) for a in args)
+        result = super().prepare(*args, device_placement=device_placement)
+        return result
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
+        if self.engine is not None:
+            raise ValueError(
+                "ZeroAccelerator shards one model with one optimizer (as DeepSpeed does under "
+                "Accelerate). Put all trainable parameters in one optimizer with param "
+                "groups, or use a separate ZeroAccelerator per model."
+            )
+        place_buffers(model, self.device)
+        self.engine = ZeroEngine(model, optimizer, self.zero_config, device=self.device)
+        model._zero_engine = self.engine
+        # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
+        super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        wrapped = ZeroOptimizer(optimizer, self.engine)
+        wrapped._is_accelerate_prepared = True
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    @staticmethod
+    def _is_sharded(model: nn.Module) -> bool:
+        return getattr(model, "_zero_engine", None) is not None
+
+    @staticmethod
+    def _model_of(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
+        wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for model in models:
+            if wanted <= {id(p) for p in model.parameters()}:
+                return model
+        raise ValueError(
+            "ZeroAccelerator.prepare got an optimizer whose parameters belong to no model "
+            "being prepared. Pass the model and its optimizer to the same prepare() call "
+            "(or prepare the model first)."
+        )
+
+    def _engine_of(self, model: nn.Module) -> ZeroEngine | None:
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        return getattr(inner, "_zero_engine", None)
+
+    # ------------------------------------------------------------------ training
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.engine is None:
+            return super().backward(loss, **kwargs)
+        self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        engine = self._engine_of(model)
+        if engine is None:
+            with super().no_sync(model):
+                yield
+            return
+        with engine.no_sync():
+            yield
+
+    def _engine_for(self, parameters: Iterable[torch.Tensor]) -> ZeroEngine | None:
+        if self.engine is None:
+            return None
+        mine = {id(p) for p in self.engine.module.parameters()}
+        return self.engine if any(id(p) in mine for p in parameters) else None
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        engine = self._engine_for(parameters)
+        if engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError("ZeRO clips by the global L2 norm over all shards: use norm_type=2.")
+        return engine.clip_grad_norm_(float(max_norm))
+
+    def clip_grad_value_(self, parameters, clip_value):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        engine = self._engine_for(parameters)
+        if engine is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        engine.clip_grad_value_(float(clip_value))
+
+    # ------------------------------------------------------------------ weights
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True):
+        """The consolidated model on the main process (in the dtype of the model's own
+        parameters), gathered unit by unit; None elsewhere, which `save_model` and
+        `save_pretrained(is_main_process=...)` expect. Collective: call it on every rank."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap)
+        if self._saving_state:
+            return {}  # save_state writes the sharded checkpoint instead
+        state = engine.full_state_dict(rank0_only=True)
+        if engine.dp.rank != 0:
+            return None
+        dtype, params = engine.config.compute_torch_dtype, _param_names(engine)
+        return {name: value.to(dtype) if name in params else value for name, value in state.items()}
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw):
+        self._saving_state = True
+        try:
+            return super().save_state(output_dir, safe_serialization, **kw)
+        finally:
+            self._saving_state = False
+
+    def _save_engine_checkpoint(self, models: list, weights: list, output_dir: str) -> None:
+        """Runs on every rank inside save_state: the engine writes its sharded checkpoint
+        (collective), and Accelerate's own model file is skipped for the sharded model."""
+        kept_weights = []
+        for model, weight in zip(models, weights):
+            engine = self._engine_of(model)
+            if engine is None:
+                kept_weights.append(weight)
+            else:
+                engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+        weights[:] = kept_weights
+
+    def _load_engine_checkpoint(self, models: list, input_dir: str) -> None:
+        kept = []
+        for model in models:
+            engine = self._engine_of(model)
+            if engine is None:
+                kept.append(model)
+            else:
+                engine.load_checkpoint(os.path.join(input_dir, CHECKPOINT_DIR))
+        models[:] = kept
+
+
+def _param_names(engine: ZeroEngine) -> set[str]:
+    return {
+        name
+        for unit in engine.units
+        for slot in unit.layout.slots
+        for name in (slot.name, *slot.aliases)
+    }

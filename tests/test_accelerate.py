@@ -1,0 +1,216 @@
+"""ZeroAccelerator: an Accelerate loop trains as under plain Accelerate (DDP), resumes with
+save_state/load_state, consolidates with get_state_dict/save_model, and runs under
+`accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_world
+from training import local_batch, make_model, make_optimizer, rel_l2
+
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, ACCUM = 6, 2
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _accelerator(kind: str, stage: int, accum: int = ACCUM, **kwargs):
+    from accelerate import Accelerator
+
+    from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    common = dict(cpu=True, gradient_accumulation_steps=accum, **kwargs)
+    if kind == "ddp":
+        return Accelerator(**common)
+    return ZeroAccelerator(zero_plugin=ZeroPlugin(stage=stage), **common)
+
+
+def _loop(
+    rank, world, kind, stage=3, steps=range(STEPS), save=None, load=None, accum=ACCUM, **kwargs
+):
+    """The usual Accelerate loop: accumulate, clip when syncing, a per-step scheduler."""
+    accelerator = _accelerator(kind, stage, accum, **kwargs)
+    model = make_model(seed=0 if load is None else 1)  # a resume must not need the init
+    optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if load:
+        accelerator.load_state(load)
+    losses = []
+    for step in steps:
+        for micro in range(accum):
+            with accelerator.accumulate(model):
+                x, y = local_batch(step, micro, rank, world)
+                loss = model(x, y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        if save and step == steps[0] + 2:
+            accelerator.save_state(save)
+    state = accelerator.get_state_dict(model)
+    engine = getattr(accelerator, "engine", None)
+    return {
+        "reduced": engine
+        and sum(v["bytes"] for k, v in engine.comm_report().items() if k in REDUCTIONS),
+        "losses": losses,
+        "state": state,
+        "type": accelerator.distributed_type.value,
+        "lr": scheduler.get_last_lr()[0],
+        "unwrapped_is_model": accelerator.unwrap_model(model) is model,
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_run():
+    return run_world(_loop, 2, "ddp")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_same_training_as_plain_accelerate(stage, ddp_run):
+    for rank, (ours, ddp) in enumerate(zip(run_world(_loop, 2, "zero", stage), ddp_run)):
+        assert ours["type"] == ddp["type"] == "MULTI_CPU"
+        assert ours["unwrapped_is_model"]  # never wrapped: the user's module
+        assert len(ours["losses"]) == STEPS * ACCUM
+        for got, want in zip(ours["losses"], ddp["losses"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        assert ours["lr"] == ddp["lr"]  # the scheduler stepped once per optimizer step
+        if rank == 0:
+            assert ours["state"].keys() == ddp["state"].keys()
+            # Adam turns reduction-order rounding of the clip coefficient into ~1e-7.
+            assert rel_l2(ours["state"], ddp["state"]) < 1e-5
+        else:
+            assert ours["state"] is None  # consolidated on the main process only
+
+
+def test_accumulate_reduces_gradients_once_per_step():
+    """accelerator.accumulate(model) runs the engine's no_sync: the micro-batches that do
+    not step move no gradient bytes."""
+    accumulated = run_world(_loop, 2, "zero", 2, accum=2)[0]["reduced"]
+    single = run_world(_loop, 2, "zero", 2, accum=1)[0]["reduced"]
+    assert accumulated == single > 0
+
+
+def test_save_state_then_load_state_continues_exactly(tmp_path):
+    ckpt = str(tmp_path / "state")
+    full = run_world(_loop, 2, "zero", 3, range(STEPS), ckpt)
+    resumed = run_world(_loop, 2, "zero", 3, range(3, STEPS), None, ckpt)
+    for a, b in zip(resumed, full):
+        assert a["losses"] == b["losses"][3 * ACCUM :]
+        assert a["lr"] == b["lr"]
+    files = sorted(os.listdir(ckpt))
+    assert "zero_model" in files and not any(f.startswith("model") for f in files)
+    index = json.loads(Path(ckpt, "zero_model", "index.json").read_text())
+    assert index["world_size"] == 2 and index["stage"] == 3
+    marker = torch.load(Path(ckpt, "optimizer.bin"), weights_only=True)
+    assert "zero_strategy" in marker  # the optimizer state is in the sharded checkpoint
+
+
+def _save_model(rank, world, out):
+    from safetensors.torch import load_file
+
+    accelerator = _accelerator("zero", 3)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    x, y = local_batch(0, 0, rank, world)
+    accelerator.backward(model(x, y))
+    optimizer.step()
+    optimizer.zero_grad()
+    expected = accelerator.get_state_dict(model)
+    accelerator.save_model(model, out, max_shard_size="20KB")
+    accelerator.wait_for_everyone()
+    index = json.loads(Path(out, "model.safetensors.index.json").read_text())
+    loaded = {}
+    for name in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(Path(out, name)))
+    return expected, loaded
+
+
+def test_save_model_writes_consolidated_safetensors_shards(tmp_path):
+    out = str(tmp_path / "model")
+    expected, loaded = run_world(_save_model, 2, out)[0]
+    # Tied lm_head/wte is stored once, as the Hugging Face writers do.
+    assert set(loaded) == set(expected) - {"lm_head.weight"}
+    for name, value in loaded.items():
+        assert torch.equal(value, expected[name]), name
+    fresh = make_model(seed=5)
+    fresh.load_state_dict(loaded, strict=False)
+    assert torch.equal(fresh.lm_head.weight, expected["wte.weight"])
+
+
+def _bf16(rank, world):
+    return _loop(rank, world, "zero", 3, mixed_precision="bf16")
+
+
+def test_bf16_autocast_stays_close_to_fp32(ddp_run):
+    for ours, fp32 in zip(run_world(_bf16, 2), ddp_run):
+        assert all(
+            abs(a - b) <= 2e-2 * abs(b) for a, b in zip(ours["losses"], fp32["losses"], strict=True)
+        )
+
+
+def test_plugin_reads_file_then_environment_then_arguments(tmp_path, monkeypatch):
+    from zero_strategy.integrations.accelerate import ZeroPlugin
+
+    config = tmp_path / "zero.yaml"
+    config.write_text("stage: 1\nbucket_size: 1000\nprefetch_depth: 3\n")
+    monkeypatch.setenv("ZERO_STRATEGY_CONFIG_FILE", str(config))
+    resolved = ZeroPlugin().resolve("no")
+    assert (resolved.stage, resolved.bucket_size, resolved.prefetch_depth) == (1, 1000, 3)
+    monkeypatch.setenv("ZERO_STRATEGY_STAGE", "2")
+    assert ZeroPlugin().resolve("no").stage == 2
+    explicit = ZeroPlugin(stage=3, options={"bucket_size": 50}).resolve("fp16")
+    assert (explicit.stage, explicit.bucket_size, explicit.compute_dtype) == (3, 50, "fp16")
+    assert ZeroPlugin().resolve("bf16").compute_dtype == "fp32"  # under Accelerate's autocast
+
+
+def test_plugin_errors_name_the_problem(tmp_path, monkeypatch):
+    from zero_strategy import ZeroConfigError
+    from zero_strategy.integrations.accelerate import ZeroPlugin
+
+    monkeypatch.setenv("ZERO_STRATEGY_STAGE", "three")
+    with pytest.raises(ValueError, match="ZERO_STRATEGY_STAGE='three' is not a stage"):
+        ZeroPlugin().resolve("no")
+    monkeypatch.delenv("ZERO_STRATEGY_STAGE")
+    with pytest.raises(FileNotFoundError, match=r"missing\.yaml"):
+        ZeroPlugin(config_file=str(tmp_path / "missing.yaml")).resolve("no")
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"stgae": 3}))
+    with pytest.raises(ZeroConfigError, match=r"Unknown ZeroConfig option\(s\) \['stgae'\]"):
+        ZeroPlugin(config_file=str(typo)).resolve("no")
+    with pytest.raises(ValueError, match="mixed_precision='fp8' is not supported"):
+        ZeroPlugin().resolve("fp8")
+
+
+def test_accelerate_launch_runs_the_example(tmp_path):
+    """The real launcher: `accelerate launch --multi_gpu --num_processes 2` on CPU, the
+    stage from the environment it copies into each process."""
+    out = tmp_path / "run"
+    env = {**os.environ, "ZERO_STRATEGY_STAGE": "3", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", "29541",
+        str(ROOT / "examples" / "train_accelerate.py"), "--cpu", "--steps", "4",
+        "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step   3  loss" in result.stdout
+    index = json.loads((out / "state" / "zero_model" / "index.json").read_text())
+    assert index["world_size"] == 2 and index["stage"] == 3
+    assert (out / "model" / "model.safetensors").exists()
