@@ -44,7 +44,10 @@ def main() -> None:
     micro_batches = args.steps * accelerator.gradient_accumulation_steps
     for micro in range(micro_batches):
         x, y = batches(tokens, per_rank * world, cfg.block_size, micro)
-        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
         with accelerator.accumulate(model):
             loss = model(x, y)
             accelerator.backward(loss)

@@ -51,3 +51,28 @@ def test_without_the_check_nothing_hangs_either():
     gloo's own size check, which aborts the process) ends every rank; none hangs."""
     results = run_world(_divergent_step, 2, False, 5.0, expect_errors=True, timeout=90)
     assert all(status in ("error", "died") for status, _ in results), results
+
+
+def _state_dict_on_rank0_only(rank: int, world: int):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    cfg = ZeroConfig(stage=3, unit_module_classes=["Linear"], collective_timeout=30.0)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    engine.backward(engine(torch.ones(2, 8), head=0))
+    engine.step()
+    if rank == 0:
+        model.state_dict()  # the usual mistake: "save on the main process"
+    engine.backward(engine(torch.ones(2, 8), head=0))
+    engine.step()
+    return "finished"
+
+
+def test_state_dict_on_one_rank_is_an_error_that_names_the_fix():
+    """At stage 3 state_dict() gathers, so it is collective; rank 0 calling it alone meets
+    rank 1's next forward gather, and the order check names both and the fix."""
+    results = run_world(_state_dict_on_rank0_only, 2, expect_errors=True, timeout=60)
+    for status, message in results:
+        assert status == "error"
+        assert "rank 0: state_dict of module" in message
+        assert "rank 1: forward of module" in message
+        assert "every rank must call them" in message

@@ -228,6 +228,13 @@ class GatherManager:
             else f"  rank {r}: unknown unit {i}"
             for r, (i, ph) in enumerate(everyone)
         ]
+        hint = (
+            "\nstate_dict() and load_state_dict() gather a stage-3 model, so every rank must "
+            "call them (not only rank 0); to write the model from rank 0 alone, use "
+            "engine.full_state_dict() on every rank, or save a checkpoint and consolidate it."
+            if any(ph == STATE_DICT for _, ph in everyone)
+            else ""
+        )
         raise ModulePathDivergenceError(
             "ZeRO stage 3: ranks took different module paths and would deadlock on the "
             f"parameter gather (collective #{self._seq} of this process):\n"
@@ -235,5 +242,5 @@ class GatherManager:
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "
-            "(ZeroConfig.unit_module_classes) so they are gathered together."
+            "(ZeroConfig.unit_module_classes) so they are gathered together." + hint
         )
