@@ -1,6 +1,7 @@
 """Thin adapters of ZeroEngine for Lightning, Fabric, Accelerate and Hydra.
 
-`import zero_strategy` makes "zero1".."zero3" valid strategy names. Lightning's and
+`import zero_strategy` makes "zero1".."zero3" valid strategy names (and Hydra config
+entries `trainer/strategy=zero1..zero3`). Lightning's and
 Fabric's registries are read when a Trainer or Fabric is built, and Lightning's launcher
 re-runs the script, so registration must come with the import. It does, without making
 `import zero_strategy` pay for importing Lightning: frameworks already imported are
@@ -33,6 +34,12 @@ def _fabric() -> None:
     register()
 
 
+def _hydra() -> None:
+    from .hydra import register_configs
+
+    register_configs()
+
+
 def _name_errors(connector_module: str, class_name: str, registry_module: str, registry: str):
     def wrap() -> None:
         from .lightning import improve_name_errors
@@ -57,6 +64,7 @@ _TARGETS["lightning.fabric.connector"] = _name_errors(
 )
 _TARGETS["pytorch_lightning.strategies"] = _lightning("pytorch_lightning.strategies")
 _TARGETS["lightning.fabric.strategies"] = _fabric
+_TARGETS["hydra.core.config_store"] = _hydra
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

@@ -6,6 +6,7 @@ structured config and Hydra can register it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -98,6 +99,11 @@ class ZeroConfig:
     allow_untested_optimizer: bool = False
 
     def __post_init__(self) -> None:
+        # Any sequence of names (a Hydra/OmegaConf ListConfig, a tuple) becomes a list.
+        if isinstance(self.unit_module_classes, Sequence) and not isinstance(
+            self.unit_module_classes, str
+        ):
+            self.unit_module_classes = list(self.unit_module_classes)
         self._validate()
 
     # ----------------------------------------------------------------- validation
