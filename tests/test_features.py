@@ -172,6 +172,8 @@ CLEARS = {
     "optimizer.zero_grad": lambda opt: opt.zero_grad(),
     # what a wrapper's inherited zero_grad does (Fabric's): noticed before the next pass
     "Optimizer.zero_grad on the class": lambda opt: torch.optim.Optimizer.zero_grad(opt),
+    # what Hugging Face's Trainer and many plain loops call
+    "model.zero_grad": lambda model: model.zero_grad(),
 }
 
 
@@ -188,8 +190,8 @@ def test_zero_grad_outside_the_engine_clears_its_gradients(stage, clear):
     unit = engine.units[-1]
     first = unit.grad_opt.clone()
     assert float(first.abs().sum()) > 0
-    CLEARS[clear](opt)
-    if clear == "optimizer.zero_grad":  # routed: cleared at once
+    CLEARS[clear](model if clear.startswith("model") else opt)
+    if clear in ("optimizer.zero_grad", "model.zero_grad"):  # routed: cleared at once
         assert all(
             float(u.grad_opt.abs().sum()) == 0 for u in engine.units if u.grad_opt is not None
         )

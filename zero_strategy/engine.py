@@ -121,9 +121,11 @@ class ZeroEngine:
         self._repoint_optimizer()
         optimizer.register_step_pre_hook(self._guard_direct_step)
         self.fused_step = fused_step.build(optimizer, own_hooks=1)
-        # optimizer.zero_grad() (what Lightning and most loops call) must clear the
-        # engine's gradient buffers, not only the optimizer's views of them.
+        # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
+        # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
+        # buffers: at stages 2-3 the parameters hold no .grad for them to clear.
         optimizer.zero_grad = self.zero_grad
+        model.zero_grad = self.zero_grad
         self._inside_step = False
 
         self.scaler = LossScaler(cfg)
