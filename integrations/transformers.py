@@ -1,0 +1,78 @@
+"""Hugging Face `Trainer` with ZeRO: `ZeroTrainer` is `transformers.Trainer` whose
+Accelerator is a `ZeroAccelerator`.
+
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=data)  # was: Trainer(...)
+    trainer.train()                       # torchrun / accelerate launch, CPU or CUDA
+    trainer.save_model()                  # consolidated on the main process
+
+The Trainer builds its own Accelerator inside `create_accelerator_and_postprocess`, so
+there is no argument to hand it ours; the subclass swaps the class for that call only.
+The Trainer's loop already goes through the Accelerator (`backward`, `no_sync`,
+`clip_grad_norm_`, the prepared optimizer), so training needs nothing else. Saving does:
+the stock Trainer reads `model.state_dict()` on the main process alone and pickles
+`optimizer.state_dict()`, neither of which holds a sharded model. Here every rank takes
+part in consolidating the model (`save_model`), checkpoints carry the engine's sharded
+state in `zero_model/` beside the model file, and resuming restores it exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import transformers.trainer as hf_trainer
+from transformers import Trainer
+
+from .accelerate import CHECKPOINT_DIR, ZeroAccelerator, ZeroPlugin
+
+
+class ZeroTrainer(Trainer):
+    """`transformers.Trainer` over a `ZeroAccelerator`; `zero_plugin` as for it (default:
+    the `ZERO_STRATEGY_*` environment, stage 3)."""
+
+    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any):
+        self.zero_plugin = zero_plugin or ZeroPlugin()
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if self.args.deepspeed or self.args.fsdp:
+            raise ValueError(
+                "ZeroTrainer shards the model itself; drop TrainingArguments.deepspeed and "
+                "fsdp, or use transformers.Trainer for those."
+            )
+        original = hf_trainer.Accelerator
+        hf_trainer.Accelerator = functools.partial(ZeroAccelerator, zero_plugin=self.zero_plugin)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            hf_trainer.Accelerator = original
+
+    @property
+    def zero_engine(self):
+        return getattr(self.accelerator, "engine", None)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidate on every rank (collective), write from the main process."""
+        if self.zero_engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.zero_engine is not None:
+            self.zero_engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+        super()._save_optimizer_and_scheduler(output_dir)  # scheduler; a marker optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self.zero_engine is not None:
+            sharded = os.path.join(checkpoint, CHECKPOINT_DIR)
+            if not os.path.isdir(sharded):
+                raise FileNotFoundError(
+                    f"{checkpoint} has no {CHECKPOINT_DIR}/ (the sharded model and optimizer "
+                    "state ZeroTrainer writes); resume from a checkpoint ZeroTrainer saved."
+                )
+            self.zero_engine.load_checkpoint(sharded)
+        super()._load_optimizer_and_scheduler(checkpoint)
