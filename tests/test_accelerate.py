@@ -28,6 +28,9 @@ def _accelerator(kind: str, stage: int, accum: int = ACCUM, **kwargs):
 
     from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 
+    # Accelerate raises a CPU process to 2 threads unless this is set; in a rank forked
+    # from a parent whose OpenMP pool is already up, that can deadlock.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     common = dict(cpu=True, gradient_accumulation_steps=accum, **kwargs)

@@ -20,6 +20,9 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
     from torch.utils.data import Dataset
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+    # Accelerate raises a CPU process to 2 threads unless this is set; in a rank forked
+    # from a parent whose OpenMP pool is already up, that can deadlock.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
 
