@@ -14,7 +14,10 @@ hierarchies, separate registries): `make_strategy(pl)` builds the class for eith
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import inspect
+import typing
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import PurePath
@@ -81,6 +84,26 @@ def register_zero_names(cls: type, registry) -> None:
         registry.register(
             f"zero{stage}", cls, description=f"ZeRO stage {stage} (zero-strategy)", stage=stage
         )
+
+
+def signature_with_config_fields(init) -> inspect.Signature:
+    """`__init__(..., **zero_options)` with each ZeroConfig field spelled out as a typed
+    keyword, so that tools that read signatures (LightningCLI / jsonargparse configs with
+    `class_path: ...ZeroStrategy`, `init_args: {stage: 3, bucket_size: ...}`) accept them."""
+    base = inspect.signature(init)
+    hints = typing.get_type_hints(ZeroConfig)
+    params = [p for p in base.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in params}
+    for f in dataclasses.fields(ZeroConfig):
+        if f.name in named:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        params.append(
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[f.name]
+            )
+        )
+    return base.replace(parameters=params)
 
 
 def make_precision(root: str):
@@ -352,6 +375,7 @@ def make_strategy(root: str):
             self.checkpoint_io.teardown()
 
     ZeroStrategy.__name__ = ZeroStrategy.__qualname__ = "ZeroStrategy"
+    ZeroStrategy.__init__.__signature__ = signature_with_config_fields(ZeroStrategy.__init__)
     return ZeroStrategy
 
 

@@ -467,3 +467,31 @@ def test_sync_batchnorm_converts_for_fit_and_reverts_after():
     for during, after in run_world(_sync_batchnorm_types, 2):
         assert during == "SyncBatchNorm"
         assert after == "_BatchNormXd"  # what Lightning's revert builds, under DDP too
+
+
+def test_lightning_cli_config_takes_zero_options_as_init_args(tmp_path):
+    """A LightningCLI YAML names the class and its options, as for DeepSpeedStrategy; the
+    options are checked against the ZeroConfig field types while parsing."""
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+    from lightning_helpers import lit_module_class
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 2\n"
+        "  strategy:\n"
+        "    class_path: zero_strategy.integrations.lightning.ZeroStrategy\n"
+        "    init_args: {stage: 2, bucket_size: 100000, overlap_comm: false}\n"
+    )
+    cli = LightningCLI(
+        lit_module_class(), run=False, args=["--config", str(config)], save_config_callback=None
+    )
+    zero = cli.trainer.strategy.engine_config
+    assert (zero.stage, zero.bucket_size, zero.overlap_comm) == (2, 100000, False)
+    config.write_text(config.read_text().replace("100000", "lots"))
+    with pytest.raises(SystemExit):
+        LightningCLI(
+            lit_module_class(), run=False, args=["--config", str(config)], save_config_callback=None
+        )
