@@ -166,52 +166,69 @@ class ZeroAccelerator(Accelerator):
         self.engine: ZeroEngine | None = None
         self._unpaired_models: list[nn.Module] = []
         self._saving_state = False
-        self.register_save_state_pre_hook(self._save_engine_checkpoint)
-        self.register_load_state_pre_hook(self._load_engine_checkpoint)
+        self._save_hook = self.register_save_state_pre_hook(self._save_engine_checkpoint)
+        self._load_hook = self.register_load_state_pre_hook(self._load_engine_checkpoint)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
-        models = [a for a in args if isinstance(a, nn.Module) and not self._is_sharded(a)]
+        replaced: dict[int, Any] = {}
+        models = [a for a in args if isinstance(a, nn.Module)]
+        for model in models:  # prepared before, e.g. again after free_memory()
+            engine = self._engine_of(model)
+            if engine is not None:
+                self._adopt(engine)
+        fresh = [m for m in models if self._engine_of(m) is None]
         optimizers = [
             a
             for a in args
             if isinstance(a, torch.optim.Optimizer) and not isinstance(a, ZeroOptimizer)
         ]
-        prepared: dict[int, Any] = {}
         for optimizer in optimizers:
-            model = self._model_of(optimizer, models + self._unpaired_models)
-            prepared[id(optimizer)] = self._shard(model, optimizer)
+            model = self._model_of(optimizer, fresh + self._unpaired_models)
+            replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
-        for model in models:
-            if not self._is_sharded(model):
+        for model in fresh:
+            if self._engine_of(model) is None:
                 self._unpaired_models.append(model)
                 place_buffers(model, self.device)
-                super().prepare_model(model, evaluation_mode=True)
-        args = tuple(prepared.get(id(a), a) for a in args)
-        result = super().prepare(*args, device_placement=device_placement)
-        return result
+                replaced[id(model)] = super().prepare_model(model, evaluation_mode=True)
+        args = tuple(replaced.get(id(a), a) for a in args)
+        return super().prepare(*args, device_placement=device_placement)
 
-    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
+    def _adopt(self, engine: ZeroEngine) -> None:
+        if self.engine is None:
+            self.engine = engine
+        elif self.engine is not engine:
+            raise ValueError(self._ONE_MODEL)
+
+    _ONE_MODEL = (
+        "ZeroAccelerator shards one model with one optimizer (as DeepSpeed does under "
+        "Accelerate). Put all trainable parameters in one optimizer with param groups, use a "
+        "separate ZeroAccelerator per model, or call accelerator.free_memory() between two "
+        "trainings."
+    )
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """(the module to hand back, the optimizer to hand back) for a new pair."""
         if self.engine is not None:
-            raise ValueError(
-                "ZeroAccelerator shards one model with one optimizer (as DeepSpeed does under "
-                "Accelerate). Put all trainable parameters in one optimizer with param "
-                "groups, or use a separate ZeroAccelerator per model."
-            )
+            raise ValueError(self._ONE_MODEL)
         place_buffers(model, self.device)
         self.engine = ZeroEngine(model, optimizer, self.zero_config, device=self.device)
         model._zero_engine = self.engine
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
-        super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
         wrapped = ZeroOptimizer(optimizer, self.engine)
         wrapped._is_accelerate_prepared = True
         self._optimizers.append(wrapped)
-        return wrapped
+        return prepared, wrapped
 
-    @staticmethod
-    def _is_sharded(model: nn.Module) -> bool:
-        return getattr(model, "_zero_engine", None) is not None
+    def free_memory(self, *objects: Any):
+        """As Accelerate's, and the next prepare() may shard a new model (a new Trainer
+        trial); the model sharded before keeps its engine if it is prepared again."""
+        self.engine = None
+        self._unpaired_models = []
+        return super().free_memory(*objects)
 
     @staticmethod
     def _model_of(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
@@ -249,6 +266,7 @@ class ZeroAccelerator(Accelerator):
         if self.engine is None:
             return None
         mine = {id(p) for p in self.engine.module.parameters()}
+        mine |= {id(p) for *_, p in self.engine._opt_views}  # the optimizer's shard views
         return self.engine if any(id(p) in mine for p in parameters) else None
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -270,37 +288,41 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------------ weights
     def get_state_dict(self, model: nn.Module, unwrap: bool = True):
         """The consolidated model on the main process (in the dtype of the model's own
-        parameters), gathered unit by unit; None elsewhere, which `save_model` and
-        `save_pretrained(is_main_process=...)` expect. Collective: call it on every rank."""
+        parameters), gathered unit by unit; an empty dict elsewhere, which `save_model` and
+        `save_pretrained(is_main_process=False)` write nothing from (None would make
+        `save_pretrained` call `state_dict()` itself). Collective: call it on every rank."""
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap)
         if self._saving_state:
-            return {}  # save_state writes the sharded checkpoint instead
-        state = engine.full_state_dict(rank0_only=True)
-        if engine.dp.rank != 0:
-            return None
+            return _ShardedModel()  # save_state writes the sharded checkpoint instead
+        # save_on_each_node: every node's local main process writes, so all ranks get it.
+        everywhere = bool(self.project_configuration.save_on_each_node)
+        state = engine.full_state_dict(rank0_only=not everywhere)
+        if not state:
+            return {}
         dtype, params = engine.config.compute_torch_dtype, _param_names(engine)
         return {name: value.to(dtype) if name in params else value for name, value in state.items()}
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw):
+        # The engine's hook runs after the user's (which see `weights` aligned with `models`).
+        self._save_model_state_pre_hook.move_to_end(self._save_hook.id)
         self._saving_state = True
         try:
             return super().save_state(output_dir, safe_serialization, **kw)
         finally:
             self._saving_state = False
 
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kw):
+        self._load_model_state_pre_hook.move_to_end(self._load_hook.id)
+        return super().load_state(input_dir, load_kwargs, **kw)
+
     def _save_engine_checkpoint(self, models: list, weights: list, output_dir: str) -> None:
         """Runs on every rank inside save_state: the engine writes its sharded checkpoint
         (collective), and Accelerate's own model file is skipped for the sharded model."""
-        kept_weights = []
-        for model, weight in zip(models, weights):
-            engine = self._engine_of(model)
-            if engine is None:
-                kept_weights.append(weight)
-            else:
-                engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
-        weights[:] = kept_weights
+        if self.engine is not None and any(self._engine_of(m) is not None for m in models):
+            self.engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+        weights[:] = [w for w in weights if not isinstance(w, _ShardedModel)]
 
     def _load_engine_checkpoint(self, models: list, input_dir: str) -> None:
         kept = []
@@ -311,6 +333,11 @@ class ZeroAccelerator(Accelerator):
             else:
                 engine.load_checkpoint(os.path.join(input_dir, CHECKPOINT_DIR))
         models[:] = kept
+
+
+class _ShardedModel(dict):
+    """What get_state_dict gives save_state for the sharded model: recognised (and
+    dropped) by the engine's save hook, whatever other hooks did to the list."""
 
 
 def _param_names(engine: ZeroEngine) -> set[str]:

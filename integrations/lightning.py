@@ -365,10 +365,10 @@ def make_strategy(root: str):
             (which later validate/test calls reuse)."""
             if self.engine is not None:
                 self.engine.wait_for_parameters()
-            module = self.lightning_module
-            trainer = getattr(module, "_trainer", None) if module is not None else None
-            if trainer is not None and trainer.state.fn == "fit" and self._layer_sync:
-                self.model = self._layer_sync.revert(self.model)
+            # Unlike DDP, SyncBatchNorm is not reverted after fit: the engine's hooks (and,
+            # at stage 3, its gathers) live on those modules, which later validate/test
+            # calls reuse. In eval mode SyncBatchNorm uses its running statistics, as
+            # BatchNorm does.
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()

@@ -47,6 +47,9 @@ class ZeroTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         finally:
             hf_trainer.Accelerator = original
+        # Each node's local main process writes when save_on_each_node: get_state_dict then
+        # consolidates on every rank.
+        self.accelerator.project_configuration.save_on_each_node = self.args.save_on_each_node
 
     @property
     def zero_engine(self):
@@ -76,3 +79,13 @@ class ZeroTrainer(Trainer):
                 )
             self.zero_engine.load_checkpoint(sharded)
         super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's sharded fp32 masters, each rank
+        reading its own ranges (the stock path loads the whole model file on every rank
+        and rounds it through the compute dtype)."""
+        best = self.state.best_model_checkpoint
+        sharded = os.path.join(best, CHECKPOINT_DIR) if best else ""
+        if self.zero_engine is None or not os.path.isdir(sharded):
+            return super()._load_best_model()
+        self.zero_engine.load_checkpoint(sharded, load_optimizer_states=False)

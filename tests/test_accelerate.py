@@ -97,7 +97,7 @@ def test_same_training_as_plain_accelerate(stage, ddp_run):
             # Adam turns reduction-order rounding of the clip coefficient into ~1e-7.
             assert rel_l2(ours["state"], ddp["state"]) < 1e-5
         else:
-            assert ours["state"] is None  # consolidated on the main process only
+            assert ours["state"] == {}  # consolidated on the main process only
 
 
 def test_accumulate_reduces_gradients_once_per_step():
@@ -217,3 +217,35 @@ def test_accelerate_launch_runs_the_example(tmp_path):
     index = json.loads((out / "state" / "zero_model" / "index.json").read_text())
     assert index["world_size"] == 2 and index["stage"] == 3
     assert (out / "model" / "model.safetensors").exists()
+
+
+def _lifecycle(rank, world, tmp):
+    """What Trainer trials and diffusers-style scripts do around the training loop."""
+    accelerator = _accelerator("zero", 3)
+    first = make_model()
+    model, optimizer = accelerator.prepare(first, make_optimizer(first))
+    x, y = local_batch(0, 0, rank, world)
+    accelerator.backward(model(x, y))
+    # Clipping by the optimizer's parameters (its shard views) is the global clip too.
+    shard_params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_optimizer = accelerator.clip_grad_norm_(shard_params, 1e9)
+    by_model = accelerator.clip_grad_norm_(model.parameters(), 1e9)
+    # A user hook that pops one weight per model, as diffusers' save hooks do.
+    popped = []
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, out: popped.extend(weights.pop() for _ in list(models))
+    )
+    accelerator.save_state(tmp)
+    # A second training with a new model after free_memory(), as a Trainer trial does.
+    accelerator.free_memory()
+    second = make_model(seed=3)
+    model2, optimizer2 = accelerator.prepare(second, make_optimizer(second))
+    accelerator.backward(model2(x, y))
+    optimizer2.step()
+    return float(by_optimizer), float(by_model), len(popped), accelerator.engine.module is second
+
+
+def test_clip_free_memory_and_user_save_hooks(tmp_path):
+    for by_optimizer, by_model, popped, second in run_world(_lifecycle, 2, str(tmp_path / "s")):
+        assert by_optimizer == by_model > 0
+        assert popped == 1 and second

@@ -54,6 +54,7 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
         disable_tqdm=True,
         **args,
     )
+    evaluation = Tokens() if args.get("eval_strategy") else None
     if kind == "ddp":
         trainer = Trainer(model=model, args=arguments, train_dataset=Tokens())
     else:
@@ -64,9 +65,13 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
             model=model,
             args=arguments,
             train_dataset=Tokens(),
+            eval_dataset=evaluation,
             zero_plugin=ZeroPlugin(stage=stage),
         )
     trainer.train(resume_from_checkpoint=resume)
+    if args.get("load_best_model_at_end"):
+        state = trainer.accelerator.get_state_dict(trainer.model)
+        return trainer.state.best_model_checkpoint, state
     trainer.save_model()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return logs, type(trainer.accelerator).__name__
@@ -114,3 +119,23 @@ def test_saved_model_loads_with_from_pretrained(tmp_path, stock):
     num = sum(((ours[k] - theirs[k]).double() ** 2).sum() for k in theirs)
     den = sum((theirs[k].double() ** 2).sum() for k in theirs)
     assert float((num / den).sqrt()) < 1e-5
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    best, state = run_world(
+        _train,
+        2,
+        "zero",
+        str(tmp_path),
+        load_best_model_at_end=True,
+        eval_strategy="steps",
+        eval_steps=3,
+        metric_for_best_model="loss",
+        greater_is_better=True,  # the higher loss of step 3: not the final weights
+    )[0]
+    assert best.endswith("checkpoint-3")
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    for name, value in saved.items():  # fp32 model: the checkpoint's exact values
+        assert torch.equal(state[name], value), name

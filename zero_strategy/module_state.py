@@ -41,6 +41,7 @@ class ModuleStateHooks:
             for slot, p in zip(unit.layout.slots, unit.params)
         }
         self._held: dict[int, list[FlatUnit]] = {}  # module id -> units it gathered
+        self._loading: dict[int, dict[str, torch.Tensor]] = {}  # module id -> its entries
         self.handles = []
         unit_modules = {
             unit.layout.module_path: unit
@@ -95,6 +96,13 @@ class ModuleStateHooks:
     def _make_load_pre(self, units: list[FlatUnit]):
         def hook(module, state_dict, prefix, *args):
             self._acquire(module, units)
+            # The entries this call loads, kept to write them into the fp32 masters at
+            # full precision (not through a bf16 parameter) and to leave the rest alone.
+            self._loading[id(module)] = {
+                name: state_dict[prefix + name]
+                for name in module._parameters
+                if prefix + name in state_dict
+            }
 
         return hook
 
@@ -122,26 +130,36 @@ class ModuleStateHooks:
             for name, p, _, _ in self._direct_params(module):
                 key = prefix + name
                 if key in destination and not isinstance(destination[key], nn.Parameter):
-                    destination[key] = p.detach().clone()  # the gather buffer is reused
+                    # A copy (the gather buffer is reused), in CPU memory: every rank makes
+                    # this call, and the full model would not fit each device.
+                    destination[key] = p.detach().to("cpu", copy=True)
         self._release(module)
 
     @torch.no_grad()
     def _load_own(self, module) -> None:
-        for _, _, unit, slot in self._direct_params(module):
-            write_back(unit, slot)
+        loaded = self._loading.pop(id(module), {})
+        for name, _, unit, slot in self._direct_params(module):
+            if name in loaded:
+                write_back(unit, slot, loaded[name])
         self._release(module)
 
 
-def write_back(unit: FlatUnit, slot: ParamSlot) -> None:
-    """The slot's full values were just loaded: copy this rank's part into its fp32 master
-    (and at stage 3 its compute-dtype shard)."""
+def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
+    """The slot was just loaded from `source`: copy this rank's part into its fp32 master
+    (and at stage 3 its compute-dtype shard). A source that is not the parameter's values
+    one for one (a module that converts on load) is read back from the loaded parameter."""
     lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
-    if lo >= hi or unit.full is None or unit.master is None:
+    if lo >= hi or unit.master is None:
         return
-    loaded = unit.full[lo:hi]
+    if source.numel() == slot.numel:
+        values = source.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+    elif unit.full is not None:
+        values = unit.full[lo:hi]
+    else:
+        return
     local = slice(lo - unit.opt_start, hi - unit.opt_start)
     master = unit.master[local]
-    if master.data_ptr() != loaded.data_ptr():
-        master.copy_(loaded)
+    if master.data_ptr() != values.data_ptr():
+        master.copy_(values)
     if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
-        unit.shard[local].copy_(loaded)
+        unit.shard[local].copy_(values)
