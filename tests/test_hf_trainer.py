@@ -56,7 +56,9 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
     )
     evaluation = Tokens() if args.get("eval_strategy") else None
     if kind == "ddp":
-        trainer = Trainer(model=model, args=arguments, train_dataset=Tokens())
+        trainer = Trainer(
+            model=model, args=arguments, train_dataset=Tokens(), eval_dataset=evaluation
+        )
     else:
         from zero_strategy.integrations.accelerate import ZeroPlugin
         from zero_strategy.integrations.transformers import ZeroTrainer
@@ -139,3 +141,14 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     saved = load_file(os.path.join(best, "model.safetensors"))
     for name, value in saved.items():  # fp32 model: the checkpoint's exact values
         assert torch.equal(state[name], value), name
+
+
+def test_bf16_gradient_checkpointing_and_evaluation_match_the_stock_trainer(tmp_path):
+    """bf16 autocast, reentrant-free checkpointing and an evaluation loop at stage 3."""
+    options = dict(bf16=True, gradient_checkpointing=True, eval_strategy="steps", eval_steps=3)
+    stock = run_world(_train, 2, "ddp", str(tmp_path / "ddp"), **options)
+    ours = run_world(_train, 2, "zero", str(tmp_path / "zero"), **options)
+    for (logs, _), (want, _) in zip(ours, stock):
+        for (loss, norm), (want_loss, want_norm) in zip(logs, want, strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
