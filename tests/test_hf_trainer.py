@@ -144,7 +144,7 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
 
 
 def test_bf16_gradient_checkpointing_and_evaluation_match_the_stock_trainer(tmp_path):
-    """bf16 autocast, reentrant-free checkpointing and an evaluation loop at stage 3."""
+    """bf16 autocast, gradient checkpointing and an evaluation loop at stage 3."""
     options = dict(bf16=True, gradient_checkpointing=True, eval_strategy="steps", eval_steps=3)
     stock = run_world(_train, 2, "ddp", str(tmp_path / "ddp"), **options)
     ours = run_world(_train, 2, "zero", str(tmp_path / "zero"), **options)
