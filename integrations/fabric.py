@@ -93,15 +93,37 @@ class ZeroFabricStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        raise RuntimeError(
-            "The ZeRO strategy shards a model together with its optimizer: call "
-            "fabric.setup(model, optimizer) rather than setup_module()."
-        )
+        """The model first and its optimizer later, the order Fabric recommends for FSDP:
+        the module stays whole until `setup_optimizers` hands over its optimizer, then is
+        sharded in place. A module never given an optimizer stays replicated (evaluation)."""
+        self._pending_module = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.engine is not None:
+            raise RuntimeError(
+                "The ZeRO strategy shards one model with one optimizer, and it already has "
+                "them. Use param groups in a single optimizer."
+            )
+        module = getattr(self, "_pending_module", None)
+        if module is None:
+            raise RuntimeError(
+                "fabric.setup_optimizers() needs its model first: call fabric.setup_module("
+                "model) before it, or fabric.setup(model, optimizer)."
+            )
+        self.engine = ZeroEngine(module, optimizer, self._config(), device=self.root_device)
+        self._pending_module = None
+        return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:
         place_buffers(module, self.root_device)  # the engine places the parameters
 
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
+        if self.engine is None:
+            raise RuntimeError(
+                "fabric.backward() before the model was sharded: give its optimizer to "
+                "fabric.setup_optimizers() (or use fabric.setup(model, optimizer))."
+            )
         self.engine.backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:

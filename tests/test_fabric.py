@@ -12,7 +12,9 @@ from training import local_batch, make_model, make_optimizer
 L = pytest.importorskip("lightning")
 
 
-def _loop(rank, world, strategy, steps=10, ckpt=None, resume=None, precision="32-true"):
+def _loop(
+    rank, world, strategy, steps=10, ckpt=None, resume=None, precision="32-true", split=False
+):
     import zero_strategy  # noqa: F401
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -20,7 +22,11 @@ def _loop(rank, world, strategy, steps=10, ckpt=None, resume=None, precision="32
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
     fabric.launch()  # ranks already exist (as under torchrun): this only sets up
     model = make_model()
-    model, optimizer = fabric.setup(model, make_optimizer(model))
+    if split:  # the model first, then an optimizer built from the set-up model
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(make_optimizer(model))
+    else:
+        model, optimizer = fabric.setup(model, make_optimizer(model))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
         fabric.load(resume, state)
@@ -89,3 +95,11 @@ def test_fabric_loads_the_model_alone_into_another_optimizer(tmp_path):
     for (loss, sgd_state), trained in zip(run_world(_load_model_only, 2, ckpt), full):
         assert loss / 2 == trained[10]  # step 5, first micro-batch (halved there), same weights
         assert sgd_state == 0
+
+
+def test_setup_module_then_setup_optimizers_trains_the_same():
+    """Fabric's FSDP-style order (model, then an optimizer over its parameters) shards at
+    setup_optimizers and trains exactly as fabric.setup(model, optimizer)."""
+    together = run_world(_loop, 2, "zero3", 4)
+    split = run_world(_loop, 2, "zero3", 4, split=True)
+    assert split == together
