@@ -1,7 +1,8 @@
-"""Lightning overhead: `Trainer(strategy="zero3")` against `Trainer(strategy="ddp")` and
-against the plain ZeroEngine loop, same GPT, same batches, 2 ranks, gloo, 1 thread/rank.
+"""Framework overhead: `Trainer(strategy="zero3")` and `ZeroAccelerator` against the
+plain ZeroEngine loop, and each against its framework's DDP (`Trainer(strategy="ddp")`,
+plain `Accelerator`); same GPT, same batches, 2 ranks, gloo, 1 thread/rank, clip 1.0.
 
-    python benchmarks/lightning_bench.py --rounds 3
+    python benchmarks/integration_bench.py --rounds 3
 
 Step time is measured the same way everywhere: from the start of a batch to the end of
 its optimizer step (Lightning: on_train_batch_start to on_train_batch_end). Rounds run
@@ -23,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.launch import torchrun  # noqa: E402
 
-IMPLS = ["engine-zero3", "lightning-zero3", "lightning-ddp"]
+IMPLS = ["engine-zero3", "lightning-zero3", "lightning-ddp", "accelerate-zero3", "accelerate-ddp"]
 
 
 def _data(cfg, n: int, per_rank: int):
@@ -63,6 +64,28 @@ def worker(impl: str, size: str, steps: int, out: str) -> None:
             engine.backward(engine(xs[i * 4 : (i + 1) * 4], ys[i * 4 : (i + 1) * 4]))
             engine.step()
             engine.zero_grad()
+            times.append(time.perf_counter() - t0)
+    elif impl.startswith("accelerate"):
+        from accelerate import Accelerator
+
+        from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+        if impl == "accelerate-zero3":
+            accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3))
+        else:
+            accelerator = Accelerator(cpu=True)
+        model = GPT(cfg)
+        model, optimizer = accelerator.prepare(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        )
+        rank = accelerator.process_index
+        xs, ys = x[rank::2], y[rank::2]
+        for i in range(steps):
+            t0 = time.perf_counter()
+            accelerator.backward(model(xs[i * 4 : (i + 1) * 4], ys[i * 4 : (i + 1) * 4]))
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
             times.append(time.perf_counter() - t0)
     else:
         import lightning as L
@@ -147,6 +170,12 @@ def main() -> None:
         f"Lightning overhead over the plain engine loop: {100 * (ratio('lightning-zero3', 'engine-zero3') - 1):+.1f}%"
     )
     print(f"Trainer zero3 step time / Trainer ddp: {ratio('lightning-zero3', 'lightning-ddp'):.2f}")
+    print(
+        f"Accelerate overhead over the plain engine loop: {100 * (ratio('accelerate-zero3', 'engine-zero3') - 1):+.1f}%"
+    )
+    print(
+        f"ZeroAccelerator step time / Accelerator (DDP): {ratio('accelerate-zero3', 'accelerate-ddp'):.2f}"
+    )
 
 
 if __name__ == "__main__":
