@@ -8,7 +8,8 @@ unknown keys, `DistributedType` is a closed enum, and the `Accelerator` construc
 plugin arguments are typed. So the script swaps the class, and the ZeRO settings come
 from a `ZeroPlugin`: its arguments, else the `ZERO_STRATEGY_*` environment variables that
 `accelerate launch` copies into every process (`ZERO_STRATEGY_STAGE`, and
-`ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields). Launch as
+`ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields, or a
+DeepSpeed `ds_config.json`). Launch as
 Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU).
 
 The model is never wrapped: the engine shards it in place, so `unwrap_model` returns the
@@ -36,6 +37,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.deepspeed_config import looks_like_deepspeed_config
 
 from .devices import place_buffers, require_cpu_or_cuda
 
@@ -98,6 +100,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         values = yaml.safe_load(text) or {}
     if not isinstance(values, Mapping):
         raise ValueError(f"{path} must hold a mapping of ZeroConfig fields, got {type(values)}.")
+    if looks_like_deepspeed_config(values):  # a ds_config.json brought along
+        translated, defaults = vars(ZeroConfig.from_deepspeed(values)), vars(ZeroConfig())
+        return {k: v for k, v in translated.items() if v != defaults[k]}
     return dict(values)
 
 

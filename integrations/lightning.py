@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+from zero_strategy.deepspeed_config import looks_like_deepspeed_config
 
 from .devices import place_buffers, require_cpu_or_cuda
 from .lightning_summary import patch_model_summary_callback
@@ -44,8 +45,14 @@ PRECISIONS = {
 def zero_config_from(
     stage: int | None, config: ZeroConfig | Mapping | None, options: dict
 ) -> ZeroConfig:
-    """One ZeroConfig from the strategy's arguments; unknown options list the known ones."""
+    """One ZeroConfig from the strategy's arguments; unknown options list the known ones.
+    `config` may also be a DeepSpeed config (a dict with `zero_optimization`, or the path
+    of its JSON file)."""
     values: dict[str, Any] = {}
+    if isinstance(config, (str, PurePath)) or (
+        isinstance(config, Mapping) and looks_like_deepspeed_config(config)
+    ):
+        config = ZeroConfig.from_deepspeed(config)
     if isinstance(config, ZeroConfig):
         values.update(vars(config))
     elif config is not None:

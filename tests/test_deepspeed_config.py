@@ -1,0 +1,101 @@
+"""A DeepSpeed ds_config.json read as a ZeroConfig: what maps, what is ignored (and said),
+what is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zero_strategy import ZeroConfig, ZeroConfigError
+
+# A typical Hugging Face / DeepSpeed ZeRO-3 config, "auto" placeholders included.
+DS_ZERO3 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": 4,
+    "communication_data_type": "fp32",
+}
+
+
+def test_a_zero3_config_maps_field_by_field_and_names_what_it_ignores():
+    with pytest.warns(UserWarning) as caught:
+        config = ZeroConfig.from_deepspeed(DS_ZERO3)
+    assert (config.stage, config.compute_dtype, config.reduce_dtype) == (3, "bf16", "fp32")
+    assert (config.bucket_size, config.persistence_threshold) == (50_000_000, 100_000)
+    assert (config.max_reuse_distance, config.gradient_clipping) == (1_000_000_000, 1.0)
+    message = str(caught[0].message)
+    assert "zero_optimization.contiguous_gradients" in message
+    assert "gradient_accumulation_steps (a training-loop setting" in message
+    assert "stage3_prefetch_bucket_size" not in message  # "auto": nothing to ignore
+
+
+def test_fp16_loss_scaling_keys_map(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "fp16": {
+                    "enabled": True,
+                    "loss_scale": 0,
+                    "initial_scale_power": 12,
+                    "loss_scale_window": 500,
+                    "min_loss_scale": 2,
+                },
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
+    config = ZeroConfig.from_deepspeed(str(path))
+    assert (config.stage, config.compute_dtype, config.loss_scale) == (2, "fp16", "dynamic")
+    assert (config.initial_loss_scale_power, config.loss_scale_window) == (12, 500)
+    assert config.min_loss_scale == 2
+    static = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}})
+    assert static.loss_scale == "128.0"
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "offload_param to 'cpu'.*no CPU/NVMe offload",
+        ),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both fp16 and bf16"),
+        ({"zero_optimization": {"stage": 4}}, r"ZeroConfig\.stage=4 is invalid"),
+    ],
+)
+def test_what_cannot_be_honoured_is_an_error(config, match):
+    with pytest.raises(ZeroConfigError, match=match):
+        ZeroConfig.from_deepspeed(config)
+
+
+def test_offload_to_none_is_accepted():
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}
+    assert ZeroConfig.from_deepspeed(cfg).stage == 3
+
+
+def test_the_lightning_strategy_and_the_accelerate_plugin_take_a_ds_config(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    from zero_strategy.integrations.accelerate import ZeroPlugin
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}))
+    strategy = ZeroStrategy(config=str(path))
+    assert (strategy.engine_config.stage, strategy.engine_config.bucket_size) == (2, 1000)
+    plugin = ZeroPlugin(config_file=str(path)).resolve("fp16")
+    # The file's settings, and Accelerate's mixed_precision where the file says nothing.
+    assert (plugin.stage, plugin.bucket_size, plugin.compute_dtype) == (2, 1000, "fp16")

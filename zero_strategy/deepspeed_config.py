@@ -1,0 +1,161 @@
+"""A DeepSpeed config (the `ds_config.json` of a project moving over) read as a `ZeroConfig`.
+
+Every ZeRO key with an equivalent here is translated; keys that only tune DeepSpeed's own
+implementation (its buffers, its bucketing of all-gathers) have no counterpart and are
+listed in one warning; what cannot be honoured (CPU/NVMe offload, fp16 and bf16 at once)
+is an error that says so. Trainer settings that live in the same file (batch sizes,
+optimizer, scheduler) belong to the training loop and are listed as ignored too.
+Hugging Face's `"auto"` placeholders keep the ZeroConfig default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import ZeroConfig, ZeroConfigError
+
+# zero_optimization key -> ZeroConfig field
+_ZERO_KEYS = {
+    "stage": "stage",
+    "reduce_bucket_size": "bucket_size",
+    "overlap_comm": "overlap_comm",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+# Keys whose behaviour is built in or has no meaning here.
+_NO_COUNTERPART = {
+    "contiguous_gradients",
+    "reduce_scatter",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "use_multi_rank_bucket_allreduce",
+    "round_robin_gradients",
+    "ignore_unused_parameters",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_model_persistence_threshold",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "sub_group_size",
+    "memory_efficient_linear",
+    "elastic_checkpoint",
+    "load_from_fp32_weights",
+    "legacy_stage1",
+}
+# Top-level keys that configure the training loop, not ZeRO.
+_TRAINER_KEYS = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comms_logger",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+}
+
+
+def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> ZeroConfig:
+    """The ZeroConfig for a DeepSpeed config dict or JSON file."""
+    if not isinstance(config, Mapping):
+        config = json.loads(Path(config).read_text())
+    values: dict[str, Any] = {}
+    ignored: list[str] = []
+    zero = dict(config.get("zero_optimization") or {})
+    for key, value in zero.items():
+        if _is_auto(value):
+            continue
+        if key in _ZERO_KEYS:
+            values[_ZERO_KEYS[key]] = _as_int(value) if key != "overlap_comm" else value
+        elif key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
+            _refuse_offload(key, value)
+        elif key in _NO_COUNTERPART:
+            ignored.append(f"zero_optimization.{key}")
+        else:
+            ignored.append(f"zero_optimization.{key} (unknown)")
+    _precision(config, values, ignored)
+    for key, value in config.items():
+        if key in ("zero_optimization", "fp16", "bf16", "bfloat16") or _is_auto(value):
+            continue
+        if key == "gradient_clipping":
+            values["gradient_clipping"] = float(value)
+        elif key == "zero_allow_untested_optimizer":
+            values["allow_untested_optimizer"] = bool(value)
+        elif key == "communication_data_type" and value is not None:
+            values["reduce_dtype"] = str(value)
+        elif key in _TRAINER_KEYS:
+            ignored.append(f"{key} (a training-loop setting: set it in your trainer)")
+        else:
+            ignored.append(f"{key} (unknown)")
+    if ignored:
+        warnings.warn(
+            "DeepSpeed config keys without a ZeroConfig counterpart were ignored: "
+            + ", ".join(ignored),
+            stacklevel=2,
+        )
+    return ZeroConfig.from_dict(values)
+
+
+def looks_like_deepspeed_config(config: Mapping[str, Any]) -> bool:
+    return any(key in config for key in ("zero_optimization", "fp16", "bf16", "bfloat16"))
+
+
+def _precision(config: Mapping[str, Any], values: dict[str, Any], ignored: list[str]) -> None:
+    fp16 = dict(config.get("fp16") or {})
+    bf16 = dict(config.get("bf16") or config.get("bfloat16") or {})
+    fp16_on, bf16_on = fp16.get("enabled") is True, bf16.get("enabled") is True
+    if fp16_on and bf16_on:
+        raise ZeroConfigError(
+            "The DeepSpeed config enables both fp16 and bf16; enable one of them."
+        )
+    if bf16_on:
+        values["compute_dtype"] = "bf16"
+    if not fp16_on:
+        return
+    values["compute_dtype"] = "fp16"
+    scale = fp16.get("loss_scale", 0)
+    if not _is_auto(scale):
+        values["loss_scale"] = "dynamic" if float(scale) == 0 else str(float(scale))
+    for key, field in (
+        ("initial_scale_power", "initial_loss_scale_power"),
+        ("loss_scale_window", "loss_scale_window"),
+        ("min_loss_scale", "min_loss_scale"),
+    ):
+        if key in fp16 and not _is_auto(fp16[key]):
+            values[field] = fp16[key]
+    mapped = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window"}
+    ignored += [f"fp16.{k}" for k in fp16 if k not in mapped | {"min_loss_scale", "auto_cast"}]
+
+
+def _refuse_offload(key: str, value: Any) -> None:
+    device = value.get("device", "none") if isinstance(value, Mapping) else value
+    if device in (None, "none", False):
+        return
+    raise ZeroConfigError(
+        f"The DeepSpeed config asks for zero_optimization.{key} to {device!r}; zero-strategy "
+        "keeps every shard on the training device and has no CPU/NVMe offload. Remove the "
+        "key, and spread the state over more ranks (stage 3 divides it by the world size)."
+    )
+
+
+def _is_auto(value: Any) -> bool:
+    return value == "auto"
+
+
+def _as_int(value: Any) -> int:
+    number = float(value)
+    return int(number) if number == int(number) else value
