@@ -20,7 +20,13 @@ from torch import nn
 from zero_strategy import ZeroConfig, ZeroEngine
 
 from .devices import place_buffers, require_cpu_or_cuda
-from .lightning import PRECISIONS, register_zero_names, to_weights_only, zero_config_from
+from .lightning import (
+    PRECISIONS,
+    compute_dtype_for,
+    register_zero_names,
+    to_weights_only,
+    zero_config_from,
+)
 
 
 class _EngineSyncControl(_BackwardSyncControl):
@@ -81,7 +87,8 @@ class ZeroFabricStrategy(DDPStrategy):
                 f"precision={flag!r} is not supported by the ZeRO Fabric strategy; use one of "
                 f"{sorted(PRECISIONS)}."
             )
-        return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": PRECISIONS[flag][0]})
+        compute = compute_dtype_for(flag, self._zero_base, "Fabric")
+        return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": compute})
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
         if len(optimizers) != 1:
@@ -95,36 +102,61 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The model first and its optimizer later, the order Fabric recommends for FSDP:
         the module stays whole until `setup_optimizers` hands over its optimizer, then is
-        sharded in place. A module never given an optimizer stays replicated (evaluation)."""
-        self._pending_module = module
+        sharded in place. A module that runs before getting one (a frozen reference model,
+        an evaluation) is moved to the device whole, replicated as under DDP; `fabric.load`
+        into it shards it for evaluation."""
+        self._pending.append(module)
+        handle: list = []
+
+        def place_if_unsharded(mod, args):
+            handle.pop().remove()
+            if mod in self._pending:
+                mod.to(self.root_device)
+
+        handle.append(module.register_forward_pre_hook(place_if_unsharded))
         return module
+
+    @property
+    def _pending(self) -> list[nn.Module]:
+        if not hasattr(self, "_pending_modules"):
+            self._pending_modules: list[nn.Module] = []
+        return self._pending_modules
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.engine is not None:
             raise RuntimeError(
                 "The ZeRO strategy shards one model with one optimizer, and it already has "
-                "them. Use param groups in a single optimizer."
+                "them. Use param groups in a single optimizer (and set up the optimizer "
+                "before fabric.load)."
             )
-        module = getattr(self, "_pending_module", None)
-        if module is None:
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [m for m in self._pending if wanted <= {id(p) for p in m.parameters()}]
+        if not owners:
             raise RuntimeError(
                 "fabric.setup_optimizers() needs its model first: call fabric.setup_module("
-                "model) before it, or fabric.setup(model, optimizer)."
+                "model) before it (the optimizer over that model's parameters), or "
+                "fabric.setup(model, optimizer)."
             )
-        self.engine = ZeroEngine(module, optimizer, self._config(), device=self.root_device)
-        self._pending_module = None
+        self._shard(owners[0], optimizer)
         return optimizer
+
+    def _shard(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.engine = ZeroEngine(module, optimizer, self._config(), device=self.root_device)
+        self._pending.remove(module)
+
+    def _require_engine(self, call: str) -> ZeroEngine:
+        if self.engine is None:
+            raise RuntimeError(
+                f"{call} before the model was sharded: give its optimizer to "
+                "fabric.setup_optimizers() (or use fabric.setup(model, optimizer))."
+            )
+        return self.engine
 
     def module_to_device(self, module: nn.Module) -> None:
         place_buffers(module, self.root_device)  # the engine places the parameters
 
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
-        if self.engine is None:
-            raise RuntimeError(
-                "fabric.backward() before the model was sharded: give its optimizer to "
-                "fabric.setup_optimizers() (or use fabric.setup(model, optimizer))."
-            )
-        self.engine.backward(tensor, *args, **kwargs)
+        self._require_engine("fabric.backward()").backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         return self.engine.step()
@@ -134,7 +166,7 @@ class ZeroFabricStrategy(DDPStrategy):
     ):
         if norm_type != 2.0:
             raise ValueError("The ZeRO strategy clips by the global L2 norm only (norm_type=2).")
-        norm = self.engine.clip_grad_norm_(float(max_norm))
+        norm = self._require_engine("fabric.clip_gradients()").clip_grad_norm_(float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(
                 f"The total gradient norm is {norm}; set error_if_nonfinite=False to skip."
@@ -142,7 +174,7 @@ class ZeroFabricStrategy(DDPStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        self.engine.clip_grad_value_(float(clip_val))
+        self._require_engine("fabric.clip_gradients()").clip_grad_value_(float(clip_val))
 
     def save_checkpoint(
         self, path, state: dict[str, Any], storage_options=None, filter=None
@@ -154,7 +186,8 @@ class ZeroFabricStrategy(DDPStrategy):
         client = {
             k: v for k, v in state.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))
         }
-        self.engine.save_checkpoint(str(path), client_state=to_weights_only(client))
+        engine = self._require_engine("fabric.save()")
+        engine.save_checkpoint(str(path), client_state=to_weights_only(client))
 
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only=None
@@ -165,7 +198,15 @@ class ZeroFabricStrategy(DDPStrategy):
         with_optimizer = not state or any(
             isinstance(v, torch.optim.Optimizer) for v in state.values()
         )
-        client = self.engine.load_checkpoint(str(path), with_optimizer) or {}
+        if self.engine is None:  # an evaluation model, set up without an optimizer
+            for module in (state or {}).values():
+                if isinstance(module, nn.Module) and module in self._pending:
+                    # A learning-rate-0 SGD stands in, as Lightning's evaluation does.
+                    params = [p for p in module.parameters() if p.requires_grad]
+                    self._shard(module, torch.optim.SGD(params or module.parameters(), lr=0.0))
+                    break
+        client = self._require_engine("fabric.load()").load_checkpoint(str(path), with_optimizer)
+        client = client or {}
         if not state:
             return client
         for name in list(state):

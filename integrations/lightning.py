@@ -85,6 +85,21 @@ def to_weights_only(value: Any, where: str = "checkpoint") -> Any:
     return repr(value)
 
 
+def compute_dtype_for(flag: str, base: ZeroConfig, entry: str) -> str:
+    """The framework's precision flag decides the engine's compute dtype; a different one
+    asked for in the strategy's config (e.g. a DeepSpeed config with bf16 enabled) is
+    named in a warning rather than dropped silently."""
+    compute = PRECISIONS[flag][0]
+    if base.compute_dtype not in ("fp32", compute):
+        warnings.warn(
+            f"The ZeRO config asks for compute_dtype={base.compute_dtype!r}, but "
+            f"{entry}(precision={flag!r}) decides the precision and gives {compute!r}. Set "
+            f"{entry}(precision=...) to choose (e.g. 'bf16-true' or 'bf16-mixed').",
+            stacklevel=3,
+        )
+    return compute
+
+
 def register_zero_names(cls: type, registry) -> None:
     """zero1..zero3 in a Lightning or Fabric strategy registry."""
     for stage in (1, 2, 3):
@@ -229,7 +244,7 @@ def make_strategy(root: str):
             assert self.accelerator is not None
             self.accelerator.setup(trainer)
             flag = self._precision_flag()
-            compute = PRECISIONS[flag][0]
+            compute = compute_dtype_for(flag, self._zero_base, "Trainer")
             self.engine_config = ZeroConfig.from_dict(
                 {**vars(self._zero_base), "compute_dtype": compute}
             )

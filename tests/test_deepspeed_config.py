@@ -33,10 +33,12 @@ def test_a_zero3_config_maps_field_by_field_and_names_what_it_ignores():
     with pytest.warns(UserWarning) as caught:
         config = ZeroConfig.from_deepspeed(DS_ZERO3)
     assert (config.stage, config.compute_dtype, config.reduce_dtype) == (3, "bf16", "fp32")
-    assert (config.bucket_size, config.persistence_threshold) == (50_000_000, 100_000)
+    assert config.bucket_size == 50_000_000
+    assert config.persistence_threshold == 0  # DeepSpeed's is per parameter: not mapped
     assert (config.max_reuse_distance, config.gradient_clipping) == (1_000_000_000, 1.0)
     message = str(caught[0].message)
     assert "zero_optimization.contiguous_gradients" in message
+    assert "zero_optimization.stage3_param_persistence_threshold" in message
     assert "gradient_accumulation_steps (a training-loop setting" in message
     assert "stage3_prefetch_bucket_size" not in message  # "auto": nothing to ignore
 
@@ -99,3 +101,33 @@ def test_the_lightning_strategy_and_the_accelerate_plugin_take_a_ds_config(tmp_p
     plugin = ZeroPlugin(config_file=str(path)).resolve("fp16")
     # The file's settings, and Accelerate's mixed_precision where the file says nothing.
     assert (plugin.stage, plugin.bucket_size, plugin.compute_dtype) == (2, 1000, "fp16")
+
+
+def test_deepspeed_defaults_and_spellings():
+    """No stage means DeepSpeed's stage 0; null means DeepSpeed decides; the stage3_ keys
+    work without their prefix; the deprecated offload flag is refused like the new one."""
+    with pytest.warns(UserWarning, match="sets no gradient_clipping"):
+        plain = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 1e3}})
+    assert (plain.stage, plain.compute_dtype, plain.loss_scale_window) == (0, "fp16", 1000)
+    cfg = {
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "overlap_comm": None, "max_reuse_distance": 5e8},
+    }
+    config = ZeroConfig.from_deepspeed(cfg)
+    assert (config.overlap_comm, config.max_reuse_distance) == (True, 500_000_000)
+    with pytest.raises(ZeroConfigError, match="cpu_offload_param"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+    with pytest.raises(ZeroConfigError, match="torch_autocast"):
+        ZeroConfig.from_deepspeed({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    with pytest.raises(ZeroConfigError, match=r"From the DeepSpeed config: ZeroConfig\.bucket"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": 2.5}})
+
+
+def test_a_precision_the_trainer_overrides_is_named():
+    pytest.importorskip("lightning")
+    from zero_strategy import ZeroConfig as Config
+    from zero_strategy.integrations.lightning import compute_dtype_for
+
+    with pytest.warns(UserWarning, match=r"compute_dtype='bf16'.*Trainer\(precision='32-true'\)"):
+        assert compute_dtype_for("32-true", Config(compute_dtype="bf16"), "Trainer") == "fp32"
+    assert compute_dtype_for("bf16-true", Config(compute_dtype="bf16"), "Trainer") == "bf16"

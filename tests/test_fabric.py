@@ -103,3 +103,38 @@ def test_setup_module_then_setup_optimizers_trains_the_same():
     together = run_world(_loop, 2, "zero3", 4)
     split = run_world(_loop, 2, "zero3", 4, split=True)
     assert split == together
+
+
+def _evaluate_and_teach(rank, world, ckpt):
+    import torch
+
+    import zero_strategy  # noqa: F401
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()
+    # Evaluation only: no optimizer; fabric.load shards the model and reads its weights.
+    evaluated = fabric.setup(make_model(seed=1))
+    fabric.load(ckpt, {"model": evaluated})
+    x, y = local_batch(5, 0, rank, world)
+    with torch.no_grad():
+        loss = evaluated(x, y).item()
+    # Two models pending: the optimizer decides which one is sharded.
+    other = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    other.launch()
+    student = other.setup_module(make_model(seed=2))
+    teacher = other.setup(make_model(seed=3))  # no optimizer: replicated
+    other.setup_optimizers(make_optimizer(student))
+    sharded = other.strategy.engine.module
+    return loss, sharded is student.module, teacher(x, y).item() > 0
+
+
+def test_evaluation_models_and_the_optimizer_choosing_the_model(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = run_world(_loop, 2, "zero3", 10, ckpt)  # saved after step 5
+    for (loss, student_sharded, teacher_ran), trained in zip(
+        run_world(_evaluate_and_teach, 2, ckpt), full
+    ):
+        assert loss / 2 == trained[10]
+        assert student_sharded and teacher_ran

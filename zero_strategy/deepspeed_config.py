@@ -19,16 +19,25 @@ from typing import Any
 
 from .config import ZeroConfig, ZeroConfigError
 
-# zero_optimization key -> ZeroConfig field
+# zero_optimization key -> ZeroConfig field (DeepSpeed accepts the stage3_ keys without
+# their prefix too)
 _ZERO_KEYS = {
     "stage": "stage",
     "reduce_bucket_size": "bucket_size",
     "overlap_comm": "overlap_comm",
-    "stage3_param_persistence_threshold": "persistence_threshold",
     "stage3_max_reuse_distance": "max_reuse_distance",
+    "max_reuse_distance": "max_reuse_distance",
 }
-# Keys whose behaviour is built in or has no meaning here.
+# Keys whose behaviour is built in or has no meaning here. The persistence threshold is
+# one of them: DeepSpeed applies it per parameter, ZeroConfig.persistence_threshold per
+# unit, so DeepSpeed's usual 1e5 would mean something else here.
 _NO_COUNTERPART = {
+    "stage3_param_persistence_threshold",
+    "param_persistence_threshold",
+    "prefetch_bucket_size",
+    "max_live_parameters",
+    "model_persistence_threshold",
+    "gather_16bit_weights_on_model_save",
     "contiguous_gradients",
     "reduce_scatter",
     "allgather_partitions",
@@ -73,24 +82,36 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> Zero
     """The ZeroConfig for a DeepSpeed config dict or JSON file."""
     if not isinstance(config, Mapping):
         config = json.loads(Path(config).read_text())
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"stage": 0}  # DeepSpeed's default: no ZeRO
     ignored: list[str] = []
     zero = dict(config.get("zero_optimization") or {})
     for key, value in zero.items():
-        if _is_auto(value):
+        if _is_auto(value) or value is None:  # "auto", or DeepSpeed's choice by stage
             continue
         if key in _ZERO_KEYS:
             values[_ZERO_KEYS[key]] = _as_int(value) if key != "overlap_comm" else value
-        elif key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
+        elif key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"):
             _refuse_offload(key, value)
         elif key in _NO_COUNTERPART:
             ignored.append(f"zero_optimization.{key}")
         else:
             ignored.append(f"zero_optimization.{key} (unknown)")
     _precision(config, values, ignored)
+    if "gradient_clipping" not in config:
+        warnings.warn(
+            "The DeepSpeed config sets no gradient_clipping; recent DeepSpeed releases then "
+            "clip at 1.0, zero-strategy does not clip. Set gradient_clipping to choose.",
+            stacklevel=2,
+        )
     for key, value in config.items():
         if key in ("zero_optimization", "fp16", "bf16", "bfloat16") or _is_auto(value):
             continue
+        if key == "torch_autocast" and isinstance(value, Mapping) and value.get("enabled"):
+            raise ZeroConfigError(
+                "The DeepSpeed config enables torch_autocast; zero-strategy leaves autocast to "
+                "the training framework (Trainer(precision='bf16-mixed'), "
+                "Accelerator(mixed_precision='bf16')). Remove the key and set it there."
+            )
         if key == "gradient_clipping":
             values["gradient_clipping"] = float(value)
         elif key == "zero_allow_untested_optimizer":
@@ -107,7 +128,10 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> Zero
             + ", ".join(ignored),
             stacklevel=2,
         )
-    return ZeroConfig.from_dict(values)
+    try:
+        return ZeroConfig.from_dict(values)
+    except ZeroConfigError as e:
+        raise ZeroConfigError(f"From the DeepSpeed config: {e}") from None
 
 
 def looks_like_deepspeed_config(config: Mapping[str, Any]) -> bool:
@@ -124,6 +148,7 @@ def _precision(config: Mapping[str, Any], values: dict[str, Any], ignored: list[
         )
     if bf16_on:
         values["compute_dtype"] = "bf16"
+    ignored += [f"bf16.{k}" for k in bf16 if k != "enabled"]
     if not fp16_on:
         return
     values["compute_dtype"] = "fp16"
@@ -135,8 +160,8 @@ def _precision(config: Mapping[str, Any], values: dict[str, Any], ignored: list[
         ("loss_scale_window", "loss_scale_window"),
         ("min_loss_scale", "min_loss_scale"),
     ):
-        if key in fp16 and not _is_auto(fp16[key]):
-            values[field] = fp16[key]
+        if fp16.get(key) is not None and not _is_auto(fp16[key]):
+            values[field] = _as_int(fp16[key]) if key != "min_loss_scale" else fp16[key]
     mapped = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window"}
     ignored += [f"fp16.{k}" for k in fp16 if k not in mapped | {"min_loss_scale", "auto_cast"}]
 
@@ -156,6 +181,9 @@ def _is_auto(value: Any) -> bool:
     return value == "auto"
 
 
-def _as_int(value: Any) -> int:
-    number = float(value)
-    return int(number) if number == int(number) else value
+def _as_int(value: Any) -> Any:
+    """5e7 (JSON writes it as a float) -> 50000000; anything else is left for ZeroConfig
+    to refuse with the field's name."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
