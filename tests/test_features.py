@@ -266,3 +266,39 @@ def test_torch_compile_of_the_module_trains_like_eager(stage):
     compiled = run_world(_compiled_run, 2, stage, "aot_eager")
     for a, b in zip(compiled, eager):
         assert a == pytest.approx(b, rel=1e-6)
+
+
+def _early_layers_frozen(rank, world, kind, stage=3, **config):
+    """Each block's first layers (ln1, attention) frozen, the rest trained: backward still
+    needs the frozen weights after the block's trainable gradients are in."""
+    model = make_model()
+    for block in model.blocks:
+        for p in [*block.ln1.parameters(), *block.attn.parameters()]:
+            p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if kind == "ddp":
+        runner = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        runner = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **config))
+    losses, gathered = [], []
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world)
+        loss = runner(x, y)
+        loss.backward() if kind == "ddp" else runner.backward(loss)
+        if kind != "ddp":
+            gathered.append(runner.memory_report()["gathered_parameters"])
+        optimizer.step() if kind == "ddp" else runner.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, gathered
+
+
+@pytest.mark.parametrize("config", [{}, {"prefetch_depth": 0}, {"max_reuse_distance": 10**9}])
+def test_frozen_layers_a_unit_uses_first_are_there_for_backward(config):
+    """LoRA and partial fine-tuning freeze weights that backward needs after a unit's own
+    gradients are in; the unit stays gathered until backward has left it."""
+    ddp = run_world(_early_layers_frozen, 2, "ddp")
+    ours = run_world(_early_layers_frozen, 2, "zero", 3, **config)
+    for (losses, gathered), (want, _) in zip(ours, ddp):
+        assert losses == want
+        assert gathered == [0] * len(gathered)  # nothing is left gathered after backward

@@ -270,8 +270,8 @@ class ZeroEngine:
 
     # ================================================================ stage-3 glue
     def _on_unit_grads_ready(self, unit: FlatUnit) -> None:
-        if self.gather is not None and not unit.persistent:
-            unit.free_full()
+        if self.gather is not None:
+            self.gather.grads_ready(unit)
 
     def _on_backward_end(self) -> None:
         if self.gather is not None:

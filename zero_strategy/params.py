@@ -63,6 +63,8 @@ class GatherManager:
         self._recording: list[int] = []
         self._cursor = 0
         self._seq = 0
+        self._backward_left: set[int] = set()  # this backward: units it has passed through
+        self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
         # Enough spare gather memory per size for the units in flight at once.
         self.storage_pool = StoragePool(capacity=prefetch_depth + 1)
@@ -76,7 +78,9 @@ class GatherManager:
         root = self.units[0]
         for unit in self.units[1:]:
             module = model.get_submodule(unit.layout.module_path)
-            self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.handles.append(
+                module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+            )
             self.handles.append(module.register_forward_hook(self._make_post_forward(unit)))
         # The root unit is needed from the first module that owns one of its parameters
         # (or from the root forward itself) until the end of backward.
@@ -92,14 +96,47 @@ class GatherManager:
         self.handles.append(model.register_forward_hook(self._root_post_forward))
 
     def _make_pre_forward(self, unit: FlatUnit):
-        def hook(module, args):
-            if not in_backward() and torch.is_grad_enabled():
+        has_frozen = any(not slot.trainable for slot in unit.layout.slots)
+
+        def hook(module, args, kwargs):
+            training = not in_backward() and torch.is_grad_enabled()
+            if training:
                 self._track_order(unit)
             self.ensure(unit, BACKWARD if in_backward() else FORWARD)
             if not in_backward():
                 self._prefetch_forward(unit)
+            if training and has_frozen:
+                self._free_when_backward_leaves(unit, (args, kwargs))
 
         return hook
+
+    def _free_when_backward_leaves(self, unit: FlatUnit, inputs) -> None:
+        """A unit with frozen parameters cannot be freed when its trainable gradients are
+        in: backward may still need the frozen ones (a frozen first layer, LoRA's base
+        weights) to reach the unit's inputs. Free it once the gradients of those inputs
+        are computed; with no input that needs a gradient, at the end of backward."""
+        tensors = [
+            t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda _grads: self._left(unit), mode="all")
+
+    def _left(self, unit: FlatUnit) -> None:
+        self._backward_left.add(unit.layout.index)
+        if not unit.layout.trainable or unit.layout.index in self._grads_in:
+            self._free_if_idle(unit)
+
+    def grads_ready(self, unit: FlatUnit) -> None:
+        """The unit's trainable gradients are in. A fully trainable unit is done with; one
+        with frozen parameters also waits for backward to leave its module (a frozen
+        weight may still be needed on a branch that leads to no input)."""
+        self._grads_in.add(unit.layout.index)
+        if unit.layout.all_trainable or unit.layout.index in self._backward_left:
+            self._free_if_idle(unit)
+
+    def _free_if_idle(self, unit: FlatUnit) -> None:
+        if not unit.persistent and unit.layout.index not in self.pending:
+            unit.free_full()
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
@@ -156,6 +193,8 @@ class GatherManager:
             self._reuse_distance = self._reuse_distances(self.order)
         self._recording = []
         self._cursor = 0
+        self._backward_left.clear()
+        self._grads_in.clear()
 
     def _reuse_distances(self, order: list[int]) -> dict[int, int]:
         """Elements gathered between a unit's (last) forward use and its backward use: the

@@ -84,6 +84,10 @@ class UnitLayout:
     def trainable(self) -> bool:
         return any(s.trainable for s in self.slots)
 
+    @property
+    def all_trainable(self) -> bool:
+        return all(s.trainable for s in self.slots)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
