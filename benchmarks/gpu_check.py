@@ -108,6 +108,46 @@ def train_losses(device: torch.device, steps: int) -> tuple[list[float], int]:
     return losses, engine.fused_step.launches
 
 
+def check_state_paths(device: torch.device, tmp: str) -> tuple[bool, str]:
+    """On `device` at stage 3: a checkpoint written and read back into a differently
+    initialised engine, `model.state_dict()` against the masters, and a model whose
+    blocks start with frozen layers (kept gathered until backward leaves them)."""
+    from examples.gpt import GPT, GPTConfig
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+    def engine_for(seed: int, freeze: bool = False) -> ZeroEngine:
+        torch.manual_seed(seed)
+        model = GPT(cfg).to(device)
+        if freeze:
+            for block in model.blocks:
+                block.ln1.requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ZeroEngine(model, torch.optim.AdamW(params, lr=1e-3), ZeroConfig(stage=3))
+
+    data = torch.randint(cfg.vocab_size, (4, cfg.block_size + 1), generator=torch.Generator())
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)
+    trained = engine_for(0, freeze=True)
+    for _ in range(2):
+        trained.backward(trained(x, y))
+        trained.step()
+        trained.zero_grad()
+    trained.save_checkpoint(os.path.join(tmp, "ckpt"))
+    masters = trained.full_state_dict()
+    module_state = trained.module.state_dict()
+    restored = engine_for(1, freeze=True)
+    restored.load_checkpoint(os.path.join(tmp, "ckpt"))
+    loaded = restored.full_state_dict()
+    same = all(torch.equal(loaded[k], v) for k, v in masters.items())
+    views = all(torch.equal(module_state[k].cpu(), v) for k, v in masters.items())
+    return same and views, (
+        f"stage 3 on {device.type}: frozen-first-layer training, checkpoint round trip "
+        f"{'exact' if same else 'DIFFERS'}, state_dict() {'equals' if views else 'DIFFERS from'} "
+        "the masters"
+    )
+
+
 def check_training(device: torch.device, steps: int) -> tuple[bool, str]:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,12 +156,14 @@ def check_training(device: torch.device, steps: int) -> tuple[bool, str]:
         try:
             with kernels.use_backend("auto" if device.type == "cuda" else "triton"):
                 got, fused_calls = train_losses(device, steps)
+                state_ok, state_line = check_state_paths(device, tmp)
             with kernels.use_backend("reference"):
                 ref, _ = train_losses(torch.device("cpu"), steps)
         finally:
             dist.destroy_process_group()
+    print(state_line)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    ok = worst < 1e-3 and fused_calls > 0
+    ok = worst < 1e-3 and fused_calls > 0 and state_ok
     return ok, (
         f"engine stage 3 on {device.type} ({'nccl' if device.type == 'cuda' else 'gloo'}, "
         f"fused AdamW calls {fused_calls}) vs CPU over {steps} steps: worst relative loss "
