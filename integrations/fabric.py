@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
 from .devices import place_buffers, require_cpu_or_cuda
 from .lightning import (
@@ -90,6 +91,18 @@ class ZeroFabricStrategy(DDPStrategy):
         compute = compute_dtype_for(flag, self._zero_base, "Fabric")
         return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": compute})
 
+    def module_init_context(self, empty_init: bool | None = None):
+        """`fabric.init_module()`: never the whole model on the device. `empty_init=True`
+        builds it on the meta device and the engine materialises each rank's shard, unit
+        by unit (the module's `_init_weights` or `reset_parameters` run there); otherwise
+        it is built and initialised in CPU memory and the engine copies one unit at a time
+        to the device. (The DDP base would build it whole on the device.)"""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.precision.module_init_context())
+        if empty_init:
+            stack.enter_context(init_on_meta())
+        return stack
+
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
         if len(optimizers) != 1:
             raise RuntimeError(
@@ -105,6 +118,13 @@ class ZeroFabricStrategy(DDPStrategy):
         sharded in place. A module that runs before getting one (a frozen reference model,
         an evaluation) is moved to the device whole, replicated as under DDP; `fabric.load`
         into it shards it for evaluation."""
+        if any(p.is_meta for p in module.parameters()):
+            raise RuntimeError(
+                "This model was built on the meta device (fabric.init_module(empty_init=True)"
+                "). Set it up together with its optimizer, model, optimizer = fabric.setup("
+                "model, optimizer), so that each rank materialises only its own shard; the "
+                "optimizer may be created over the meta parameters."
+            )
         self._pending.append(module)
         handle: list = []
 
@@ -192,6 +212,11 @@ class ZeroFabricStrategy(DDPStrategy):
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only=None
     ) -> dict[str, Any]:
+        if isinstance(state, nn.Module) and Path(path).is_file():
+            # fabric.load_raw(path, model): a plain state dict (torch.save or safetensors),
+            # loaded through the module's load_state_dict, which reaches the shards.
+            state.load_state_dict(read_state_dict(Path(path)), strict=strict)
+            return {}
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):
             state = {"state": state}
         # A state without the optimizer (evaluation, a new optimizer) reads the model alone.
@@ -224,3 +249,13 @@ class ZeroFabricStrategy(DDPStrategy):
 def register() -> None:
     if "zero3" not in STRATEGY_REGISTRY:
         ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A full model state dict from safetensors or a torch file (weights only, no pickle)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state.get("state_dict", state) if isinstance(state, Mapping) else state

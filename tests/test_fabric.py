@@ -138,3 +138,53 @@ def test_evaluation_models_and_the_optimizer_choosing_the_model(tmp_path):
     ):
         assert loss / 2 == trained[10]
         assert student_sharded and teacher_ran
+
+
+def _init_module_and_load_raw(rank, world, raw):
+    import torch
+
+    import zero_strategy  # noqa: F401
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):  # litgpt's way: never the whole model
+        model = make_model()
+    on_meta = all(p.is_meta for p in model.parameters())
+    try:  # Fabric refuses an optimizer over meta parameters after setup_module
+        fabric.setup_module(model)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    model, optimizer = fabric.setup(model, make_optimizer(model))
+    engine = fabric.strategy.engine
+    shard_bytes = sum(u.layout.shard_numel for u in engine.units) * 4
+    held = engine.memory_report()["parameters"]
+    fabric.load_raw(raw, model)  # a plain full state dict, every rank
+    x, y = local_batch(0, 0, rank, world)
+    with torch.no_grad():
+        loss = model(x, y).item()
+    loss_before = model(x, y)
+    fabric.backward(loss_before)
+    optimizer.step()
+    return on_meta, held == shard_bytes, loss, refused
+
+
+def test_init_module_on_meta_and_load_raw_of_a_full_state_dict(tmp_path):
+    """fabric.init_module(empty_init=True) builds on the meta device and each rank holds
+    only its shard after fabric.setup(model, optimizer) (setup_module alone is refused with
+    that fix); fabric.load_raw then fills the sharded model from a full state dict."""
+    import torch
+
+    reference = make_model(seed=4)
+    raw = str(tmp_path / "model.pt")
+    torch.save(reference.state_dict(), raw)
+    with torch.no_grad():
+        want = [reference(*local_batch(0, 0, r, 2)).item() for r in range(2)]
+    for rank, (on_meta, holds_shard, loss, refused) in enumerate(
+        run_world(_init_module_and_load_raw, 2, raw)
+    ):
+        assert on_meta and holds_shard
+        assert "fabric.setup(model, optimizer)" in refused
+        assert loss == pytest.approx(want[rank], rel=1e-6)
