@@ -296,6 +296,15 @@ def make_strategy(root: str):
             place_buffers(self.model, self.root_device)
 
         @contextlib.contextmanager
+        def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+            """`trainer.init_module()`, as Lightning's FSDP strategy: with empty_init=True
+            on the meta device (the engine materialises each rank's shard), otherwise in
+            CPU memory; never the whole model on the device, as the DDP base would."""
+            meta = init_on_meta() if empty_init else contextlib.nullcontext()
+            with meta, self.precision_plugin.tensor_init_context():
+                yield
+
+        @contextlib.contextmanager
         def model_sharded_context(self) -> Iterator[None]:
             """configure_model() runs here: modules are built on the meta device and the
             engine materializes only this rank's shard, one unit at a time."""

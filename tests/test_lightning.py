@@ -495,3 +495,27 @@ def test_lightning_cli_config_takes_zero_options_as_init_args(tmp_path):
         LightningCLI(
             lit_module_class(), run=False, args=["--config", str(config)], save_config_callback=None
         )
+
+
+def _init_module_on_meta(rank, world):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    trainer = quiet_trainer(world, "zero3", max_steps=2)
+    # (Lightning suggests configure_model on rank 0, as it does for FSDP.)
+    with trainer.init_module(empty_init=True):
+        module = lit_module_class()()
+    on_meta = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader(n_batches=4, world=world))
+    engine = trainer.strategy.engine
+    shard_bytes = sum(u.layout.shard_numel for u in engine.units) * 4
+    return on_meta, engine.memory_report()["parameters"] == shard_bytes, module.losses
+
+
+def test_init_module_with_empty_init_builds_on_meta_and_shards():
+    """trainer.init_module(empty_init=True): nothing is allocated until the engine
+    materialises each rank's shard (the DDP base would build the model on the device)."""
+    for on_meta, holds_shard, losses in run_world(_init_module_on_meta, 2):
+        assert on_meta and holds_shard
+        assert len(losses) == 2 and all(0 < v < 10 for v in losses)
