@@ -17,7 +17,6 @@ registry); the group is for overriding fields from the command line.
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 from zero_strategy import ZeroConfig
 
@@ -26,18 +25,16 @@ STRATEGY_GROUP = "trainer/strategy"
 
 
 def strategy_node(stage: int) -> type:
-    """A structured config class: `_target_` plus the ZeroConfig fields, stage preset."""
-    hints = typing.get_type_hints(ZeroConfig)
-    specs: list[tuple] = [("_target_", str, dataclasses.field(default=STRATEGY_TARGET))]
-    for f in dataclasses.fields(ZeroConfig):
-        if f.name == "stage":
-            default = dataclasses.field(default=stage)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = dataclasses.field(default_factory=f.default_factory)
-        else:
-            default = dataclasses.field(default=f.default)
-        specs.append((f.name, hints[f.name], default))
-    return dataclasses.make_dataclass(f"Zero{stage}StrategyConf", specs)
+    """A structured config class: the ZeroConfig fields (inherited, so types and defaults
+    stay ZeroConfig's own), stage preset, plus the `_target_` Hydra instantiates."""
+    return dataclasses.make_dataclass(
+        f"Zero{stage}StrategyConf",
+        [
+            ("stage", int, dataclasses.field(default=stage)),
+            ("_target_", str, dataclasses.field(default=STRATEGY_TARGET)),
+        ],
+        bases=(ZeroConfig,),
+    )
 
 
 def register_configs() -> None:
