@@ -133,7 +133,7 @@ def test_cli_errors_name_the_problem(tmp_path, trained):
     f = broken / "rank00001.safetensors"
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="unreadable"):
-        from zero_strategy.inspect import summary
+        from zero_strategy.inspect_checkpoint import summary
 
         summary(broken)
 

@@ -6,9 +6,9 @@
 
 from .config import ZeroConfig, ZeroConfigError
 from .engine import ZeroEngine
-from .init import init_on_meta
+from .gather import ModulePathDivergenceError
+from .meta_init import init_on_meta
 from .optimizer import UnsupportedOptimizerError
-from .params import ModulePathDivergenceError
 
 __all__ = [
     "ModulePathDivergenceError",

@@ -39,7 +39,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import summary
+    from .inspect_checkpoint import summary
 
     print(summary(args.checkpoint))
     return 0

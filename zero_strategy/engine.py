@@ -24,17 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint, fused_step
-from . import init as meta_init
+from . import checkpoint, fused_step, meta_init
 from .comm import Communicator
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
+from .gather import GatherManager, in_backward
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .module_state import ModuleStateHooks
 from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
-from .params import GatherManager, in_backward
 from .partition import (
     FROZEN_GROUP,
     bucket_layouts,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
-from .params import STATE_DICT
+from .gather import STATE_DICT
 from .partition import ParamSlot
 
 if TYPE_CHECKING:
