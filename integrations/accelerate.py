@@ -37,7 +37,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.deepspeed_config import looks_like_deepspeed_config
+from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 
 from .devices import place_buffers, require_cpu_or_cuda
 
@@ -101,7 +101,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ValueError(f"{path} must hold a mapping of ZeroConfig fields, got {type(values)}.")
     if looks_like_deepspeed_config(values):  # a ds_config.json brought along
-        translated, defaults = vars(ZeroConfig.from_deepspeed(values)), vars(ZeroConfig())
+        translated, defaults = vars(from_deepspeed_config(values)), vars(ZeroConfig())
         return {k: v for k, v in translated.items() if v != defaults[k]}
     return dict(values)
 
@@ -270,9 +270,7 @@ class ZeroAccelerator(Accelerator):
     def _engine_for(self, parameters: Iterable[torch.Tensor]) -> ZeroEngine | None:
         if self.engine is None:
             return None
-        mine = {id(p) for p in self.engine.module.parameters()}
-        mine |= {id(p) for *_, p in self.engine._opt_views}  # the optimizer's shard views
-        return self.engine if any(id(p) in mine for p in parameters) else None
+        return self.engine if any(self.engine.manages(p) for p in parameters) else None
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -306,7 +304,7 @@ class ZeroAccelerator(Accelerator):
         state = engine.full_state_dict(rank0_only=not everywhere)
         if not state:
             return {}
-        dtype, params = engine.config.compute_torch_dtype, _param_names(engine)
+        dtype, params = engine.config.compute_torch_dtype, engine.parameter_names()
         return {name: value.to(dtype) if name in params else value for name, value in state.items()}
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw):
@@ -344,11 +342,3 @@ class _ShardedModel(dict):
     """What get_state_dict gives save_state for the sharded model: recognised (and
     dropped) by the engine's save hook, whatever other hooks did to the list."""
 
-
-def _param_names(engine: ZeroEngine) -> set[str]:
-    return {
-        name
-        for unit in engine.units
-        for slot in unit.layout.slots
-        for name in (slot.name, *slot.aliases)
-    }

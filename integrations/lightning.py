@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.deepspeed_config import looks_like_deepspeed_config
+from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 
 from .devices import place_buffers, require_cpu_or_cuda
 from .lightning_summary import patch_model_summary_callback
@@ -52,7 +52,7 @@ def zero_config_from(
     if isinstance(config, (str, PurePath)) or (
         isinstance(config, Mapping) and looks_like_deepspeed_config(config)
     ):
-        config = ZeroConfig.from_deepspeed(config)
+        config = from_deepspeed_config(config)
     if isinstance(config, ZeroConfig):
         values.update(vars(config))
     elif config is not None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from zero_strategy import ZeroConfig, ZeroConfigError
+from zero_strategy import ZeroConfigError, from_deepspeed_config
 
 # A typical Hugging Face / DeepSpeed ZeRO-3 config, "auto" placeholders included.
 DS_ZERO3 = {
@@ -31,7 +31,7 @@ DS_ZERO3 = {
 
 def test_a_zero3_config_maps_field_by_field_and_names_what_it_ignores():
     with pytest.warns(UserWarning) as caught:
-        config = ZeroConfig.from_deepspeed(DS_ZERO3)
+        config = from_deepspeed_config(DS_ZERO3)
     assert (config.stage, config.compute_dtype, config.reduce_dtype) == (3, "bf16", "fp32")
     assert config.bucket_size == 50_000_000
     assert config.persistence_threshold == 0  # DeepSpeed's is per parameter: not mapped
@@ -59,11 +59,11 @@ def test_fp16_loss_scaling_keys_map(tmp_path):
             }
         )
     )
-    config = ZeroConfig.from_deepspeed(str(path))
+    config = from_deepspeed_config(str(path))
     assert (config.stage, config.compute_dtype, config.loss_scale) == (2, "fp16", "dynamic")
     assert (config.initial_loss_scale_power, config.loss_scale_window) == (12, 500)
     assert config.min_loss_scale == 2
-    static = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}})
+    static = from_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 128}})
     assert static.loss_scale == "128.0"
 
 
@@ -80,12 +80,12 @@ def test_fp16_loss_scaling_keys_map(tmp_path):
 )
 def test_what_cannot_be_honoured_is_an_error(config, match):
     with pytest.raises(ZeroConfigError, match=match):
-        ZeroConfig.from_deepspeed(config)
+        from_deepspeed_config(config)
 
 
 def test_offload_to_none_is_accepted():
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}
-    assert ZeroConfig.from_deepspeed(cfg).stage == 3
+    assert from_deepspeed_config(cfg).stage == 3
 
 
 def test_the_lightning_strategy_and_the_accelerate_plugin_take_a_ds_config(tmp_path):
@@ -107,20 +107,20 @@ def test_deepspeed_defaults_and_spellings():
     """No stage means DeepSpeed's stage 0; null means DeepSpeed decides; the stage3_ keys
     work without their prefix; the deprecated offload flag is refused like the new one."""
     with pytest.warns(UserWarning, match="sets no gradient_clipping"):
-        plain = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 1e3}})
+        plain = from_deepspeed_config({"fp16": {"enabled": True, "loss_scale_window": 1e3}})
     assert (plain.stage, plain.compute_dtype, plain.loss_scale_window) == (0, "fp16", 1000)
     cfg = {
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 3, "overlap_comm": None, "max_reuse_distance": 5e8},
     }
-    config = ZeroConfig.from_deepspeed(cfg)
+    config = from_deepspeed_config(cfg)
     assert (config.overlap_comm, config.max_reuse_distance) == (True, 500_000_000)
     with pytest.raises(ZeroConfigError, match="cpu_offload_param"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+        from_deepspeed_config({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
     with pytest.raises(ZeroConfigError, match="torch_autocast"):
-        ZeroConfig.from_deepspeed({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+        from_deepspeed_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
     with pytest.raises(ZeroConfigError, match=r"From the DeepSpeed config: ZeroConfig\.bucket"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": 2.5}})
+        from_deepspeed_config({"zero_optimization": {"reduce_bucket_size": 2.5}})
 
 
 def test_a_precision_the_trainer_overrides_is_named():

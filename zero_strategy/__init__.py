@@ -5,6 +5,7 @@
 """
 
 from .config import ZeroConfig, ZeroConfigError
+from .deepspeed_config import from_deepspeed_config
 from .engine import ZeroEngine
 from .gather import ModulePathDivergenceError
 from .meta_init import init_on_meta
@@ -16,6 +17,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroEngine",
+    "from_deepspeed_config",
     "init_on_meta",
 ]
 

@@ -185,13 +185,6 @@ class ZeroConfig:
         return self.compute_torch_dtype == torch.float16
 
     @classmethod
-    def from_deepspeed(cls, config) -> ZeroConfig:
-        """From a DeepSpeed config (dict or JSON path): see `deepspeed_config`."""
-        from .deepspeed_config import from_deepspeed_config
-
-        return from_deepspeed_config(config)
-
-    @classmethod
     def from_dict(cls, values: dict) -> ZeroConfig:
         """Build from a mapping, rejecting unknown keys with the list of known ones."""
         known = {f.name for f in fields(cls)}

@@ -427,6 +427,22 @@ class ZeroEngine:
         owned = self._module_state.owner.get(id(param))
         return owned[1].numel if owned is not None else param.numel()
 
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is one of the model's parameters or one of the optimizer's
+        shard views (what `clip_grad_norm_(optimizer params)` style calls hand over)."""
+        return id(tensor) in self._module_state.owner or any(
+            tensor is p for *_, p in self._opt_views
+        )
+
+    def parameter_names(self) -> set[str]:
+        """Every name (tied aliases included) under which the model holds a parameter."""
+        return {
+            name
+            for unit in self.units
+            for slot in unit.layout.slots
+            for name in (slot.name, *slot.aliases)
+        }
+
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2) before reading the full
         parameters outside the module's forward."""
