@@ -40,28 +40,7 @@ def _hydra() -> None:
     register_configs()
 
 
-def _name_errors(connector_module: str, class_name: str, registry_module: str, registry: str):
-    def wrap() -> None:
-        from .lightning import improve_name_errors
-
-        improve_name_errors(
-            getattr(sys.modules[connector_module], class_name),
-            getattr(sys.modules[registry_module], registry),
-        )
-
-    return wrap
-
-
 _TARGETS["lightning.pytorch.strategies"] = _lightning("lightning.pytorch.strategies")
-_TARGETS["lightning.pytorch.trainer.connectors.accelerator_connector"] = _name_errors(
-    "lightning.pytorch.trainer.connectors.accelerator_connector",
-    "_AcceleratorConnector",
-    "lightning.pytorch.strategies",
-    "StrategyRegistry",
-)
-_TARGETS["lightning.fabric.connector"] = _name_errors(
-    "lightning.fabric.connector", "_Connector", "lightning.fabric.strategies", "STRATEGY_REGISTRY"
-)
 _TARGETS["pytorch_lightning.strategies"] = _lightning("pytorch_lightning.strategies")
 _TARGETS["lightning.fabric.strategies"] = _fabric
 _TARGETS["hydra.core.config_store"] = _hydra

@@ -40,6 +40,7 @@ from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 
 from .devices import place_buffers, require_cpu_or_cuda
+from .pairing import model_of, one_optimizer_message
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
 ENV_CONFIG_FILE = "ZERO_STRATEGY_CONFIG_FILE"
@@ -189,7 +190,13 @@ class ZeroAccelerator(Accelerator):
             if isinstance(a, torch.optim.Optimizer) and not isinstance(a, ZeroOptimizer)
         ]
         for optimizer in optimizers:
-            model = self._model_of(optimizer, fresh + self._unpaired_models)
+            model = model_of(optimizer, fresh + self._unpaired_models)
+            if model is None:
+                raise ValueError(
+                    "ZeroAccelerator.prepare got an optimizer whose parameters belong to no "
+                    "model being prepared. Pass the model and its optimizer to the same "
+                    "prepare() call (or prepare the model first)."
+                )
             replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
@@ -207,11 +214,11 @@ class ZeroAccelerator(Accelerator):
         elif self.engine is not engine:
             raise ValueError(self._ONE_MODEL)
 
-    _ONE_MODEL = (
-        "ZeroAccelerator shards one model with one optimizer (as DeepSpeed does under "
-        "Accelerate). Put all trainable parameters in one optimizer with param groups, use a "
-        "separate ZeroAccelerator per model, or call accelerator.free_memory() between two "
-        "trainings."
+    _ONE_MODEL = one_optimizer_message(
+        "ZeroAccelerator",
+        "this one already shards another model",
+        "use a separate ZeroAccelerator per model (or call accelerator.free_memory() between "
+        "two trainings)",
     )
 
     def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -234,18 +241,6 @@ class ZeroAccelerator(Accelerator):
         self.engine = None
         self._unpaired_models = []
         return super().free_memory(*objects)
-
-    @staticmethod
-    def _model_of(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
-        wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for model in models:
-            if wanted <= {id(p) for p in model.parameters()}:
-                return model
-        raise ValueError(
-            "ZeroAccelerator.prepare got an optimizer whose parameters belong to no model "
-            "being prepared. Pass the model and its optimizer to the same prepare() call "
-            "(or prepare the model first)."
-        )
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine | None:
         inner = self.unwrap_model(model, keep_torch_compile=False)
@@ -341,4 +336,3 @@ class ZeroAccelerator(Accelerator):
 class _ShardedModel(dict):
     """What get_state_dict gives save_state for the sharded model: recognised (and
     dropped) by the engine's save hook, whatever other hooks did to the list."""
-

@@ -20,12 +20,13 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
+from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
-from .lightning import (
-    PRECISIONS,
+from .pairing import model_of, one_optimizer_message, stand_in_optimizer
+from .strategy_config import (
     compute_dtype_for,
+    precision_flag,
     register_zero_names,
-    to_weights_only,
     zero_config_from,
 )
 
@@ -82,12 +83,7 @@ class ZeroFabricStrategy(DDPStrategy):
         """The engine's compute dtype from Fabric's precision flag. Autocast ("bf16-mixed")
         and input casting stay with Fabric's own precision plugin; "16-mixed" becomes fp16
         compute with the engine's loss scaling (the engine runs backward and the step)."""
-        flag = str(getattr(self.precision, "precision", "32-true"))
-        if flag not in PRECISIONS:
-            raise ValueError(
-                f"precision={flag!r} is not supported by the ZeRO Fabric strategy; use one of "
-                f"{sorted(PRECISIONS)}."
-            )
+        flag = precision_flag(self.precision, "Fabric")
         compute = compute_dtype_for(flag, self._zero_base, "Fabric")
         return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": compute})
 
@@ -106,8 +102,9 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
         if len(optimizers) != 1:
             raise RuntimeError(
-                f"The ZeRO strategy shards one optimizer, got {len(optimizers)}. Use param "
-                "groups in a single optimizer."
+                one_optimizer_message(
+                    "The ZeRO strategy", f"fabric.setup got {len(optimizers)} optimizers"
+                )
             )
         self.engine = ZeroEngine(module, optimizers[0], self._config(), device=self.root_device)
         return module, optimizers, scheduler
@@ -145,19 +142,21 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.engine is not None:
             raise RuntimeError(
-                "The ZeRO strategy shards one model with one optimizer, and it already has "
-                "them. Use param groups in a single optimizer (and set up the optimizer "
-                "before fabric.load)."
+                one_optimizer_message(
+                    "The ZeRO strategy",
+                    "it has already sharded a model (with its optimizer, or for evaluation "
+                    "by fabric.load)",
+                    "set up the optimizer before fabric.load",
+                )
             )
-        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owners = [m for m in self._pending if wanted <= {id(p) for p in m.parameters()}]
-        if not owners:
+        owner = model_of(optimizer, self._pending)
+        if owner is None:
             raise RuntimeError(
                 "fabric.setup_optimizers() needs its model first: call fabric.setup_module("
                 "model) before it (the optimizer over that model's parameters), or "
                 "fabric.setup(model, optimizer)."
             )
-        self._shard(owners[0], optimizer)
+        self._shard(owner, optimizer)
         return optimizer
 
     def _shard(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -203,11 +202,9 @@ class ZeroFabricStrategy(DDPStrategy):
             raise TypeError(
                 "The ZeRO strategy writes sharded directories: storage_options and filter are not supported."
             )
-        client = {
-            k: v for k, v in state.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))
-        }
+        client = client_state(state, drop_types=(nn.Module, torch.optim.Optimizer))
         engine = self._require_engine("fabric.save()")
-        engine.save_checkpoint(str(path), client_state=to_weights_only(client))
+        engine.save_checkpoint(str(path), client_state=client)
 
     def load_checkpoint(
         self, path, state=None, strict: bool = True, weights_only=None
@@ -226,9 +223,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.engine is None:  # an evaluation model, set up without an optimizer
             for module in (state or {}).values():
                 if isinstance(module, nn.Module) and module in self._pending:
-                    # A learning-rate-0 SGD stands in, as Lightning's evaluation does.
-                    params = [p for p in module.parameters() if p.requires_grad]
-                    self._shard(module, torch.optim.SGD(params or module.parameters(), lr=0.0))
+                    self._shard(module, stand_in_optimizer(module))
                     break
         client = self._require_engine("fabric.load()").load_checkpoint(str(path), with_optimizer)
         client = client or {}

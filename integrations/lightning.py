@@ -14,118 +14,26 @@ hierarchies, separate registries): `make_strategy(pl)` builds the class for eith
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
-import inspect
-import typing
-import warnings
 from collections.abc import Iterator, Mapping
-from pathlib import PurePath
 from typing import Any
 
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 
+from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .lightning_summary import patch_model_summary_callback
-
-PRECISIONS = {
-    # Lightning flag -> (engine compute dtype, autocast dtype or None)
-    "32-true": ("fp32", None),
-    "32": ("fp32", None),
-    "bf16-mixed": ("fp32", torch.bfloat16),
-    "bf16-true": ("bf16", None),
-    "16-mixed": ("fp16", None),  # fp16 compute, fp32 masters, dynamic loss scaling
-    "16-true": ("fp16", None),
-}
-
-
-def zero_config_from(
-    stage: int | None, config: ZeroConfig | Mapping | None, options: dict
-) -> ZeroConfig:
-    """One ZeroConfig from the strategy's arguments; unknown options list the known ones.
-    `config` may also be a DeepSpeed config (a dict with `zero_optimization`, or the path
-    of its JSON file)."""
-    values: dict[str, Any] = {}
-    if isinstance(config, (str, PurePath)) or (
-        isinstance(config, Mapping) and looks_like_deepspeed_config(config)
-    ):
-        config = from_deepspeed_config(config)
-    if isinstance(config, ZeroConfig):
-        values.update(vars(config))
-    elif config is not None:
-        values.update(dict(config))
-    values.update(options)
-    if stage is not None:
-        values["stage"] = stage
-    return ZeroConfig.from_dict(values)
-
-
-def to_weights_only(value: Any, where: str = "checkpoint") -> Any:
-    """Trainer state reduced to what `torch.load(weights_only=True)` accepts: containers,
-    numbers, strings, tensors. Anything else is kept as its repr, with a warning."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, torch.Size)):
-        return value
-    if isinstance(value, PurePath):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {k: to_weights_only(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [to_weights_only(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return value.item()
-    warnings.warn(
-        f"{where} holds a {type(value).__name__}, which safe loading cannot restore; it is "
-        "saved as its repr(). Keep trainer state to numbers, strings, tensors and containers.",
-        stacklevel=2,
-    )
-    return repr(value)
-
-
-def compute_dtype_for(flag: str, base: ZeroConfig, entry: str) -> str:
-    """The framework's precision flag decides the engine's compute dtype; a different one
-    asked for in the strategy's config (e.g. a DeepSpeed config with bf16 enabled) is
-    named in a warning rather than dropped silently."""
-    compute = PRECISIONS[flag][0]
-    if base.compute_dtype not in ("fp32", compute):
-        warnings.warn(
-            f"The ZeRO config asks for compute_dtype={base.compute_dtype!r}, but "
-            f"{entry}(precision={flag!r}) decides the precision and gives {compute!r}. Set "
-            f"{entry}(precision=...) to choose (e.g. 'bf16-true' or 'bf16-mixed').",
-            stacklevel=3,
-        )
-    return compute
-
-
-def register_zero_names(cls: type, registry) -> None:
-    """zero1..zero3 in a Lightning or Fabric strategy registry."""
-    for stage in (1, 2, 3):
-        registry.register(
-            f"zero{stage}", cls, description=f"ZeRO stage {stage} (zero-strategy)", stage=stage
-        )
-
-
-def signature_with_config_fields(init) -> inspect.Signature:
-    """`__init__(..., **zero_options)` with each ZeroConfig field spelled out as a typed
-    keyword, so that tools that read signatures (LightningCLI / jsonargparse configs with
-    `class_path: ...ZeroStrategy`, `init_args: {stage: 3, bucket_size: ...}`) accept them."""
-    base = inspect.signature(init)
-    hints = typing.get_type_hints(ZeroConfig)
-    params = [p for p in base.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    named = {p.name for p in params}
-    for f in dataclasses.fields(ZeroConfig):
-        if f.name in named:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        params.append(
-            inspect.Parameter(
-                f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[f.name]
-            )
-        )
-    return base.replace(parameters=params)
+from .pairing import one_optimizer_message, stand_in_optimizer
+from .strategy_config import (
+    PRECISIONS,
+    compute_dtype_for,
+    precision_flag,
+    register_zero_names,
+    signature_with_config_fields,
+    zero_config_from,
+)
 
 
 def make_precision(root: str):
@@ -230,20 +138,10 @@ def make_strategy(root: str):
             require_cpu_or_cuda(self.root_device, "Trainer")
             super().setup_environment()
 
-        def _precision_flag(self) -> str:
-            plugin = self.precision_plugin
-            flag = str(getattr(plugin, "precision", "32-true"))
-            if flag not in PRECISIONS:
-                raise ValueError(
-                    f"precision={flag!r} is not supported by the ZeRO strategy; use one of "
-                    f"{sorted(PRECISIONS)}."
-                )
-            return flag
-
         def setup(self, trainer) -> None:
             assert self.accelerator is not None
             self.accelerator.setup(trainer)
-            flag = self._precision_flag()
+            flag = precision_flag(self.precision_plugin, "Trainer")
             compute = compute_dtype_for(flag, self._zero_base, "Trainer")
             self.engine_config = ZeroConfig.from_dict(
                 {**vars(self._zero_base), "compute_dtype": compute}
@@ -274,18 +172,15 @@ def make_strategy(root: str):
                 self.setup_optimizers(trainer)
                 if len(self.optimizers) != 1:
                     raise RuntimeError(
-                        f"The ZeRO strategy shards one optimizer, but configure_optimizers "
-                        f"returned {len(self.optimizers)}. Put all parameters in one optimizer "
-                        "with param groups, or use strategy='ddp' for multi-optimizer training."
+                        one_optimizer_message(
+                            "The ZeRO strategy",
+                            f"configure_optimizers returned {len(self.optimizers)} optimizers",
+                            "use strategy='ddp' for multi-optimizer training",
+                        )
                     )
                 optimizer = self.optimizers[0]
             else:
-                # Evaluation only: the engine still owns (and at stage 3 gathers) the
-                # parameters; a learning-rate-0 SGD stands in for the optimizer.
-                optimizer = torch.optim.SGD(
-                    [p for p in model.parameters() if p.requires_grad] or list(model.parameters()),
-                    lr=0.0,
-                )
+                optimizer = stand_in_optimizer(model)  # evaluation only
             self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)
             model._zero_engine = self.engine
             self.model = model
@@ -370,10 +265,8 @@ def make_strategy(root: str):
                     "The ZeRO strategy writes its own sharded directory; storage_options are "
                     "not supported. Drop them or use a CheckpointIO with strategy='ddp'."
                 )
-            client = {
-                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-            }
-            self.engine.save_checkpoint(str(filepath), client_state=to_weights_only(client))
+            client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
+            self.engine.save_checkpoint(str(filepath), client_state=client)
 
         def load_checkpoint(
             self, checkpoint_path, weights_only: bool | None = None
@@ -423,36 +316,6 @@ def register(root: str):
         patch_model_summary_callback(root)
         _CLASSES[root] = cls
     return _CLASSES[root]
-
-
-def explain_unknown_strategy(error: ValueError, registry, name: object) -> ValueError:
-    """Lightning's message for a mistyped name shows a few examples; ours lists every
-    registered name and the closest ones."""
-    import difflib
-
-    names = sorted(registry)
-    close = difflib.get_close_matches(str(name), names, n=3)
-    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return ValueError(f"{error}\nRegistered strategy names: {', '.join(names)}.{hint}")
-
-
-def improve_name_errors(connector_cls, registry) -> None:
-    """Wrap a connector's __init__ so an unknown strategy name lists the registered ones."""
-    if getattr(connector_cls, "_zero_strategy_wrapped", False):
-        return
-    original = connector_cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        try:
-            original(self, *args, **kwargs)
-        except ValueError as e:
-            name = kwargs.get("strategy")
-            if "invalid strategy name" in str(e) and isinstance(name, str):
-                raise explain_unknown_strategy(e, registry, name) from e
-            raise
-
-    connector_cls.__init__ = __init__
-    connector_cls._zero_strategy_wrapped = True
 
 
 def __getattr__(name: str):

@@ -171,3 +171,27 @@ def test_meta_module_without_initialiser_is_refused():
         param_init_fn=lambda m: nn.init.ones_(m.w) if isinstance(m, Raw) else None,
     )
     assert torch.equal(engine.full_state_dict()["w"], torch.ones(4, 4))
+
+
+def test_unsupported_precision_flag_names_the_supported_ones():
+    from types import SimpleNamespace
+
+    from zero_strategy.integrations.strategy_config import precision_flag
+
+    assert precision_flag(SimpleNamespace(precision="bf16-mixed"), "Fabric") == "bf16-mixed"
+    with pytest.raises(
+        ValueError,
+        match=r"Fabric\(precision='transformer-engine'\) is not supported.*one of \[.*'bf16-mixed'",
+    ):
+        precision_flag(SimpleNamespace(precision="transformer-engine"), "Fabric")
+
+
+def test_a_second_model_or_optimizer_is_refused_with_the_fix():
+    from zero_strategy.integrations.pairing import model_of, one_optimizer_message
+
+    model, other = make_model(), make_model()
+    assert model_of(make_optimizer(other), [model, other]) is other
+    assert model_of(make_optimizer(other), [model]) is None  # the adapter names its call
+    message = one_optimizer_message("The ZeRO strategy", "fabric.setup got 2 optimizers")
+    assert "shards one model with one optimizer, but fabric.setup got 2 optimizers" in message
+    assert "one optimizer with param groups" in message
