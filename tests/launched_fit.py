@@ -48,12 +48,12 @@ def main() -> None:
         "local_rank": trainer.local_rank,
         "cluster": type(trainer.strategy.cluster_environment).__name__,
         "launcher": type(trainer.strategy.launcher).__name__ if trainer.strategy.launcher else None,
-        "engine_world": trainer.strategy.engine.dp.world_size,
+        "engine_world": trainer.strategy.engine.world_size,
         "losses": module.losses,
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
-    pending = trainer.strategy.engine.gather.pending if trainer.strategy.engine.gather else {}
-    assert not pending, f"collectives still in flight after fit: {sorted(pending)}"
+    held = trainer.strategy.engine.memory_report()["gathered_parameters"]
+    assert held == 0, f"{held} bytes of parameters still gathered (or being gathered) after fit"
     # Tear the process groups down before the interpreter does: a gloo group destroyed
     # during interpreter shutdown can abort ("terminate called without an active exception").
     torch.distributed.destroy_process_group()

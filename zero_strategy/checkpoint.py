@@ -22,17 +22,19 @@ import os
 import pickle
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
+from torch import nn
 
+from .comm import Communicator
+from .flat_unit import FlatUnit
+from .optimizer import OptimizerView
+from .partition import ParamSlot
 from .safetensors_io import SafetensorsFile
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
 
 FORMAT = "zero-strategy/1"
 INDEX = "index.json"
@@ -47,53 +49,79 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
+@dataclass
+class ShardedState:
+    """What a checkpoint reads and writes, handed over by the engine."""
+
+    units: list[FlatUnit]
+    optimizer: torch.optim.Optimizer
+    views: list[OptimizerView]  # the optimizer's parameters, one per (unit, group) segment
+    module: nn.Module  # for its persistent buffers
+    world: Communicator  # every rank: barriers and the index exchange
+    stage: int
+    device: torch.device  # where control tensors go (an NCCL group refuses CPU ones)
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    loss_scaler: dict[str, Any]
+    client_state: dict | None
+
+
 # ============================================================================ saving
-def _owned_pieces(engine: ZeroEngine, rank: int) -> Iterator[tuple[Any, Any, int, int]]:
-    """(unit, slot, lo, hi) for every range of a parameter that `rank` writes; ranges are
-    in flattened-parameter coordinates. Stage 0 is replicated: rank 0 writes everything."""
-    for unit in engine.units:
-        if engine.config.stage == 0:
-            if rank != 0:
+def _owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, int, int]]:
+    """(unit, slot, lo, hi) for every range of a parameter this rank writes; ranges are in
+    flattened-parameter coordinates. Each element is written once: by the ranks of the
+    first copy of its unit, or at stage 0 (replicated) by rank 0 alone."""
+    for unit in state.units:
+        if state.stage == 0:
+            if state.world.rank != 0:
                 continue
             start, end = 0, unit.layout.padded_numel
+        elif not unit.group.holds_first_copy:
+            continue
         else:
-            start, end = unit.layout.shard_range(rank)
+            start, end = unit.layout.shard_range(unit.rank)
         for slot in unit.layout.slots:
             lo, hi = max(start, slot.offset), min(end, slot.end)
             if lo < hi:
                 yield unit, slot, lo - slot.offset, hi - slot.offset
 
 
-def _state_by_segment(engine: ZeroEngine) -> dict[tuple[int, int], tuple[int, dict]]:
-    """(unit index, segment start within the rank's range) -> (segment end, state dict)."""
-    out = {}
-    for unit, lo, hi, opt_param in engine._opt_views:
-        out[(unit.layout.index, lo)] = (hi, engine.optimizer.state.get(opt_param, {}))
-    return out
+def _view_covering(
+    views: list[OptimizerView], unit: FlatUnit, lo: int, hi: int
+) -> OptimizerView | None:
+    """The optimizer view holding [lo, hi) of `unit`'s slice (slice coordinates)."""
+    for view in views:
+        if view.unit is unit and view.lo <= lo and hi <= view.hi:
+            return view
+    return None
 
 
 def _elementwise_state(
-    engine: ZeroEngine, unit, slot, lo: int, hi: int, segments
+    state: ShardedState, unit: FlatUnit, slot: ParamSlot, lo: int, hi: int
 ) -> dict[str, torch.Tensor]:
     """The optimizer state tensors covering [lo, hi) of `slot`, as 1-D slices."""
     flat_lo = slot.offset + lo - unit.opt_start
     flat_hi = slot.offset + hi - unit.opt_start
-    for (uidx, seg_lo), (seg_hi, state) in segments.items():
-        if uidx == unit.layout.index and seg_lo <= flat_lo and flat_hi <= seg_hi:
-            return {
-                k: v[flat_lo - seg_lo : flat_hi - seg_lo]
-                for k, v in state.items()
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == seg_hi - seg_lo
-            }
-    return {}
+    view = _view_covering(state.views, unit, flat_lo, flat_hi)
+    if view is None:
+        return {}
+    numel = view.hi - view.lo
+    return {
+        k: v[flat_lo - view.lo : flat_hi - view.lo]
+        for k, v in state.optimizer.state.get(view.param, {}).items()
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel
+    }
 
 
-def _scalar_state(engine: ZeroEngine) -> list[dict[str, Any]]:
+def _scalar_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Per param group: non-elementwise state (Adam's `step`), equal for all its segments."""
-    groups: list[dict[str, Any]] = [{} for _ in engine.optimizer.param_groups]
-    for gi, group in enumerate(engine.optimizer.param_groups):
+    groups: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
+    for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            for k, v in engine.optimizer.state.get(p, {}).items():
+            for k, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:
                     groups[gi][k] = {
                         "value": v.item(),
@@ -114,49 +142,62 @@ def _json_safe(value: Any) -> Any:
     return repr(value)
 
 
-def save(engine: ZeroEngine, path: str | os.PathLike, client_state: dict | None = None) -> None:
-    """Write `engine`'s state to the directory `path` (collective: every rank calls it)."""
-    engine.wait_for_parameters()
-    engine.reducer.wait()
-    rank, world = engine.dp.rank, engine.dp.world_size
+def save(
+    state: ShardedState,
+    path: str | os.PathLike,
+    *,
+    step: int,
+    compute_dtype: torch.dtype,
+    loss_scaler: dict[str, Any],
+    client_state: dict | None = None,
+) -> None:
+    """Write `state` to the directory `path` (collective: every rank calls it). The caller
+    has finished its reductions and parameter gathers."""
+    world = state.world
+    rank = world.rank
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier(engine)
+    world.barrier()
 
-    segments = _state_by_segment(engine)
     tensors: dict[str, torch.Tensor] = {}
     state_keys: set[str] = set()
-    for unit, slot, lo, hi in _owned_pieces(engine, rank):
+    written: dict[str, dict[str, Any]] = {}
+    for unit, slot, lo, hi in _owned_pieces(state):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
         tensors[slot.name] = unit.master[a:b]
-        for key, value in _elementwise_state(engine, unit, slot, lo, hi, segments).items():
+        for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
             tensors[f"{key}/{slot.name}"] = value
             state_keys.add(key)
+        written[slot.name] = {
+            "shape": list(slot.shape),
+            "dtype": str(slot.dtype).removeprefix("torch."),
+            "aliases": list(slot.aliases),
+            "group": slot.group_index,
+            "start": lo,
+            "end": hi,
+        }
     if rank == 0:
-        for name, buf in persistent_buffers(engine.module):
+        for name, buf in persistent_buffers(state.module):
             tensors[f"buffer/{name}"] = buf
     # Slices of one master buffer share storage, which safetensors refuses: copy them.
     save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp / rank_file(rank))
     del tensors
-    # A rank may own no trainable range of some group: take the union over ranks.
-    everyone = _all_gather_json(
-        engine, {"keys": sorted(state_keys), "scalars": _scalar_state(engine)}
+    # The index is built from what each rank reports it wrote (a rank may also own no
+    # trainable range of some group: the state keys are the union over ranks).
+    everyone = world.control_all_gather_json(
+        {"wrote": written, "keys": sorted(state_keys), "scalars": _scalar_state(state.optimizer)},
+        state.device,
     )
-    keys = sorted({k for e in everyone for k in e["keys"]})
-    scalars = [
-        {k: v for e in everyone for k, v in e["scalars"][gi].items()}
-        for gi in range(len(engine.optimizer.param_groups))
-    ]
-    _barrier(engine)
+    world.barrier()
 
     if rank == 0:
         if client_state is not None:
             torch.save(client_state, tmp / CLIENT_STATE)
-        index = _index(engine, world, keys, scalars)
+        index = _index(state, everyone, step, compute_dtype, loss_scaler)
         with open(tmp / INDEX, "w") as f:
             json.dump(index, f, indent=1)
             f.flush()
@@ -169,68 +210,59 @@ def save(engine: ZeroEngine, path: str | os.PathLike, client_state: dict | None 
         tmp.rename(final)
         if old.exists():
             shutil.rmtree(old)
-    _barrier(engine)
-
-
-def _all_gather_json(engine: ZeroEngine, value: Any) -> list[Any]:
-    """Every rank's JSON-able `value`, exchanged as bytes (no pickle)."""
-    if not engine.dp.distributed:
-        return [value]
-    # On the engine's device: its group is NCCL-only on CUDA, which refuses CPU tensors.
-    device = engine.device
-    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=engine.dp.group)
-    padded = torch.zeros(int(size), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = torch.empty(engine.dp.world_size * int(size), dtype=torch.uint8, device=device)
-    dist.all_gather_single(out, padded.to(device), group=engine.dp.group)
-    return [
-        json.loads(bytes(chunk.tolist()).rstrip(b"\0"))
-        for chunk in out.cpu().chunk(engine.dp.world_size)
-    ]
+    world.barrier()
 
 
 def _index(
-    engine: ZeroEngine, world: int, state_keys: list[str], scalars: list[dict[str, Any]]
+    state: ShardedState,
+    reports: list[dict[str, Any]],
+    step: int,
+    compute_dtype: torch.dtype,
+    loss_scaler: dict[str, Any],
 ) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    for r in range(world):
-        for _unit, slot, lo, hi in _owned_pieces(engine, r):
+    for r, report in enumerate(reports):
+        for name, piece in report["wrote"].items():
             entry = params.setdefault(
-                slot.name,
-                {
-                    "shape": list(slot.shape),
-                    "dtype": str(slot.dtype).removeprefix("torch."),
-                    "aliases": list(slot.aliases),
-                    "group": slot.group_index,
-                    "pieces": [],
-                },
+                name, {k: piece[k] for k in ("shape", "dtype", "aliases", "group")} | {"pieces": []}
             )
-            entry["pieces"].append({"rank": r, "start": lo, "end": hi})
+            entry["pieces"].append({"rank": r, "start": piece["start"], "end": piece["end"]})
+    for entry in params.values():
+        entry["pieces"].sort(key=lambda p: p["start"])
+    optimizer = state.optimizer
+    scalars = [
+        {k: v for report in reports for k, v in report["scalars"][gi].items()}
+        for gi in range(len(optimizer.param_groups))
+    ]
     groups = [
-        {k: _json_safe(v) for k, v in g.items() if k != "params"}
-        for g in engine.optimizer.param_groups
+        {k: _json_safe(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
     ]
     return {
         "format": FORMAT,
         "complete": True,
-        "world_size": world,
-        "stage": engine.config.stage,
-        "ep_size": 1,
-        "global_expert_ids": [],
-        "step": engine.global_steps,
-        "compute_dtype": str(engine.config.compute_torch_dtype).removeprefix("torch."),
-        "files": [rank_file(r) for r in range(world)],
+        "world_size": len(reports),
+        "stage": state.stage,
+        "step": step,
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "files": [rank_file(r) for r in range(len(reports))],
+        # Each unit's shard groups (global ranks); the pieces above need none of it to load.
+        "units": [
+            {
+                "name": u.layout.name,
+                "shard_groups": u.layout.spec.describe(),
+                "params": [s.name for s in u.layout.slots],
+            }
+            for u in state.units
+        ],
         "params": params,
-        "buffers": [name for name, _ in persistent_buffers(engine.module)],
+        "buffers": [name for name, _ in persistent_buffers(state.module)],
         "optimizer": {
-            "class": type(engine.optimizer).__name__,
+            "class": type(optimizer).__name__,
             "param_groups": groups,
-            "elementwise_state": state_keys,
+            "elementwise_state": sorted({k for report in reports for k in report["keys"]}),
             "scalar_state": scalars,
         },
-        "loss_scaler": engine.scaler.state_dict(),
+        "loss_scaler": loss_scaler,
     }
 
 
@@ -323,36 +355,35 @@ def read_index(path: Path) -> dict[str, Any]:
 
 
 def load(
-    engine: ZeroEngine, path: str | os.PathLike, load_optimizer_states: bool = True
-) -> dict | None:
-    """Restore `engine` from `path`, whatever world size and stage wrote it; returns the
-    client state, if any (loaded with weights_only=True). Without the optimizer states,
-    only the parameters and buffers are read; the optimizer and loss scale are left."""
-    engine.wait_for_parameters()
+    state: ShardedState, path: str | os.PathLike, load_optimizer_states: bool = True
+) -> LoadedCheckpoint:
+    """Fill `state`'s fp32 masters (and optimizer state, and buffers) from `path`, whatever
+    world size, stage and groups wrote it; the caller refreshes its compute copies after.
+    Without the optimizer states, only the parameters and buffers are read."""
     reader = CheckpointReader(path)
     index = reader.index
-    _check_same_model(engine, index)
+    _check_same_model(state.units, index)
     opt_index = index["optimizer"]
-    if load_optimizer_states and opt_index["class"] != type(engine.optimizer).__name__:
+    if load_optimizer_states and opt_index["class"] != type(state.optimizer).__name__:
         raise CheckpointError(
             f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
-            f"{type(engine.optimizer).__name__}; build the same optimizer to resume."
+            f"{type(state.optimizer).__name__}; build the same optimizer to resume."
         )
-    for unit in engine.units:
+    for unit in state.units:
         for slot in unit.layout.slots:
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
                 values = reader.read(slot.name, lo - slot.offset, hi - slot.offset)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
     if load_optimizer_states:
-        _load_optimizer_state(engine, reader)
-    for name, buf in persistent_buffers(engine.module):
+        _load_optimizer_state(state, reader)
+    for name, buf in persistent_buffers(state.module):
         buf.data.copy_(reader.buffer(name))
-    engine.refresh_from_masters()
-    if load_optimizer_states:
-        engine.scaler.load_state_dict(index["loss_scaler"])
-        engine.global_steps = int(index["step"])
-    client = Path(path) / CLIENT_STATE
+    return LoadedCheckpoint(int(index["step"]), index["loss_scaler"], _client_state(Path(path)))
+
+
+def _client_state(path: Path) -> dict | None:
+    client = path / CLIENT_STATE
     if not client.exists():
         return None
     try:
@@ -365,9 +396,10 @@ def load(
         ) from e
 
 
-def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader) -> None:
+def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None:
+    optimizer = state.optimizer
     opt_index = reader.index["optimizer"]
-    for group, saved in zip(engine.optimizer.param_groups, opt_index["param_groups"]):
+    for group, saved in zip(optimizer.param_groups, opt_index["param_groups"]):
         for k, v in saved.items():
             if (
                 k in group
@@ -377,38 +409,34 @@ def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader) -> None:
                 group[k] = v
     keys = opt_index["elementwise_state"]
     scalars = opt_index["scalar_state"]
-    engine.optimizer.state.clear()
-    for unit, lo, hi, opt_param in engine._opt_views:
-        gi = next(
-            i
-            for i, g in enumerate(engine.optimizer.param_groups)
-            if any(p is opt_param for p in g["params"])
-        )
-        if not keys and not scalars[gi]:
+    optimizer.state.clear()
+    for view in state.views:
+        unit = view.unit
+        if not keys and not scalars[view.group_index]:
             continue
-        state: dict[str, Any] = {}
-        for k, spec in scalars[gi].items():
-            state[k] = (
+        entry: dict[str, Any] = {}
+        for k, spec in scalars[view.group_index].items():
+            entry[k] = (
                 torch.tensor(spec["value"], dtype=getattr(torch, spec["dtype"]))
                 if spec["dtype"]
                 else spec["value"]
             )
         for key in keys:
-            buf = torch.empty(hi - lo, dtype=torch.float32, device=engine.device)
-            a, b = lo + unit.opt_start, hi + unit.opt_start  # unit-flat coordinates
+            buf = torch.empty(view.hi - view.lo, dtype=torch.float32, device=state.device)
+            a, b = view.lo + unit.opt_start, view.hi + unit.opt_start  # unit-flat coordinates
             for slot in unit.layout.slots:
                 s, e = max(a, slot.offset), min(b, slot.end)
                 if s < e:
                     buf[s - a : e - a].copy_(
                         reader.read(slot.name, s - slot.offset, e - slot.offset, f"{key}/")
                     )
-            state[key] = buf
-        engine.optimizer.state[opt_param] = state
+            entry[key] = buf
+        optimizer.state[view.param] = entry
 
 
-def _check_same_model(engine: ZeroEngine, index: dict[str, Any]) -> None:
+def _check_same_model(units: list[FlatUnit], index: dict[str, Any]) -> None:
     saved = index["params"]
-    mine = {s.name: s for u in engine.units for s in u.layout.slots}
+    mine = {s.name: s for u in units for s in u.layout.slots}
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
     mismatched = sorted(
@@ -430,8 +458,3 @@ def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
-
-
-def _barrier(engine: ZeroEngine) -> None:
-    if engine.dp.distributed:
-        dist.barrier(group=engine.dp.group)

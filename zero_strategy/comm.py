@@ -1,6 +1,7 @@
-"""Collectives over the data-parallel group, with byte accounting for `comm_report()`.
+"""Collectives over one process group, with byte accounting for `comm_report()`.
 
-Every engine collective goes through `Communicator` so that the report is exact. Bytes
+Every engine collective goes through a `Communicator` (one per group) so that the report
+is exact; the engine's report sums them. Bytes
 are counted as the size of the full (unsharded) tensor a collective is about: the input
 of a reduce-scatter or all-reduce, the output of an all-gather. Each is recorded under
 the collective actually issued: on gloo, whose reduce-scatter and all-gather are slower
@@ -10,12 +11,15 @@ one broadcast per rank (same bytes, counted under "all_reduce" and "broadcast").
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .topology import DataParallelGroup
+if TYPE_CHECKING:
+    from .topology import CommGroup
 
 
 class _DoneWork:
@@ -37,20 +41,42 @@ class _Works:
         return True
 
 
+class GroupClosedError(RuntimeError):
+    """A collective on a group the engine has already closed."""
+
+
 class Communicator:
     def __init__(
         self,
-        dp: DataParallelGroup,
+        group: CommGroup,
         reduce_scatter_via_all_reduce: bool,
         all_gather_via_broadcast: bool,
     ):
-        self.dp = dp
+        self.group = group
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.group.distributed
+
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.group.closed:
+            raise GroupClosedError(
+                "This ZeroEngine was closed (engine.close(), a framework teardown or "
+                "free_memory) and its process groups destroyed; call engine.reopen() on "
+                "every rank to use it again."
+            )
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
 
@@ -67,25 +93,25 @@ class Communicator:
 
         With `all_gather_via_broadcast`, each rank broadcasts its slice of `output` in
         place: on gloo that moves the same bytes about 3x faster than its all-gather."""
-        if not self.dp.distributed:
+        if not self.group.distributed:
             self._count("all_gather", output)
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return _DoneWork() if async_op else None
         if not self.all_gather_via_broadcast:
             self._count("all_gather", output)
-            return dist.all_gather_single(output, shard, group=self.dp.group, async_op=async_op)
+            return dist.all_gather_single(output, shard, group=self.group.group, async_op=async_op)
         self._count("broadcast", output)
         n = shard.numel()
-        mine = output[self.dp.rank * n : (self.dp.rank + 1) * n]
+        mine = output[self.group.rank * n : (self.group.rank + 1) * n]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
         works = _Works(
             [
                 dist.broadcast(
-                    output[r * n : (r + 1) * n], src=r, group=self.dp.group, async_op=True
+                    output[r * n : (r + 1) * n], group=self.group.group, group_src=r, async_op=True
                 )
-                for r in range(self.dp.world_size)
+                for r in range(self.group.size)
             ]
         )
         if async_op:
@@ -101,45 +127,64 @@ class Communicator:
         When reduce-scatter is emulated with an all-reduce, `full` is overwritten and the
         caller reads its own slice of it (`shard_out` is then that slice).
         """
-        if not self.dp.distributed:
+        if not self.group.distributed:
             self._count("reduce_scatter", full)
             if shard_out.data_ptr() != full.data_ptr():
                 shard_out.copy_(full)
             return _DoneWork() if async_op else None
         if self.reduce_scatter_via_all_reduce:
             self._count("all_reduce", full)
-            return dist.all_reduce(full, group=self.dp.group, async_op=async_op)
+            return dist.all_reduce(full, group=self.group.group, async_op=async_op)
         self._count("reduce_scatter", full)
-        return dist.reduce_scatter_single(shard_out, full, group=self.dp.group, async_op=async_op)
+        return dist.reduce_scatter_single(
+            shard_out, full, group=self.group.group, async_op=async_op
+        )
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         self._count("all_reduce", tensor)
-        if not self.dp.distributed:
+        if not self.group.distributed:
             return _DoneWork() if async_op else None
-        return dist.all_reduce(tensor, group=self.dp.group, async_op=async_op)
+        return dist.all_reduce(tensor, group=self.group.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> None:
+        """`tensor` <- its value on the group's `src`-th rank (a position in the group)."""
         self._count(kind, tensor)
-        if self.dp.distributed:
-            dist.broadcast(tensor, src=src, group=self.dp.group)
+        if self.group.distributed:
+            dist.broadcast(tensor, group=self.group.group, group_src=src)
 
     # ----------------------------------------------------- small control messages
     def control_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Scalars (norms, overflow flags): counted apart from the payload collectives."""
         self._count("control", tensor)
-        if self.dp.distributed:
-            dist.all_reduce(tensor, op=op, group=self.dp.group)
+        if self.group.distributed:
+            dist.all_reduce(tensor, op=op, group=self.group.group)
         return tensor
 
     def control_all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's copy of a small tensor, stacked: used for divergence checks."""
         flat = tensor.reshape(-1)
-        out = torch.empty(
-            self.dp.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device
-        )
+        out = torch.empty(self.group.size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
         self._count("control", out)
-        if self.dp.distributed:
-            dist.all_gather_single(out, flat, group=self.dp.group)
+        if self.group.distributed:
+            dist.all_gather_single(out, flat, group=self.group.group)
         else:
             out.copy_(flat)
-        return out.view(self.dp.world_size, *tensor.shape)
+        return out.view(self.group.size, *tensor.shape)
+
+    def control_all_gather_json(self, value: Any, device: torch.device) -> list[Any]:
+        """Every rank's JSON-able `value`, exchanged as bytes (no pickle), on `device` (an
+        NCCL group refuses CPU tensors)."""
+        if not self.group.distributed:
+            return [value]
+        data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self.control_all_reduce(size, op=dist.ReduceOp.MAX)
+        padded = torch.zeros(int(size), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = self.control_all_gather(padded.to(device)).cpu()
+        return [json.loads(bytes(chunk.tolist()).rstrip(b"\0")) for chunk in out]
+
+    def barrier(self) -> None:
+        if self.group.distributed:
+            self._count("control", torch.empty(0))
+            dist.barrier(group=self.group.group)

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,6 @@ import torch
 from torch import nn
 
 from . import checkpoint, fused_step, meta_init
-from .comm import Communicator
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
 from .gather import GatherManager, in_backward
@@ -33,17 +33,20 @@ from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .module_state import ModuleStateHooks
-from .optimizer import check_optimizer, group_index_of_params, repoint_optimizer
+from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
 from .partition import (
     FROZEN_GROUP,
+    UnitLayout,
     bucket_layouts,
     module_layouts,
     select_unit_modules,
     unique_parameters,
 )
+from .placement import PlacementFn, ShardSpec, placed_modules, placed_path_of_names, spec_of_owner
 from .precision import LossScaler
+from .pretrained import load_pretrained
 from .publish import ParameterPublisher
-from .topology import DataParallelGroup
+from .topology import ProcessGroups
 
 
 class ZeroEngine:
@@ -55,7 +58,11 @@ class ZeroEngine:
         *,
         device: torch.device | str | None = None,
         param_init_fn: meta_init.InitFn | None = None,
+        placement: PlacementFn | None = None,
     ):
+        """`placement(module_path, module)` may return a `ShardSpec` for a module whose
+        parameters are sharded over groups other than the whole world (None elsewhere);
+        at stage 0 everything is replicated and it is not asked."""
         self.config = _coerce_config(config)
         cfg = self.config
         check_optimizer(optimizer, cfg.allow_untested_optimizer)
@@ -68,40 +75,35 @@ class ZeroEngine:
                 "train. Pass the model that holds the trainable parameters."
             )
         self.device = _resolve_device(params, device)
-        self.dp = DataParallelGroup.create(self.device, cfg.collective_timeout)
-        on_gloo = self.dp.backend == "gloo"
-        self.comm = Communicator(
-            self.dp,
-            on_gloo
-            if cfg.reduce_scatter_via_all_reduce is None
-            else cfg.reduce_scatter_via_all_reduce,
-            on_gloo if cfg.all_gather_via_broadcast is None else cfg.all_gather_via_broadcast,
+        self.groups = ProcessGroups(
+            self.device,
+            cfg.collective_timeout,
+            cfg.reduce_scatter_via_all_reduce,
+            cfg.all_gather_via_broadcast,
         )
+        # Dropping the engine (with its module) destroys its groups; so does close().
+        self._finalizer = weakref.finalize(self, self.groups.close)
+        self._world = self.groups.world.comm  # every rank: control messages, buffers
         self.module = model
 
         group_of = group_index_of_params(optimizer, [p.param for p in params])
         for p in params:
             if not p.param.requires_grad:
                 group_of.pop(id(p.param), None)
+        placed = placed_modules(model, placement, self.world_size) if cfg.stage else {}
         # Cross-rank agreement first: a rank that raised alone would leave the others
         # waiting in the next collective until the timeout.
-        self._check_same_model_on_all_ranks(params, group_of)
+        self._check_same_model_on_all_ranks(params, group_of, placed)
         self._warn_unoptimized(params, group_of)
         self._check_sizes(params, group_of)
 
-        world, rank = self.dp.world_size, self.dp.rank
-        if cfg.stage == 3:
-            unit_paths = select_unit_modules(model, cfg.unit_module_classes)
-            layouts = module_layouts(model, params, group_of, world, unit_paths)
-        else:
-            # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
-            layouts = bucket_layouts(params, group_of, world if cfg.stage else 1, cfg.bucket_size)
+        layouts = self._layouts(model, params, group_of, placed)
         self.units = [
             FlatUnit(
                 lay,
                 [model.get_parameter(s.name) for s in lay.slots],
                 cfg.stage,
-                rank if cfg.stage else 0,
+                self.groups.shard_group(lay.spec),
                 self.device,
                 cfg.compute_torch_dtype,
             )
@@ -116,7 +118,7 @@ class ZeroEngine:
         self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
 
         self.optimizer = optimizer
-        self._opt_views: list[tuple[FlatUnit, int, int, nn.Parameter]] = []
+        self._opt_views: list[OptimizerView] = []
         self._repoint_optimizer()
         optimizer.register_step_pre_hook(self._guard_direct_step)
         self.fused_step = fused_step.build(optimizer, own_hooks=1)
@@ -131,7 +133,6 @@ class ZeroEngine:
         self.gather: GatherManager | None = None
         self.reducer = GradReducer(
             self.units,
-            self.comm,
             cfg.stage,
             cfg.overlap_comm,
             cfg.reduce_torch_dtype,
@@ -139,7 +140,7 @@ class ZeroEngine:
             on_backward_end=self._on_backward_end,
         )
         self.publisher = (
-            ParameterPublisher(model, self.units, self.comm, cfg.overlap_param_gather)
+            ParameterPublisher(model, self.units, cfg.overlap_param_gather)
             if cfg.stage in (1, 2)
             else None
         )
@@ -147,14 +148,16 @@ class ZeroEngine:
             self.gather = GatherManager(
                 model,
                 self.units,
-                self.comm,
+                self._world,
                 cfg.prefetch_depth,
                 cfg.persistence_threshold,
                 cfg.verify_module_order,
                 cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
             )
-        self._module_state = ModuleStateHooks(self, model)
+        self._module_state = ModuleStateHooks(
+            model, self.units, self.gather, self.wait_for_parameters
+        )
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
@@ -162,7 +165,37 @@ class ZeroEngine:
         model.register_forward_hook(lambda *_: self.after_forward())
         self._last_grad_norm: torch.Tensor | None = None
         self.global_steps = 0
-        self.comm.reset()
+        self.reset_comm_report()
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (the processes of the default group)."""
+        return self.groups.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    def _layouts(self, model, params, group_of, placed) -> list[UnitLayout]:
+        """Units and their specs: stage 3 makes every placed module a unit of its own;
+        stages 1-2 never put parameters of two specs in one bucket."""
+        cfg, world = self.config, ShardSpec.world(self.world_size)
+        if cfg.stage == 3:
+            chosen = set(select_unit_modules(model, cfg.unit_module_classes)) | set(placed)
+            unit_paths = [path for path, _ in model.named_modules() if path and path in chosen]
+
+            def spec_of_unit(path: str) -> ShardSpec:
+                governing = spec_of_owner(path, placed)
+                return placed[governing] if governing is not None else world
+
+            return module_layouts(model, params, group_of, unit_paths, spec_of_unit)
+
+        def spec_of(p) -> ShardSpec:
+            governing = placed_path_of_names(p.names, placed)
+            return placed[governing] if governing is not None else world
+
+        # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
+        return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=cfg.stage > 0)
 
     # ================================================================ set-up helpers
     def _warn_unoptimized(self, params, group_of) -> None:
@@ -184,7 +217,7 @@ class ZeroEngine:
                 "No parameter of the model is both trainable and in the optimizer. Build the "
                 "optimizer over the model's parameters that require grad."
             )
-        world = self.dp.world_size
+        world = self.world_size
         if self.config.stage > 0 and trainable < world:
             raise ValueError(
                 f"The model has {trainable} trainable element(s) but the world size is {world}: "
@@ -192,27 +225,33 @@ class ZeroEngine:
                 "(plain data parallelism) for a model this small."
             )
 
-    def _check_same_model_on_all_ranks(self, params, group_of) -> None:
-        """A different model on some rank would pair mismatched collectives: refuse early."""
-        if not self.dp.distributed:
+    def _check_same_model_on_all_ranks(self, params, group_of, placed) -> None:
+        """A different model (or placement) on some rank would pair mismatched collectives,
+        or create mismatched groups: refuse early."""
+        if not self._world.distributed:
             return
-        desc = "|".join(
-            f"{p.names[0]}:{tuple(p.param.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}"
-            for p in params
+        desc = (
+            "|".join(
+                f"{p.names[0]}:{tuple(p.param.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}"
+                for p in params
+            )
+            + "|"
+            + "|".join(f"{path}:{spec.describe()}" for path, spec in placed.items())
         )
         digest = int.from_bytes(hashlib.sha1(desc.encode()).digest()[:7], "little")
-        tags = self.comm.control_all_gather(
+        tags = self._world.control_all_gather(
             torch.tensor([digest, self.config.stage], dtype=torch.int64, device=self.device)
         ).tolist()
         if any(t != tags[0] for t in tags):
             raise ValueError(
-                "The model, optimizer groups or ZeRO stage differ across ranks (per-rank "
-                f"[digest, stage]: {tags}). Every rank must build the same model, the same "
-                "optimizer param groups and the same ZeroConfig."
+                "The model, optimizer groups, placement or ZeRO stage differ across ranks "
+                f"(per-rank [digest, stage]: {tags}). Every rank must build the same model, "
+                "the same optimizer param groups, the same placement and the same ZeroConfig."
             )
 
     def _materialize(self, model: nn.Module, on_meta: bool, init_fn) -> None:
-        """Give every unit its initial values: rank 0's, one unit at a time at stage 3."""
+        """Give every unit its initial values: its shard group's first rank's, then (for a
+        unit with several copies) the first copy's; one unit at a time at stage 3."""
 
         def flat_for(unit: FlatUnit) -> torch.Tensor:
             return torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
@@ -225,6 +264,11 @@ class ZeroEngine:
             for slot, p in zip(unit.layout.slots, unit.params):
                 flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
 
+        def agree(unit: FlatUnit, flat: torch.Tensor) -> None:
+            unit.group.comm.broadcast(flat, src=0)
+            if unit.group.replicas is not None:
+                unit.group.replicas.broadcast(flat, src=0)
+
         if on_meta and self.config.stage < 3:
             flats = [flat_for(u) for u in self.units]
             for unit, flat in zip(self.units, flats):
@@ -232,7 +276,7 @@ class ZeroEngine:
             slots = [s for u in self.units for s in u.layout.slots]
             meta_init.run_init(model, meta_init.owner_modules(model, slots), init_fn)
             for unit, flat in zip(self.units, flats):
-                self.comm.broadcast(flat, src=0)
+                agree(unit, flat)
                 unit.install(flat)
             return
         for unit in self.units:
@@ -244,7 +288,7 @@ class ZeroEngine:
                 )
             else:
                 copy_in(unit, flat)
-            self.comm.broadcast(flat, src=0)
+            agree(unit, flat)
             unit.install(flat)
             del flat
 
@@ -262,7 +306,7 @@ class ZeroEngine:
             {gi: [u.master[lo:hi] for u, lo, hi in segs] for gi, segs in by_group.items()},
         )
         self._opt_views = [
-            (unit, lo, hi, opt_param)
+            OptimizerView(unit, lo, hi, opt_param, gi)
             for gi, segs in by_group.items()
             for (unit, lo, hi), opt_param in zip(segs, self.optimizer.param_groups[gi]["params"])
         ]
@@ -278,9 +322,12 @@ class ZeroEngine:
             self.gather.end_of_pass()
         # Expose the gradients to the optimizer params: a zero_grad() that bypasses the
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
-        for unit, lo, hi, opt_param in self._opt_views:
-            opt_param.grad = unit.grad_opt[lo:hi]
+        self._expose_grads()
         self._grads_live = True
+
+    def _expose_grads(self) -> None:
+        for view in self._opt_views:
+            view.param.grad = view.unit.grad_opt[view.lo : view.hi]
 
     def before_forward(self) -> None:
         """Runs before every forward of the root module. A framework that runs the model
@@ -302,7 +349,7 @@ class ZeroEngine:
         """DDP's broadcast_buffers: rank 0's buffers overwrite every rank's, one collective
         per dtype, so that every rank trains and evaluates with the statistics DDP would
         give it."""
-        if not self.dp.distributed:
+        if not self._world.distributed:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buf in self.module.buffers():
@@ -310,7 +357,7 @@ class ZeroEngine:
                 by_dtype.setdefault(buf.dtype, []).append(buf)
         for bufs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bufs])
-            self.comm.broadcast(flat, src=0, kind="buffers")
+            self._world.broadcast(flat, src=0, kind="buffers")
             for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
                 buf.copy_(value.view_as(buf))
 
@@ -319,7 +366,7 @@ class ZeroEngine:
         (or, at stages 0-1, model params) whose .grad was set to None since backward."""
         if not self._grads_live:
             return
-        cleared = any(p.grad is None for *_, p in self._opt_views) or (
+        cleared = any(v.param.grad is None for v in self._opt_views) or (
             self.config.stage < 2
             and any(
                 p.grad is None
@@ -401,10 +448,9 @@ class ZeroEngine:
             coef = self.config.gradient_clipping / (float(norm) + 1e-6)
             if coef < 1.0:
                 self._scale_grads(coef)
-        for unit, lo, hi, opt_param in self._opt_views:
-            opt_param.grad = unit.grad_opt[lo:hi]
+        self._expose_grads()
         fused = self.fused_step is not None and self.fused_step.applies(
-            [p for *_, p in self._opt_views]
+            [v.param for v in self._opt_views]
         )
         if fused:
             self.fused_step.step(self._fused_views())
@@ -431,7 +477,7 @@ class ZeroEngine:
         """Whether `tensor` is one of the model's parameters or one of the optimizer's
         shard views (what `clip_grad_norm_(optimizer params)` style calls hand over)."""
         return id(tensor) in self._module_state.owner or any(
-            tensor is p for *_, p in self._opt_views
+            tensor is v.param for v in self._opt_views
         )
 
     def parameter_names(self) -> set[str]:
@@ -454,8 +500,8 @@ class ZeroEngine:
         for API compatibility)."""
         self.reducer.wait()
         self.reducer.zero_grad()
-        for _, _, _, opt_param in self._opt_views:
-            opt_param.grad = None
+        for view in self._opt_views:
+            view.param.grad = None
         self._grads_unscaled = False
         self._grads_live = False
 
@@ -466,15 +512,17 @@ class ZeroEngine:
         self.reducer.wait()
         if self._grads_unscaled:
             return self._last_grad_norm, False
+        # Each element once: a unit with several copies counts its first copy's shards.
         shards = [
             unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
             for unit in self.units
+            if self.config.stage == 0 or unit.group.holds_first_copy
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
         sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
         if self.config.stage > 0:
-            self.comm.control_all_reduce(sq)
+            self._world.control_all_reduce(sq)
         scale = self.scaler.scale
         norm = sq.sqrt()[0] / scale
         overflow = not bool(torch.isfinite(norm))
@@ -496,14 +544,15 @@ class ZeroEngine:
         the compute-dtype copy it must be written to, or None when that is the master)."""
         fp32 = self.config.compute_torch_dtype == torch.float32
         by_param = {}
-        for unit, lo, hi, opt_param in self._opt_views:
+        for view in self._opt_views:
+            unit, lo, hi = view.unit, view.lo, view.hi
             if fp32:
                 copy = None
             elif self.config.stage < 3:
                 copy = unit.full[unit.opt_start + lo : unit.opt_start + hi]
             else:
                 copy = unit.shard[lo:hi]
-            by_param[id(opt_param)] = (opt_param.detach(), opt_param.grad, copy)
+            by_param[id(view.param)] = (view.param.detach(), view.param.grad, copy)
         return [[by_param[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
 
     def _publish_parameters(self, copies_written: bool = False) -> None:
@@ -529,19 +578,54 @@ class ZeroEngine:
     # ================================================================ reports & state
     def memory_report(self) -> dict[str, int]:
         """Exact bytes held by this rank, by kind."""
-        return memory_report(self)
+        return memory_report(
+            self.units,
+            self.optimizer,
+            self.module,
+            self.config.stage,
+            comm_tensors=self.reducer.comm_buffers(),
+            comm_storages=self.gather.storage_pool.storages() if self.gather else (),
+        )
 
     def comm_report(self) -> dict[str, dict[str, int]]:
-        """Bytes and calls per collective kind since the last `reset_comm_report()`."""
-        return self.comm.report()
+        """Bytes and calls per collective kind since the last `reset_comm_report()`, summed
+        over every group this rank communicates in."""
+        total: dict[str, dict[str, int]] = {}
+        for comm in self.groups.communicators():
+            for kind, counts in comm.report().items():
+                entry = total.setdefault(kind, {"bytes": 0, "calls": 0})
+                entry["bytes"] += counts["bytes"]
+                entry["calls"] += counts["calls"]
+        return dict(sorted(total.items()))
 
     def reset_comm_report(self) -> None:
-        self.comm.reset()
+        for comm in self.groups.communicators():
+            comm.reset()
+
+    def _sharded_state(self) -> checkpoint.ShardedState:
+        return checkpoint.ShardedState(
+            self.units,
+            self.optimizer,
+            self._opt_views,
+            self.module,
+            self._world,
+            self.config.stage,
+            self.device,
+        )
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
         """Write a sharded checkpoint directory (collective: call on every rank). It loads
         at any world size and stage; `client_state` must load with weights_only=True."""
-        checkpoint.save(self, path, client_state)
+        self.wait_for_parameters()
+        self.reducer.wait()
+        checkpoint.save(
+            self._sharded_state(),
+            path,
+            step=self.global_steps,
+            compute_dtype=self.config.compute_torch_dtype,
+            loss_scaler=self.scaler.state_dict(),
+            client_state=client_state,
+        )
 
     def load_checkpoint(
         self, path: str | os.PathLike, load_optimizer_states: bool = True
@@ -549,14 +633,21 @@ class ZeroEngine:
         """Restore from a checkpoint written at any world size and stage (collective);
         returns the client state saved with it, if any. `load_optimizer_states=False`
         loads the model alone (evaluation, or fine-tuning with another optimizer)."""
-        return checkpoint.load(self, path, load_optimizer_states)
+        self.wait_for_parameters()
+        loaded = checkpoint.load(self._sharded_state(), path, load_optimizer_states)
+        self.refresh_from_masters()
+        if load_optimizer_states:
+            self.scaler.load_state_dict(loaded.loss_scaler)
+            self.global_steps = loaded.step
+        return loaded.client_state
 
     def load_pretrained(self, path: str | os.PathLike, strict: bool = True) -> dict[str, int]:
         """Load safetensors weights (a file, or Hugging Face shards with their index),
         each rank reading only its own ranges; the optimizer state is left as it is."""
-        from .pretrained import load_pretrained
-
-        return load_pretrained(self, path, strict)
+        self.wait_for_parameters()
+        read = load_pretrained(self.units, self.module, path, strict)
+        self.refresh_from_masters()
+        return read
 
     def refresh_from_masters(self) -> None:
         """After the fp32 masters were written from outside (checkpoint, pretrained
@@ -570,7 +661,7 @@ class ZeroEngine:
         more than one unit of it; empty on other ranks when `rank0_only`."""
         self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
-        keep = not rank0_only or self.dp.rank == 0
+        keep = not rank0_only or self.rank == 0
         for unit in self.units:
             if not unit.layout.numel:
                 continue
@@ -590,8 +681,29 @@ class ZeroEngine:
         if self.config.stage == 0:
             return unit.master
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, unit.master)
+        unit.group.comm.all_gather(full, unit.master)
         return full
+
+    # ================================================================ lifecycle
+    def close(self) -> None:
+        """Finish the work in flight and destroy the engine's process groups (local, not
+        a collective). Frameworks call it at teardown; dropping the engine does it too.
+        `reopen()` (collective) makes the engine usable again."""
+        if self.groups.closed:
+            return
+        self.reducer.wait()
+        self.wait_for_parameters()
+        if self.gather is not None:
+            self.gather.release_all()
+        self.groups.close()
+
+    def reopen(self) -> None:
+        """Re-create the process groups `close()` destroyed (collective: every rank)."""
+        self.groups.reopen()
+
+    @property
+    def closed(self) -> bool:
+        return self.groups.closed
 
 
 # ==================================================================== helpers

@@ -11,8 +11,8 @@ stage         compute-dtype parameters         fp32 master          gradient (fp
 3             my slice; full only when in use  = my slice if fp32   my slice only
 ============  ===============================  ===================  =====================
 
-"my slice" is the range the optimizer steps on this rank: the rank's shard at stages 1-3,
-everything at stage 0.
+"my slice" is the range the optimizer steps on this rank: the rank's shard (its position
+in the unit's shard group) at stages 1-3, everything at stage 0.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 
 from .partition import UnitLayout
 from .storage_pool import StoragePool
+from .topology import ShardGroup
 
 
 class FlatUnit:
@@ -30,18 +31,19 @@ class FlatUnit:
         layout: UnitLayout,
         params: list[nn.Parameter],
         stage: int,
-        rank: int,
+        group: ShardGroup,
         device: torch.device,
         compute_dtype: torch.dtype,
     ):
         self.layout = layout
         self.params = params  # aligned with layout.slots
         self.stage = stage
-        self.rank = rank
+        self.group = group  # who shards, reduces and gathers this unit
+        self.rank = group.rank if stage else 0  # this rank's slice of the layout
         self.device = device
         self.compute_dtype = compute_dtype
         self.opt_start, self.opt_end = (
-            (0, layout.padded_numel) if stage == 0 else layout.shard_range(rank)
+            (0, layout.padded_numel) if stage == 0 else layout.shard_range(self.rank)
         )
         self.full: torch.Tensor | None = None  # compute dtype, padded_numel
         self.shard: torch.Tensor | None = None  # stage 3: compute dtype, shard_numel
@@ -142,6 +144,10 @@ class FlatUnit:
 
     def gathered_bytes(self) -> int:
         return 0 if self._buf is None or self.stage < 3 else self._buf.untyped_storage().nbytes()
+
+    def gathered_storage(self) -> torch.UntypedStorage:
+        """Stage 3: the gather buffer's memory (empty while the unit is freed)."""
+        return self._buf.untyped_storage()
 
     # ------------------------------------------------------------------ after the step
     def sync_compute_from_master(self) -> None:

@@ -11,7 +11,8 @@ reverse (backward).
 
 Ranks that take different module paths would pair up mismatched collectives and hang.
 With `verify_module_order`, each gather is preceded by a tiny all-gather of
-(unit, phase) tags; any disagreement raises on every rank, naming each rank's module.
+(unit, phase) tags over every rank (whatever group the unit is gathered over); any
+disagreement raises on every rank, naming each rank's module.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class GatherManager:
         self,
         model: nn.Module,
         units: list[FlatUnit],
-        comm: Communicator,
+        control: Communicator,
         prefetch_depth: int,
         persistence_threshold: int,
         verify_order: bool,
@@ -52,7 +53,7 @@ class GatherManager:
         on_backward_start: Callable[[], None],
     ):
         self.units = units
-        self.comm = comm
+        self.control = control  # every rank: the divergence check
         self.prefetch_depth = prefetch_depth
         self.verify_order = verify_order
         self.max_reuse_distance = max_reuse_distance
@@ -88,11 +89,13 @@ class GatherManager:
         for slot in root.layout.slots:
             for name in (slot.name, *slot.aliases):
                 owners.add(name.rsplit(".", 1)[0] if "." in name else "")
+
+        def gather_root(*_) -> None:  # a pre-hook's return value would replace the inputs
+            self.ensure(root, FORWARD)
+
         for path in sorted(owners):
             module = model.get_submodule(path)
-            self.handles.append(
-                module.register_forward_pre_hook(lambda *_: self.ensure(root, FORWARD))
-            )
+            self.handles.append(module.register_forward_pre_hook(gather_root))
         self.handles.append(model.register_forward_hook(self._root_post_forward))
 
     def _make_pre_forward(self, unit: FlatUnit):
@@ -228,15 +231,18 @@ class GatherManager:
         if self.verify_order:
             self._verify(unit, phase)
         target = unit.gather_target()
-        self.pending[idx] = self.comm.all_gather(target, unit.shard, async_op=True)
+        self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
 
-    def ensure(self, unit: FlatUnit, phase: int) -> None:
-        """Make `unit` usable now: gather it if needed, wait for its gather if in flight."""
+    def ensure(self, unit: FlatUnit, phase: int) -> bool:
+        """Make `unit` usable now: gather it if needed, wait for its gather if in flight.
+        Returns whether this call started the gather (the caller then owns the free)."""
         if unit.gathered or unit.layout.numel == 0:
-            return
+            return False
+        started = unit.layout.index not in self.pending
         self.start_gather(unit, phase)
         self.pending.pop(unit.layout.index).wait()
         unit.expose_full()
+        return started
 
     def release_all(self) -> None:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""
@@ -252,13 +258,13 @@ class GatherManager:
         """After an optimizer step, refresh units that are never freed."""
         for unit in self.units:
             if unit.persistent and unit.gathered:
-                self.comm.all_gather(unit.full, unit.shard)
+                unit.group.comm.all_gather(unit.full, unit.shard)
 
     # ---------------------------------------------------------------- divergence check
     def _verify(self, unit: FlatUnit, phase: int) -> None:
         self._seq += 1
         tag = torch.tensor([unit.layout.index, phase], dtype=torch.int64, device=unit.device)
-        everyone = self.comm.control_all_gather(tag).tolist()
+        everyone = self.control.control_all_gather(tag).tolist()
         if all(t == everyone[0] for t in everyone):
             return
         lines = [

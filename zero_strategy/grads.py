@@ -2,10 +2,15 @@
 unit whose gradients are all in is reduced at once, asynchronously, while backward goes on.
 
 - Stages 0-1 keep the full gradient buffer: each parameter's .grad is a view of it, and
-  it is all-reduced in place (averaged), so .grad holds the global gradient as under DDP.
-- Stages 2-3 reduce-scatter the buffer and keep only this rank's slice, accumulated in
-  fp32 across micro-batches; the full buffer lives only from a unit's first gradient to
-  the end of its reduction.
+  it is all-reduced in place (averaged) over every rank, so .grad holds the global
+  gradient as under DDP.
+- Stages 2-3 reduce-scatter the buffer over the unit's shard group and keep only this
+  rank's slice, accumulated in fp32 across micro-batches; when the unit has several
+  copies (a placement's groups), the slice is then summed over its replica group. The
+  full buffer lives only from a unit's first gradient to the end of its reduction.
+
+Every unit is averaged over all data-parallel ranks, whatever group shards it: each
+rank's loss is the mean over its own batch, and the step follows the mean of those.
 
 Under `no_sync()`, gradients accumulate locally and nothing is communicated; the next
 synchronised backward reduces everything. At the end of a synchronised backward every
@@ -21,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .comm import Communicator
 from .flat_unit import FlatUnit
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
@@ -64,7 +68,6 @@ class GradReducer:
     def __init__(
         self,
         units: list[FlatUnit],
-        comm: Communicator,
         stage: int,
         overlap: bool,
         reduce_dtype: torch.dtype,
@@ -72,9 +75,7 @@ class GradReducer:
         on_backward_end: Callable[[], None],
     ):
         self.units = units
-        self.comm = comm
         self.stage = stage
-        self.world = comm.dp.world_size
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype
         self.on_unit_ready = on_unit_ready
@@ -160,19 +161,21 @@ class GradReducer:
         sent = unit.grad_full
         if sent.dtype != self.reduce_dtype:
             sent = self.pool.take(sent.numel(), self.reduce_dtype, sent.device).copy_(sent)
-        if self.world > 1:
-            sent.div_(self.world)  # average; dividing first keeps fp16 sums in range
+        group = unit.group
+        if group.grad_divisor > 1:
+            sent.div_(group.grad_divisor)  # average; dividing first keeps fp16 sums in range
         if self.stage < 2:
             out = sent
-            work = self.comm.all_reduce_sum(sent, async_op=True)
+            work = group.world.all_reduce_sum(sent, async_op=True)
         else:
+            comm = group.comm
             start, end = unit.layout.shard_range(unit.rank)
             out = (
                 sent[start:end]
-                if self.comm.reduce_scatter_via_all_reduce or self.world == 1
+                if comm.reduce_scatter_via_all_reduce or comm.size == 1
                 else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
             )
-            work = self.comm.reduce_scatter_sum(sent, out, async_op=True)
+            work = comm.reduce_scatter_sum(sent, out, async_op=True)
             if sent is not unit.grad_full:
                 self.pool.give(unit.grad_full)
             unit.grad_full = None
@@ -205,6 +208,8 @@ class GradReducer:
             if unit.grad_opt.data_ptr() != mine.data_ptr():
                 unit.grad_opt.copy_(mine)
         else:
+            if unit.group.replicas is not None:  # the other copies' sums of this shard
+                unit.group.replicas.all_reduce_sum(job.out)
             unit.grad_opt.add_(job.out)
             self.pool.give(job.sent)
 
@@ -213,6 +218,10 @@ class GradReducer:
         for job in self.in_flight:
             self._land(job)
         self.in_flight.clear()
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        """Full-size gradient buffers held for communication: in flight, and pooled."""
+        return [job.sent for job in self.in_flight] + self.pool.tensors()
 
     def zero_grad(self) -> None:
         for unit in self.units:

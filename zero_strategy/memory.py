@@ -6,13 +6,12 @@ full parameters, a gradient slice of the flat gradient buffer) are never counted
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
-
+from .flat_unit import FlatUnit
 
 KINDS = (
     "parameters",
@@ -42,40 +41,44 @@ class _Ledger:
         self.bytes[kind] += storage.nbytes()
 
 
-def memory_report(engine: ZeroEngine) -> dict[str, int]:
+def memory_report(
+    units: Iterable[FlatUnit],
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    stage: int,
+    comm_tensors: Iterable[torch.Tensor] = (),
+    comm_storages: Iterable[torch.UntypedStorage] = (),
+) -> dict[str, int]:
     """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
     optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
-    full-size gradient buffers being filled or reduced, and the pools that recycle them
-    and stage 3's gather memory;
+    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in flight
+    and pooled) and the storages that recycle stage 3's gather memory (`comm_storages`);
     buffers: the model's buffers. `total` sums them."""
+    units = list(units)
     ledger = _Ledger()
-    stage = engine.config.stage
-    for unit in engine.units:
+    for unit in units:
         ledger.add("parameters", unit.full if stage < 3 else unit.shard)
-    for unit in engine.units:
+    for unit in units:
         ledger.add("master_params", unit.master)
-    for unit in engine.units:
+    for unit in units:
         ledger.add("gradients", unit.grad_opt)
         if stage < 2:
             ledger.add("gradients", unit.grad_full)
-    for state in engine.optimizer.state.values():
+    for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 ledger.add("optimizer_state", value)
-    for unit in engine.units:
+    for unit in units:
         if stage == 3 and unit.gathered_bytes():
-            ledger.add("gathered_parameters", unit.full if unit.full is not None else unit._buf)
+            ledger.add_storage("gathered_parameters", unit.gathered_storage())
         if stage >= 2:
             ledger.add("comm_buffers", unit.grad_full)
-    for job in engine.reducer.in_flight:
-        ledger.add("comm_buffers", job.sent)
-    for buf in engine.reducer.pool.tensors():
-        ledger.add("comm_buffers", buf)
-    if engine.gather is not None:
-        for storage in engine.gather.storage_pool.storages():
-            ledger.add_storage("comm_buffers", storage)
-    for buf in engine.module.buffers():
+    for tensor in comm_tensors:
+        ledger.add("comm_buffers", tensor)
+    for storage in comm_storages:
+        ledger.add_storage("comm_buffers", storage)
+    for buf in module.buffers():
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)
     report["total"] = sum(report.values())

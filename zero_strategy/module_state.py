@@ -19,34 +19,37 @@ Hooks on each unit's own module gather it once for all the modules inside it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
-from .gather import STATE_DICT
+from .gather import STATE_DICT, GatherManager
 from .partition import ParamSlot
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
 
 
 class ModuleStateHooks:
-    def __init__(self, engine: ZeroEngine, model: nn.Module):
-        self.engine = engine
+    """Installed by the engine, which hands over its units, its stage-3 gatherer (None
+    at stages 0-2) and how to wait for the parameter gathers of stages 1-2."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[FlatUnit],
+        gather: GatherManager | None,
+        wait_for_parameters: Callable[[], None],
+    ):
+        self.gather = gather
+        self.wait_for_parameters = wait_for_parameters
         self.owner: dict[int, tuple[FlatUnit, ParamSlot]] = {
-            id(p): (unit, slot)
-            for unit in engine.units
-            for slot, p in zip(unit.layout.slots, unit.params)
+            id(p): (unit, slot) for unit in units for slot, p in zip(unit.layout.slots, unit.params)
         }
         self._held: dict[int, list[FlatUnit]] = {}  # module id -> units it gathered
         self._loading: dict[int, dict[str, torch.Tensor]] = {}  # module id -> its entries
         self.handles = []
         unit_modules = {
-            unit.layout.module_path: unit
-            for unit in engine.units
-            if unit.layout.module_path is not None
+            unit.layout.module_path: unit for unit in units if unit.layout.module_path is not None
         }
         for name, module in model.named_modules():
             own = self._own_units(module)
@@ -71,15 +74,10 @@ class ModuleStateHooks:
 
     # ---------------------------------------------------------------- gathering
     def _acquire(self, module: nn.Module, units: list[FlatUnit]) -> None:
-        engine = self.engine
-        engine.wait_for_parameters()
-        if engine.gather is None:
+        self.wait_for_parameters()
+        if self.gather is None:
             return
-        held = []
-        for unit in units:
-            if not unit.gathered and unit.layout.index not in engine.gather.pending:
-                held.append(unit)
-            engine.gather.ensure(unit, STATE_DICT)
+        held = [unit for unit in units if self.gather.ensure(unit, STATE_DICT)]
         if held:
             self._held.setdefault(id(module), []).extend(held)
 
@@ -126,7 +124,7 @@ class ModuleStateHooks:
                 yield name, p, *self.owner[id(p)]
 
     def _save_own(self, module, destination, prefix) -> None:
-        if self.engine.gather is not None:
+        if self.gather is not None:
             for name, p, _, _ in self._direct_params(module):
                 key = prefix + name
                 if key in destination and not isinstance(destination[key], nn.Parameter):

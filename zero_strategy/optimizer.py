@@ -12,9 +12,12 @@ new value depends on that element alone); others are refused unless the user opt
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .flat_unit import FlatUnit
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -26,6 +29,18 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.NAdam,
     torch.optim.RAdam,
 )
+
+
+@dataclass(frozen=True)
+class OptimizerView:
+    """One parameter of the re-pointed optimizer: `param` is a 1-D view of `unit`'s fp32
+    master over [lo, hi) of this rank's slice; the gradient there is `unit.grad_opt[lo:hi]`."""
+
+    unit: FlatUnit
+    lo: int
+    hi: int
+    param: nn.Parameter
+    group_index: int
 
 
 class UnsupportedOptimizerError(TypeError):

@@ -1,8 +1,9 @@
 """The layout: which parameter lives where in which flat buffer, and who owns which slice.
 
 A unit (stage 3: a wrapped submodule; stages 0-2: a bucket of parameters) flattens its
-parameters into one buffer padded to a multiple of the world size; rank r owns the r-th
-contiguous slice. Parameters are ordered by optimizer param group inside a unit, so each
+parameters into one buffer padded to a multiple of its shard group's size; the group's
+r-th rank owns the r-th contiguous slice. Each unit has one `ShardSpec` (the data-parallel
+world unless a placement function chose another): a unit never mixes groups. Parameters are ordered by optimizer param group inside a unit, so each
 rank's slice meets each group in one contiguous segment: the optimizer then steps a few
 long 1-D views instead of many small ones, and per-group hyperparameters stay exact.
 
@@ -13,11 +14,13 @@ checkpoints.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .placement import ShardSpec, owner_of
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
 
@@ -64,7 +67,8 @@ class UnitLayout:
     index: int
     name: str  # module path ("" = root) for stage 3, "bucket<i>" otherwise
     slots: list[ParamSlot]
-    world_size: int
+    world_size: int  # ranks the unit is sharded over (its group's size; 1 at stage 0)
+    spec: ShardSpec  # the groups that shard (or, at stage 0, replicate) this unit
     module_path: str | None = None  # stage 3 only
     _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
 
@@ -151,23 +155,32 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
 
 
 def bucket_layouts(
-    params: Sequence[_Param], group_of: dict[int, int], world_size: int, bucket_size: int
+    params: Sequence[_Param],
+    group_of: dict[int, int],
+    bucket_size: int,
+    spec_of: Callable[[_Param], ShardSpec],
+    sharded: bool = True,
 ) -> list[UnitLayout]:
-    """Stages 0-2: buckets in reverse registration order, roughly the order of backward."""
-    buckets: list[list[_Param]] = [[]]
+    """Stages 0-2: buckets in reverse registration order, roughly the order of backward;
+    a bucket holds parameters of one spec. Unsharded (stage 0) buckets have one "shard"."""
+    buckets: list[tuple[ShardSpec, list[_Param]]] = []
     filled = 0
     for p in reversed(params):
-        if buckets[-1] and filled + p.param.numel() > bucket_size:
-            buckets.append([])
+        spec = spec_of(p)
+        if not buckets or buckets[-1][0] != spec or filled + p.param.numel() > bucket_size:
+            buckets.append((spec, []))
             filled = 0
-        buckets[-1].append(p)
+        buckets[-1][1].append(p)
         filled += p.param.numel()
     return [
         UnitLayout(
-            index=i, name=f"bucket{i}", slots=_make_slots(b, group_of), world_size=world_size
+            index=i,
+            name=f"bucket{i}",
+            slots=_make_slots(members, group_of),
+            world_size=spec.size if sharded else 1,
+            spec=spec,
         )
-        for i, b in enumerate(buckets)
-        if b
+        for i, (spec, members) in enumerate(buckets)
     ]
 
 
@@ -211,38 +224,47 @@ def module_layouts(
     model: nn.Module,
     params: Sequence[_Param],
     group_of: dict[int, int],
-    world_size: int,
     unit_paths: Sequence[str],
+    spec_of_unit: Callable[[str], ShardSpec],
 ) -> list[UnitLayout]:
-    """Stage 3: one unit per chosen module, plus the root unit (index 0) for the rest.
+    """Stage 3: one unit per chosen module (units may nest: a module holds the parameters
+    of no unit inside it), plus the root unit (index 0) for the rest.
 
     A parameter reachable under several names (tied weights) belongs to the deepest unit
     that contains all of its owners, so that it is gathered wherever it is used.
     """
 
-    def owner(name: str) -> str:
-        return name.rsplit(".", 1)[0] if "." in name else ""
-
     def unit_of(module_path: str) -> str:
+        best = ""
         for path in unit_paths:
-            if module_path == path or module_path.startswith(path + "."):
-                return path
-        return ""
+            if (module_path == path or module_path.startswith(path + ".")) and len(path) > len(
+                best
+            ):
+                best = path
+        return best
+
+    def common_unit(homes: set[str]) -> str:
+        candidates = [
+            p for p in ["", *unit_paths] if all(h == p or h.startswith(p + ".") for h in homes)
+        ]
+        return max(candidates, key=lambda p: len(p) if p else -1)
 
     members: dict[str, list[_Param]] = {"": [], **{p: [] for p in unit_paths}}
     for p in params:
-        homes = {unit_of(owner(n)) for n in p.names}
-        members[homes.pop() if len(homes) == 1 else ""].append(p)
+        homes = {unit_of(owner_of(n)) for n in p.names}
+        members[homes.pop() if len(homes) == 1 else common_unit(homes)].append(p)
     layouts = []
     for path in ["", *unit_paths]:
         if not members[path] and path:
             continue
+        spec = spec_of_unit(path)
         layouts.append(
             UnitLayout(
                 index=len(layouts),
                 name=path or "<root>",
                 slots=_make_slots(members[path], group_of),
-                world_size=world_size,
+                world_size=spec.size,
+                spec=spec,
                 module_path=path,
             )
         )

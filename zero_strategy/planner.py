@@ -72,9 +72,11 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     """(parameters, parameters of the stage-3 root unit), each tied tensor once; works on
     a model built on the meta device."""
     from .partition import module_layouts, select_unit_modules, unique_parameters
+    from .placement import ShardSpec
 
     params = unique_parameters(model)
-    layouts = module_layouts(model, params, {}, 1, select_unit_modules(model, []))
+    one = ShardSpec.world(1)
+    layouts = module_layouts(model, params, {}, select_unit_modules(model, []), lambda _path: one)
     return sum(p.param.numel() for p in params), layouts[0].numel
 
 

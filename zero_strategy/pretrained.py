@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from torch import nn
+
+from .flat_unit import FlatUnit
 from .safetensors_io import SafetensorsFile
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
 
 
 def _locate(path: Path) -> dict[str, Path]:
@@ -37,12 +36,12 @@ def _locate(path: Path) -> dict[str, Path]:
 
 
 def load_pretrained(
-    engine: ZeroEngine, path: str | os.PathLike, strict: bool = True
+    units: list[FlatUnit], module: nn.Module, path: str | os.PathLike, strict: bool = True
 ) -> dict[str, int]:
-    """Fill the engine's master shards from safetensors; returns how many elements this
-    rank read from the files (exactly its own ranges). With `strict`, names missing from
-    the files or left unused raise."""
-    engine.wait_for_parameters()
+    """Fill the units' fp32 master shards (and the module's buffers) from safetensors;
+    returns how many elements this rank read from the files (exactly its own ranges). With
+    `strict`, names missing from the files or left unused raise. The caller refreshes its
+    compute copies after."""
     located = _locate(Path(path))
     handles: dict[Path, SafetensorsFile] = {}
 
@@ -56,7 +55,7 @@ def load_pretrained(
     missing: list[str] = []
     shape_errors: list[str] = []
     read = 0
-    for unit in engine.units:
+    for unit in units:
         for slot in unit.layout.slots:
             source = next((n for n in (slot.name, *slot.aliases) if n in located), None)
             if source is None:
@@ -74,7 +73,7 @@ def load_pretrained(
                 values = handle.read_range(source, lo - slot.offset, hi - slot.offset)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                 read += hi - lo
-    buffers = dict(engine.module.named_buffers())
+    buffers = dict(module.named_buffers())
     unexpected = sorted(set(located) - wanted - set(buffers))
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(
@@ -87,5 +86,4 @@ def load_pretrained(
             buf.data.copy_(handle_for(name).read(name))
     for h in handles.values():
         h.close()
-    engine.refresh_from_masters()
     return {"elements_read": read}

@@ -1,5 +1,5 @@
 """Stages 1-2: after the optimizer step, every rank's updated shard is all-gathered back
-into the full parameters. The gathers are launched at once, last-used unit last, and each
+into the full parameters, over each unit's shard group. The gathers are launched at once, last-used unit last, and each
 module waits only for the units holding its own parameters, in a forward pre-hook: the
 communication overlaps the next forward instead of lengthening the step (as FSDP's
 unsharding in pre-forward does). `engine.backward()`, `step()` and `full_state_dict()`
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .comm import Communicator
 from .flat_unit import FlatUnit
 
 
 class ParameterPublisher:
-    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Communicator, overlap: bool):
+    def __init__(self, model: nn.Module, units: list[FlatUnit], overlap: bool):
         self.units = units
-        self.comm = comm
         self.overlap = overlap
         self.pending: dict[int, object] = {}
         unit_of_param = {id(p): u.layout.index for u in units for p in u.params}
@@ -46,7 +44,7 @@ class ParameterPublisher:
         """Start gathering every unit's updated shard (first-used units first)."""
         for unit in reversed(self.units):
             if unit.layout.numel:
-                self.pending[unit.layout.index] = self.comm.all_gather(
+                self.pending[unit.layout.index] = unit.group.comm.all_gather(
                     unit.full, unit.full[unit.opt_start : unit.opt_end], async_op=True
                 )
         if not self.overlap:

@@ -1,17 +1,29 @@
-"""Process groups: the data-parallel group the engine communicates over.
+"""Process groups: the groups each unit shards, reduces and gathers over.
 
-The engine never uses the caller's default group for its own collectives: it creates a
-group of its own, with the configured timeout, so that a peer that never joins raises
+The engine never uses the caller's default group for its own collectives: it creates
+groups of its own, with the configured timeout, so that a peer that never joins raises
 instead of hanging, and so that user collectives cannot interleave with ours.
+
+- `CommGroup`: one process group and this rank's place in it.
+- `ShardGroup`: one rank's view of a `ShardSpec`: the group it shards with (a
+  communicator with its own byte accounting), the replica group that keeps the copies
+  equal, and the world, over which gradients are averaged.
+- `ProcessGroups`: creates each group once (group creation is collective: every rank
+  asks for the same specs in the same order) and destroys them all on `close()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .comm import Communicator
+from .placement import ShardSpec
 
 
 def backend_for(device: torch.device) -> str:
@@ -20,36 +32,168 @@ def backend_for(device: torch.device) -> str:
 
 
 @dataclass
-class DataParallelGroup:
-    """Who we are in the data-parallel world, and the group to talk over."""
+class CommGroup:
+    """A process group and this rank's place in it (`group` is None for a single rank,
+    and for a closed group)."""
 
-    rank: int
-    world_size: int
+    ranks: tuple[int, ...]  # global ranks, in group order
+    rank: int  # this rank's position in `ranks`
     group: dist.ProcessGroup | None
     backend: str
 
-    @classmethod
-    def create(cls, device: torch.device, timeout_s: float) -> DataParallelGroup:
-        if not dist.is_available() or not dist.is_initialized():
-            return cls(rank=0, world_size=1, group=None, backend="none")
-        backend = backend_for(device)
-        # get_backend_config, not get_backend: a plain init_process_group() (torchrun's
-        # usual call) reports "undefined" there but "cpu:gloo,cuda:nccl" here.
-        default_backend = str(dist.get_backend_config()).lower()
-        if backend == "nccl" and "nccl" not in default_backend:
-            raise RuntimeError(
-                "Parameters are on CUDA but the default process group uses "
-                f"'{default_backend}'. Initialize it with backend='nccl' (or 'cpu:gloo,cuda:nccl')."
-            )
-        group = dist.new_group(
-            ranks=list(range(dist.get_world_size())),
-            timeout=timedelta(seconds=timeout_s),
-            backend=backend,
-        )
-        return cls(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), group=group, backend=backend
-        )
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.size > 1
+
+    @property
+    def closed(self) -> bool:
+        return self.distributed and self.group is None
+
+
+@dataclass
+class ShardGroup:
+    """How one rank takes part in sharding the units of one spec."""
+
+    spec: ShardSpec
+    comm: Communicator  # this rank's shard group
+    replicas: Communicator | None  # same shard of every copy; None with one copy
+    world: Communicator  # every data-parallel rank
+    copy_index: int  # which copy this rank's group holds
+
+    @property
+    def rank(self) -> int:
+        return self.comm.group.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.group.size
+
+    @property
+    def holds_first_copy(self) -> bool:
+        """Copy 0 counts each element once: in the global norm and in checkpoints."""
+        return self.copy_index == 0
+
+    @property
+    def grad_divisor(self) -> int:
+        """Every rank's loss is a mean over its own batch; the step follows their mean, so
+        the summed gradient is divided by the number of data-parallel ranks."""
+        return self.world.group.size
+
+
+class ProcessGroups:
+    """Every process group one engine uses: created on first request, destroyed by
+    `close()` (the engine also closes when it is garbage-collected), re-created with the
+    same ranks by `reopen()`."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        timeout_s: float,
+        reduce_scatter_via_all_reduce: bool | None,
+        all_gather_via_broadcast: bool | None,
+    ):
+        self.timeout = timedelta(seconds=timeout_s)
+        self._made: list[tuple[CommGroup, tuple[tuple[int, ...], ...]]] = []  # creation order
+        self._groups: dict[ShardSpec, ShardGroup] = {}
+        if not dist.is_available() or not dist.is_initialized():
+            self.backend, self.rank, self.world_size = "none", 0, 1
+        else:
+            self.backend = backend_for(device)
+            # get_backend_config, not get_backend: a plain init_process_group() (torchrun's
+            # usual call) reports "undefined" there but "cpu:gloo,cuda:nccl" here.
+            default_backend = str(dist.get_backend_config()).lower()
+            if self.backend == "nccl" and "nccl" not in default_backend:
+                raise RuntimeError(
+                    "Parameters are on CUDA but the default process group uses "
+                    f"'{default_backend}'. Initialize it with backend='nccl' (or "
+                    "'cpu:gloo,cuda:nccl')."
+                )
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        on_gloo = self.backend == "gloo"
+        self._rs_via_ar = (
+            on_gloo if reduce_scatter_via_all_reduce is None else (reduce_scatter_via_all_reduce)
+        )
+        self._ag_via_bcast = (
+            on_gloo if all_gather_via_broadcast is None else (all_gather_via_broadcast)
+        )
+        world_spec = ShardSpec.world(self.world_size)
+        world = self._communicator(self._create(world_spec.groups))
+        self.world = ShardGroup(world_spec, world, None, world, 0)
+        self._groups[world_spec] = self.world
+
+    # ------------------------------------------------------------------ groups
+    def shard_group(self, spec: ShardSpec) -> ShardGroup:
+        """This rank's `ShardGroup` for `spec` (collective the first time: every rank must
+        ask for the same specs in the same order)."""
+        if spec not in self._groups:
+            copy, _ = spec.locate(self.rank)
+            shard = self._communicator(self._create(spec.groups))
+            replicas = (
+                self._communicator(self._create(spec.replica_groups())) if spec.copies > 1 else None
+            )
+            self._groups[spec] = ShardGroup(spec, shard, replicas, self.world.comm, copy)
+        return self._groups[spec]
+
+    def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
+        """This rank's group of `partition` (every rank creates every group of it)."""
+        mine = next(g for g in partition if self.rank in g)
+        comm_group = CommGroup(mine, mine.index(self.rank), None, self.backend)
+        if comm_group.distributed:
+            comm_group.group = self._new_group(partition)
+            self._made.append((comm_group, partition))
+        return comm_group
+
+    def _new_group(self, partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+        if len(partition) == 1:
+            return dist.new_group(
+                ranks=list(partition[0]), timeout=self.timeout, backend=self.backend
+            )
+        group, _ = dist.new_subgroups_by_enumeration(
+            [list(g) for g in partition], timeout=self.timeout, backend=self.backend
+        )
+        return group
+
+    def _communicator(self, group: CommGroup) -> Communicator:
+        return Communicator(group, self._rs_via_ar, self._ag_via_bcast)
+
+    def communicators(self) -> list[Communicator]:
+        """Each communicator once (the world's serves as several groups' `world`)."""
+        seen: dict[int, Communicator] = {}
+        for g in self._groups.values():
+            for comm in (g.comm, g.replicas, g.world):
+                if comm is not None:
+                    seen.setdefault(id(comm), comm)
+        return list(seen.values())
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def closed(self) -> bool:
+        return any(g.closed for g, _ in self._made)
+
+    def close(self) -> None:
+        """Destroy the groups this object created; their communicators refuse to run until
+        `reopen()`. Local (no collective) and idempotent, so it is safe at teardown and from
+        a finalizer. Callers first finish their own work in flight."""
+        live = [g for g, _ in self._made if g.group is not None]
+        if not live:
+            return
+        handles = [g.group for g in live]
+        for g in live:
+            g.group = None
+        gc.collect()  # finished work objects that still hold a group let go of it first
+        if not dist.is_initialized():
+            return  # the default group was destroyed, and every group with it
+        for handle in handles:
+            with contextlib.suppress(ValueError):  # destroyed already (a new default group)
+                dist.destroy_process_group(handle)
+
+    def reopen(self) -> None:
+        """Re-create every closed group with the same ranks (collective: every rank calls
+        it, in the same order as the groups were first made)."""
+        for comm_group, partition in self._made:
+            if comm_group.group is None:
+                comm_group.group = self._new_group(partition)

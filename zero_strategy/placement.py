@@ -1,0 +1,134 @@
+"""Placement: which ranks shard which module's parameters.
+
+A placement function, in the spirit of FSDP2's `shard_placement_fn`, is asked once per
+module, `placement(module_path, module)`, on every rank, and returns a `ShardSpec` for the
+modules whose parameters are not sharded over the whole data-parallel world (None for the
+rest). A module with a spec shards every parameter under it, unless a deeper module says
+otherwise; at stage 3 it becomes a unit of its own, so a unit never mixes groups.
+
+A `ShardSpec` splits the world's ranks into equal groups. Each group holds one full copy
+of the module's parameters, sharded across the group's ranks; the copies are kept equal
+(gradients are summed across them), as in hybrid sharding. The world itself is the spec
+with one group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The world's ranks split into equal groups, each sharding one copy."""
+
+    groups: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(tuple(int(r) for r in g) for g in self.groups))
+
+    @classmethod
+    def world(cls, world_size: int) -> ShardSpec:
+        return cls((tuple(range(world_size)),))
+
+    @classmethod
+    def contiguous(cls, world_size: int, group_size: int) -> ShardSpec:
+        """Groups of `group_size` consecutive ranks: (0..k-1), (k..2k-1), ..."""
+        if group_size <= 0 or world_size % group_size:
+            raise ValueError(
+                f"A shard group size of {group_size} does not divide the world size "
+                f"{world_size}; use a divisor of {world_size}."
+            )
+        return cls(tuple(tuple(range(s, s + group_size)) for s in range(0, world_size, group_size)))
+
+    @property
+    def size(self) -> int:
+        """Ranks per group: the number of shards of each copy."""
+        return len(self.groups[0])
+
+    @property
+    def copies(self) -> int:
+        return len(self.groups)
+
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks holding the same shard of every copy: position i of each group."""
+        return tuple(tuple(g[i] for g in self.groups) for i in range(self.size))
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(copy index, position in its group) of a global rank."""
+        for copy, group in enumerate(self.groups):
+            if rank in group:
+                return copy, group.index(rank)
+        raise ValueError(f"rank {rank} is in no group of {self}")
+
+    def check(self, world_size: int, where: str) -> None:
+        """Raise, naming `where`, unless the groups split 0..world_size-1 evenly."""
+        ranks = sorted(r for g in self.groups for r in g)
+        sizes = {len(g) for g in self.groups}
+        if ranks != list(range(world_size)) or len(sizes) != 1:
+            raise ValueError(
+                f"{where} returned ShardSpec(groups={[list(g) for g in self.groups]}), which "
+                f"does not split the {world_size} ranks into groups of equal size, each rank "
+                "in exactly one. Use e.g. ShardSpec.contiguous(world_size, group_size)."
+            )
+
+    def describe(self) -> list[list[int]]:
+        return [list(g) for g in self.groups]
+
+
+PlacementFn = Callable[[str, nn.Module], ShardSpec | None]
+
+
+def placed_modules(
+    model: nn.Module, placement: PlacementFn | None, world_size: int
+) -> dict[str, ShardSpec]:
+    """module path -> its spec, for every module the placement function places (checked);
+    a spec equal to the whole world is no placement at all."""
+    if placement is None:
+        return {}
+    world = ShardSpec.world(world_size)
+    out: dict[str, ShardSpec] = {}
+    for path, module in model.named_modules():
+        spec = placement(path, module)
+        if spec is None:
+            continue
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(
+                f"placement({path!r}, {type(module).__name__}) returned "
+                f"{type(spec).__name__}; return a ShardSpec, or None for the whole world."
+            )
+        spec.check(world_size, f"placement({path!r}, {type(module).__name__})")
+        if spec != world:
+            out[path] = spec
+    return out
+
+
+def spec_of_owner(owner_path: str, placed: dict[str, ShardSpec]) -> str | None:
+    """The placed module (deepest) whose spec governs parameters owned by `owner_path`."""
+    best = None
+    for path in placed:
+        if (path == "" or owner_path == path or owner_path.startswith(path + ".")) and (
+            best is None or len(path) > len(best)
+        ):
+            best = path
+    return best
+
+
+def owner_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def placed_path_of_names(names: Sequence[str], placed: dict[str, ShardSpec]) -> str | None:
+    """The placed module governing a parameter reachable under `names` (tied weights); an
+    error when its names fall under different specs, since one tensor has one layout."""
+    paths = {spec_of_owner(owner_of(n), placed) for n in names}
+    specs = {placed[p] if p is not None else None for p in paths}
+    if len(specs) > 1:
+        raise ValueError(
+            f"Parameter {names[0]!r} is shared by modules placed on different shard groups "
+            f"({sorted(str(p) for p in paths)}); a tensor is sharded one way. Place the "
+            "modules that share it on the same ShardSpec (or place their common parent)."
+        )
+    return paths.pop()
