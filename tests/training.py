@@ -98,11 +98,15 @@ def train_zero(
     stage: int,
     seed: int = 0,
     use_no_sync: bool = True,
+    placement=None,
     **config,
 ):
     model = make_model(seed)
     engine = ZeroEngine(
-        model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=clip, **config)
+        model,
+        make_optimizer(model),
+        ZeroConfig(stage=stage, gradient_clipping=clip, **config),
+        placement=placement,
     )
     losses = []
     for step in range(steps):
@@ -130,12 +134,16 @@ def train_zero_resumable(
     load: bool,
     save: bool,
     seed: int = 0,
+    placement=None,
     **config,
 ):
     """Train the given steps; optionally load `ckpt` first and/or save it after."""
     model = make_model(seed)
     engine = ZeroEngine(
-        model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=0.5, **config)
+        model,
+        make_optimizer(model),
+        ZeroConfig(stage=stage, gradient_clipping=0.5, **config),
+        placement=placement,
     )
     client = engine.load_checkpoint(ckpt) if load else None
     losses = []

@@ -20,6 +20,7 @@ are reduced with zeros), so collectives pair up across ranks whatever was used.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,11 +92,13 @@ class GradReducer:
             u.layout.index: sum(s.trainable for s in u.layout.slots) for u in units
         }
         self.handles = []
-        for unit in units:
+        for position, unit in enumerate(units):
             for slot_index, (slot, p) in enumerate(zip(unit.layout.slots, unit.params)):
                 if slot.trainable:
                     self.handles.append(
-                        p.register_post_accumulate_grad_hook(self._make_hook(unit, slot_index))
+                        p.register_post_accumulate_grad_hook(
+                            self._make_hook(weakref.ref(self), position, slot_index)
+                        )
                     )
 
     # ---------------------------------------------------------------- hooks
@@ -105,40 +108,50 @@ class GradReducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _make_hook(self, unit: FlatUnit, slot_index: int):
-        slot = unit.layout.slots[slot_index]
+    @staticmethod
+    def _make_hook(reducer: weakref.ref[GradReducer], unit_position: int, slot_index: int):
+        """The hook a parameter keeps: it holds the reducer weakly and finds its unit by
+        position. Autograd's hooks on a tensor are invisible to the garbage collector, so a
+        strong reference from there would keep the engine (and its process groups) alive
+        after the user dropped the model."""
 
         def hook(p: nn.Parameter) -> None:
-            self.backward_started()
-            if p.grad is None:
-                return
-            if self.stage < 2:
-                view = unit.grad_full[slot.offset : slot.end].view(slot.shape)
-                if p.grad.data_ptr() != view.data_ptr():  # .grad was reset to None
-                    view.copy_(p.grad)
-                    p.grad = view
-            else:
-                if unit.grad_full is None:
-                    unit.grad_full = self.pool.take(
-                        unit.layout.padded_numel, unit.compute_dtype, unit.device
-                    )
-                    self._written[unit.layout.index] = set()
-                written = self._written[unit.layout.index]
-                target = unit.grad_full[slot.offset : slot.end]
-                if slot_index in written:
-                    target.add_(p.grad.reshape(-1))
-                else:  # first gradient of this window: no zero-fill pass needed
-                    target.copy_(p.grad.reshape(-1))
-                    written.add(slot_index)
-                p.grad = None
-            idx = unit.layout.index
-            self._ready[idx] = self._ready.get(idx, 0) + 1
-            if self._ready[idx] == self._trainable_count[idx]:
-                self.on_unit_ready(unit)
-                if self.sync and self.overlap:
-                    self._launch(unit)
+            owner = reducer()
+            if owner is not None:
+                owner._on_grad(owner.units[unit_position], slot_index, p)
 
         return hook
+
+    def _on_grad(self, unit: FlatUnit, slot_index: int, p: nn.Parameter) -> None:
+        slot = unit.layout.slots[slot_index]
+        self.backward_started()
+        if p.grad is None:
+            return
+        if self.stage < 2:
+            view = unit.grad_full[slot.offset : slot.end].view(slot.shape)
+            if p.grad.data_ptr() != view.data_ptr():  # .grad was reset to None
+                view.copy_(p.grad)
+                p.grad = view
+        else:
+            if unit.grad_full is None:
+                unit.grad_full = self.pool.take(
+                    unit.layout.padded_numel, unit.compute_dtype, unit.device
+                )
+                self._written[unit.layout.index] = set()
+            written = self._written[unit.layout.index]
+            target = unit.grad_full[slot.offset : slot.end]
+            if slot_index in written:
+                target.add_(p.grad.reshape(-1))
+            else:  # first gradient of this window: no zero-fill pass needed
+                target.copy_(p.grad.reshape(-1))
+                written.add(slot_index)
+            p.grad = None
+        idx = unit.layout.index
+        self._ready[idx] = self._ready.get(idx, 0) + 1
+        if self._ready[idx] == self._trainable_count[idx]:
+            self.on_unit_ready(unit)
+            if self.sync and self.overlap:
+                self._launch(unit)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
