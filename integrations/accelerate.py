@@ -237,7 +237,10 @@ class ZeroAccelerator(Accelerator):
 
     def free_memory(self, *objects: Any):
         """As Accelerate's, and the next prepare() may shard a new model (a new Trainer
-        trial); the model sharded before keeps its engine if it is prepared again."""
+        trial); the model sharded before keeps its engine, whose process groups are
+        destroyed here and re-created when it is used again."""
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         self._unpaired_models = []
         return super().free_memory(*objects)

@@ -174,6 +174,12 @@ class ZeroFabricStrategy(DDPStrategy):
     def module_to_device(self, module: nn.Module) -> None:
         place_buffers(module, self.root_device)  # the engine places the parameters
 
+    def teardown(self) -> None:
+        """The engine's process groups go with the strategy."""
+        if self.engine is not None:
+            self.engine.close()
+        super().teardown()
+
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
         self._require_engine("fabric.backward()").backward(tensor, *args, **kwargs)
 

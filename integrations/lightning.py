@@ -286,9 +286,11 @@ def make_strategy(root: str):
         def teardown(self) -> None:
             """DDP's teardown without moving the module and optimizer state to the CPU: on
             CUDA that would re-allocate every parameter away from the engine's buffers
-            (which later validate/test calls reuse)."""
+            (which later validate/test calls reuse). The engine's process groups are
+            destroyed here, and re-created when a later call (a save, an evaluation) uses
+            them."""
             if self.engine is not None:
-                self.engine.wait_for_parameters()
+                self.engine.close()
             # Unlike DDP, SyncBatchNorm is not reverted after fit: the engine's hooks (and,
             # at stage 3, its gathers) live on those modules, which later validate/test
             # calls reuse. In eval mode SyncBatchNorm uses its running statistics, as

@@ -309,18 +309,24 @@ def _predict(rank, world):
             x, y = batch
             return self.model(x, y)
 
+    live_groups = len(torch.distributed.distributed_c10d._world.pg_map)
     module = Predicting()
     trainer = quiet_trainer(world, "zero3", max_steps=2)
     trainer.fit(module, loader(n_batches=4, world=world))
+    closed_after_fit = trainer.strategy.engine.closed
     out = trainer.predict(module, loader(n_batches=2, world=world))
     gathered = trainer.strategy.engine.memory_report()["gathered_parameters"]
-    return [float(v) for v in out], gathered
+    groups_left = len(torch.distributed.distributed_c10d._world.pg_map) - live_groups
+    return [float(v) for v in out], gathered, closed_after_fit, groups_left
 
 
 def test_predict_after_fit_gathers_then_frees():
-    for losses, gathered in run_world(_predict, 2):
+    """Teardown destroys the engine's groups; predict on the same module re-creates them
+    and its teardown destroys them again."""
+    for losses, gathered, closed_after_fit, groups_left in run_world(_predict, 2):
         assert len(losses) == 2 and all(0 < v < 10 for v in losses)
         assert gathered == 0
+        assert closed_after_fit and groups_left == 0
 
 
 def _batchnorm_fit(rank, world, strategy):

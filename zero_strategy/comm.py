@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,18 +42,16 @@ class _Works:
         return True
 
 
-class GroupClosedError(RuntimeError):
-    """A collective on a group the engine has already closed."""
-
-
 class Communicator:
     def __init__(
         self,
         group: CommGroup,
         reduce_scatter_via_all_reduce: bool,
         all_gather_via_broadcast: bool,
+        reopen: Callable[[], None],
     ):
         self.group = group
+        self.reopen = reopen  # re-creates the engine's groups after a close()
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
@@ -72,11 +71,9 @@ class Communicator:
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         if self.group.closed:
-            raise GroupClosedError(
-                "This ZeroEngine was closed (engine.close(), a framework teardown or "
-                "free_memory) and its process groups destroyed; call engine.reopen() on "
-                "every rank to use it again."
-            )
+            # Closed at a teardown and used again (a save after fit, an evaluation): every
+            # rank reaches the same first collective, so all re-create the groups together.
+            self.reopen()
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
 

@@ -688,7 +688,8 @@ class ZeroEngine:
     def close(self) -> None:
         """Finish the work in flight and destroy the engine's process groups (local, not
         a collective). Frameworks call it at teardown; dropping the engine does it too.
-        `reopen()` (collective) makes the engine usable again."""
+        Using the engine again re-creates them at its first collective (every rank takes
+        part, as in any collective), or `reopen()` does it now."""
         if self.groups.closed:
             return
         self.reducer.wait()

@@ -9,7 +9,8 @@ instead of hanging, and so that user collectives cannot interleave with ours.
   communicator with its own byte accounting), the replica group that keeps the copies
   equal, and the world, over which gradients are averaged.
 - `ProcessGroups`: creates each group once (group creation is collective: every rank
-  asks for the same specs in the same order) and destroys them all on `close()`.
+  asks for the same specs in the same order), destroys them all on `close()`, and
+  re-creates them when a closed group is used again.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class ProcessGroups:
         return group
 
     def _communicator(self, group: CommGroup) -> Communicator:
-        return Communicator(group, self._rs_via_ar, self._ag_via_bcast)
+        return Communicator(group, self._rs_via_ar, self._ag_via_bcast, self.reopen)
 
     def communicators(self) -> list[Communicator]:
         """Each communicator once (the world's serves as several groups' `world`)."""
@@ -175,9 +176,9 @@ class ProcessGroups:
         return any(g.closed for g, _ in self._made)
 
     def close(self) -> None:
-        """Destroy the groups this object created; their communicators refuse to run until
-        `reopen()`. Local (no collective) and idempotent, so it is safe at teardown and from
-        a finalizer. Callers first finish their own work in flight."""
+        """Destroy the groups this object created; the next collective on any of them
+        re-creates them all (`reopen`). Local (no collective) and idempotent, so it is safe
+        at teardown and from a finalizer. Callers first finish their own work in flight."""
         live = [g for g, _ in self._made if g.group is not None]
         if not live:
             return
