@@ -195,3 +195,22 @@ def test_a_second_model_or_optimizer_is_refused_with_the_fix():
     message = one_optimizer_message("The ZeRO strategy", "fabric.setup got 2 optimizers")
     assert "shards one model with one optimizer, but fabric.setup got 2 optimizers" in message
     assert "one optimizer with param groups" in message
+
+
+def test_an_older_torch_fails_at_import_naming_the_version():
+    """Below torch 2.13 (no all_gather_single / reduce_scatter_single) the import itself
+    fails, with the version needed, instead of the first collective deep in a step."""
+    import subprocess
+    import sys
+
+    from zero_strategy import torch_floor
+
+    with pytest.raises(ImportError, match=r"needs torch>=2\.13.*torch 2\.12\.1 is installed"):
+        torch_floor.check("2.12.1")
+    torch_floor.check("2.13.0+cpu")
+    code = (
+        "import torch; torch.__version__ = torch.torch_version.TorchVersion('2.11.0')\n"
+        "import zero_strategy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0 and "pip install 'torch>=2.13'" in proc.stderr

@@ -4,15 +4,18 @@
 `zero_strategy.integrations` and only wrap it.
 """
 
+from . import torch_floor  # noqa: F401  (first: an older torch fails here, naming the fix)
 from .config import ZeroConfig, ZeroConfigError
 from .deepspeed_config import from_deepspeed_config
 from .engine import ZeroEngine
 from .gather import ModulePathDivergenceError
 from .meta_init import init_on_meta
 from .optimizer import UnsupportedOptimizerError
+from .placement import ShardSpec
 
 __all__ = [
     "ModulePathDivergenceError",
+    "ShardSpec",
     "UnsupportedOptimizerError",
     "ZeroConfig",
     "ZeroConfigError",
