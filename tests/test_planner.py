@@ -8,7 +8,7 @@ import pytest
 
 from distributed import run_world
 from training import local_batch, make_model, make_optimizer
-from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy import ShardSpec, ZeroConfig, ZeroEngine
 from zero_strategy.cli import main
 from zero_strategy.planner import GB, PlanError, cheapest_stage, count_params, plan
 
@@ -51,8 +51,9 @@ def test_bad_input(kwargs, message):
         plan(**args)
 
 
-def _measure(rank, world, stage, dtype):
+def _measure(rank, world, stage, dtype, group_size=None):
     model = make_model()
+    spec = ShardSpec.contiguous(world, group_size) if group_size else None
     engine = ZeroEngine(
         model,
         make_optimizer(model),
@@ -62,6 +63,7 @@ def _measure(rank, world, stage, dtype):
             reduce_scatter_via_all_reduce=False,
             all_gather_via_broadcast=False,
         ),
+        placement=lambda path, module: spec if path == "" else None,
     )
     x, y = local_batch(0, 0, rank, world)
     engine.backward(engine(x, y))
@@ -84,6 +86,21 @@ def test_planner_matches_the_engine_within_2_percent(stage, world, dtype):
         assert comm.keys() == predicted.comm.keys()
         for kind, value in comm.items():
             assert abs(predicted.comm[kind] - value) <= 0.02 * value, (kind, predicted.comm, comm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_planner_matches_hybrid_sharding_within_2_percent(stage):
+    """The whole model sharded over pairs of a 4-rank world, one copy per pair."""
+    params, root = count_params(make_model())
+    predicted = plan(params, 4, stage, "fp32", root_params=root, shard_group_size=2)
+    state, comm = run_world(_measure, 4, stage, "fp32", 2)[0]
+    assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, state)
+    assert comm.keys() == predicted.comm.keys()
+    for kind, value in comm.items():
+        assert abs(predicted.comm[kind] - value) <= 0.02 * value, (kind, predicted.comm, comm)
+    with pytest.raises(PlanError, match="shard_group_size=3 is invalid"):
+        plan(params, 4, stage, shard_group_size=3)
 
 
 def test_estimate_cli_table_and_json(capsys):

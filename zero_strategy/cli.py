@@ -75,6 +75,7 @@ def _estimate(args: argparse.Namespace) -> int:
             device,
             args.ep_size,
             args.expert_params,
+            shard_group_size=args.shard_group_size,
         )
         for s in stages
     ]
@@ -145,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--accounting", default="zero-strategy", choices=["zero-strategy", "zero-paper"])
     e.add_argument("--ep-size", type=int, default=1)
     e.add_argument("--expert-params", type=int, default=0)
+    e.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="shard over groups of this many ranks, one copy per group (hybrid sharding)",
+    )
     e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
     e.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
     e.add_argument("--batch", type=int, default=0)

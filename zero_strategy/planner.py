@@ -93,11 +93,20 @@ def plan(
     ep_size: int = 1,
     expert_params: int = 0,
     offload: str = "none",
+    shard_group_size: int | None = None,
 ) -> Plan:
     """Per-rank bytes by kind and per-step communication (one micro-batch, gradients
     reduced once) for a model of `params` parameters, `expert_params` of them in MoE
-    experts split over `ep_size` expert-parallel ranks."""
+    experts split over `ep_size` expert-parallel ranks. `shard_group_size` shards the dense
+    parameters over groups of that many ranks, one full copy per group (hybrid sharding,
+    a `ShardSpec.contiguous(world_size, g)` placement of the root); default: the world."""
     _validate(params, world_size, stage, compute_dtype, optimizer, accounting, root_params)
+    g = world_size if shard_group_size is None else shard_group_size
+    if not isinstance(g, int) or g <= 0 or world_size % g:
+        raise PlanError(
+            f"shard_group_size={shard_group_size!r} is invalid: it must divide "
+            f"world_size={world_size}, e.g. 2 or 4 for 8 ranks."
+        )
     if not isinstance(ep_size, int) or ep_size <= 0 or world_size % ep_size:
         raise PlanError(
             f"ep_size={ep_size!r} is invalid: it must divide world_size={world_size} (expert "
@@ -110,7 +119,8 @@ def plan(
     n = float(world_size)
     # What one rank would hold unsharded: the dense part and its own experts.
     psi = float(params - expert_params) + expert_params / ep_size
-    shard = params / n  # dense over n ranks; experts over n / ep_size, of 1/ep_size of them
+    # dense over its shard group; experts over n / ep_size ranks, of 1/ep_size of them
+    shard = (params - expert_params) / g + expert_params / n
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if accounting == "zero-paper":
         # Mixed-precision Adam: 2 + 2 + K bytes, K = 12 (fp32 master, momentum, variance).
@@ -155,6 +165,8 @@ def plan(
             comm["all_reduce"] = full
         else:
             comm["reduce_scatter"] = full
+            if g < world_size:  # each reduced shard is summed over the other copies
+                comm["all_reduce"] = dtype_bytes * (params - expert_params) / g
         if stage in (1, 2):
             comm["all_gather"] = full
         elif stage == 3:
