@@ -1,5 +1,6 @@
 """A small GPT-2-style language model (tied embeddings), used by the examples, the tests
-and the benchmarks."""
+and the benchmarks. With `n_experts` > 0 every block's MLP is a mixture of experts
+(`zero_strategy.moe.MoE`), split over `ep_size` expert-parallel ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zero_strategy.moe import MoE, moe_losses
 
 
 @dataclass
@@ -18,6 +21,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     tie_embeddings: bool = True
+    n_experts: int = 0  # > 0: MoE MLPs with this many experts
+    ep_size: int = 1  # expert-parallel ranks the experts are split over
+    moe_k: int = 2  # experts per token
+    moe_aux_loss_coef: float = 0.01  # load balancing, added to the loss in training
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,17 +42,46 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation (also what meta-device materialisation calls)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class MLP(nn.Sequential):
+    def __init__(self, n_embd: int):
+        super().__init__(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        if cfg.n_experts:
+            self.moe = MoE(
+                cfg.n_embd,
+                MLP(cfg.n_embd),
+                cfg.n_experts,
+                cfg.ep_size,
+                cfg.moe_k,
+                aux_loss_coef=cfg.moe_aux_loss_coef,
+                expert_init=init_weights,
+            )
+        else:
+            self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+            self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.ln2(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -60,17 +96,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        experts = {id(m) for b in self.blocks if hasattr(b, "moe") for m in b.moe.experts.modules()}
+        # Experts initialise themselves, by global expert id (any ep_size, same experts).
+        self.apply(lambda m: None if id(m) in experts else init_weights(m))
 
     def _init_weights(self, module: nn.Module) -> None:
-        """GPT-2's initialisation (also what meta-device materialisation calls)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+        init_weights(module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -80,7 +111,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.cfg.n_experts and self.training:
+            loss = loss + moe_losses(self)
+        return loss
 
 
 def decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:

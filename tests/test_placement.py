@@ -36,6 +36,12 @@ def block_on_pairs(path: str, module: torch.nn.Module) -> ShardSpec | None:
     return PAIRS if path == "blocks.1" else None
 
 
+def mlp_on_pairs(path: str, module: torch.nn.Module) -> ShardSpec | None:
+    """The MLP inside the second block: at stage 3, units nested in the block's unit (the
+    shape an MoE layer's experts take)."""
+    return PAIRS if path in ("blocks.1.fc", "blocks.1.out") else None
+
+
 def everything_on_pairs(path: str, module: torch.nn.Module) -> ShardSpec | None:
     """Hybrid sharding: the whole model sharded within pairs, replicated across them."""
     return PAIRS if path == "" else None
@@ -53,7 +59,7 @@ def ddp_error(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", [block_on_pairs, everything_on_pairs])
+@pytest.mark.parametrize("placement", [block_on_pairs, mlp_on_pairs, everything_on_pairs])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_subgroup_sharding_matches_single_process(stage, placement, reference, ddp_error):
     ref_losses, ref_state = reference

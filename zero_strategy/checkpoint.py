@@ -21,7 +21,7 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ class ShardedState:
     world: Communicator  # every rank: barriers and the index exchange
     stage: int
     device: torch.device  # where control tensors go (an NCCL group refuses CPU ones)
+    stored_name: Callable[[FlatUnit, str], str]  # a parameter's name in the checkpoint
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, in
             if state.world.rank != 0:
                 continue
             start, end = 0, unit.layout.padded_numel
-        elif not unit.group.holds_first_copy:
+        elif not unit.group.primary:
             continue
         else:
             start, end = unit.layout.shard_range(unit.rank)
@@ -168,14 +169,15 @@ def save(
     written: dict[str, dict[str, Any]] = {}
     for unit, slot, lo, hi in _owned_pieces(state):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
-        tensors[slot.name] = unit.master[a:b]
+        name = state.stored_name(unit, slot.name)
+        tensors[name] = unit.master[a:b]
         for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
-            tensors[f"{key}/{slot.name}"] = value
+            tensors[f"{key}/{name}"] = value
             state_keys.add(key)
-        written[slot.name] = {
+        written[name] = {
             "shape": list(slot.shape),
             "dtype": str(slot.dtype).removeprefix("torch."),
-            "aliases": list(slot.aliases),
+            "aliases": [state.stored_name(unit, a) for a in slot.aliases],
             "group": slot.group_index,
             "start": lo,
             "end": hi,
@@ -250,6 +252,7 @@ def _index(
             {
                 "name": u.layout.name,
                 "shard_groups": u.layout.spec.describe(),
+                "replicated": u.layout.spec.replicated,
                 "params": [s.name for s in u.layout.slots],
             }
             for u in state.units
@@ -362,7 +365,7 @@ def load(
     Without the optimizer states, only the parameters and buffers are read."""
     reader = CheckpointReader(path)
     index = reader.index
-    _check_same_model(state.units, index)
+    _check_same_model(state, index)
     opt_index = index["optimizer"]
     if load_optimizer_states and opt_index["class"] != type(state.optimizer).__name__:
         raise CheckpointError(
@@ -373,7 +376,8 @@ def load(
         for slot in unit.layout.slots:
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
-                values = reader.read(slot.name, lo - slot.offset, hi - slot.offset)
+                name = state.stored_name(unit, slot.name)
+                values = reader.read(name, lo - slot.offset, hi - slot.offset)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
     if load_optimizer_states:
         _load_optimizer_state(state, reader)
@@ -427,16 +431,17 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
             for slot in unit.layout.slots:
                 s, e = max(a, slot.offset), min(b, slot.end)
                 if s < e:
+                    name = state.stored_name(unit, slot.name)
                     buf[s - a : e - a].copy_(
-                        reader.read(slot.name, s - slot.offset, e - slot.offset, f"{key}/")
+                        reader.read(name, s - slot.offset, e - slot.offset, f"{key}/")
                     )
             entry[key] = buf
         optimizer.state[view.param] = entry
 
 
-def _check_same_model(units: list[FlatUnit], index: dict[str, Any]) -> None:
+def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:
     saved = index["params"]
-    mine = {s.name: s for u in units for s in u.layout.slots}
+    mine = {state.stored_name(u, s.name): s for u in state.units for s in u.layout.slots}
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
     mismatched = sorted(

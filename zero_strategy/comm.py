@@ -143,6 +143,21 @@ class Communicator:
             return _DoneWork() if async_op else None
         return dist.all_reduce(tensor, group=self.group.group, async_op=async_op)
 
+    def all_to_all(
+        self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        """Rows of `tensor` to every rank of the group, `input_splits[r]` of them to rank r;
+        returns the `output_splits[r]` rows each rank r sent here, in rank order (MoE token
+        dispatch: uneven, and empty for a rank that sends or receives nothing)."""
+        out = tensor.new_empty(sum(output_splits), *tensor.shape[1:])
+        self._count("all_to_all", tensor)
+        if not self.group.distributed:
+            return out.copy_(tensor)
+        dist.all_to_all_single(
+            out, tensor.contiguous(), output_splits, input_splits, group=self.group.group
+        )
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> None:
         """`tensor` <- its value on the group's `src`-th rank (a position in the group)."""
         self._count(kind, tensor)

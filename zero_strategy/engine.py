@@ -33,6 +33,7 @@ from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .module_state import ModuleStateHooks
+from .moe.placement import ExpertNames, expert_parallel_partition, expert_placements, moe_layers
 from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
 from .partition import (
     FROZEN_GROUP,
@@ -61,8 +62,9 @@ class ZeroEngine:
         placement: PlacementFn | None = None,
     ):
         """`placement(module_path, module)` may return a `ShardSpec` for a module whose
-        parameters are sharded over groups other than the whole world (None elsewhere);
-        at stage 0 everything is replicated and it is not asked."""
+        parameters are sharded over groups other than the whole world (None elsewhere).
+        The experts of `zero_strategy.moe.MoE` layers are placed on their
+        expert-data-parallel groups whatever it says."""
         self.config = _coerce_config(config)
         cfg = self.config
         check_optimizer(optimizer, cfg.allow_untested_optimizer)
@@ -90,12 +92,19 @@ class ZeroEngine:
         for p in params:
             if not p.param.requires_grad:
                 group_of.pop(id(p.param), None)
-        placed = placed_modules(model, placement, self.world_size) if cfg.stage else {}
+        layers = moe_layers(model)
+        placed = placed_modules(model, placement, self.world_size)
+        placed.update(expert_placements(layers, self.world_size))
+        self._expert_names = ExpertNames(layers)
         # Cross-rank agreement first: a rank that raised alone would leave the others
         # waiting in the next collective until the timeout.
         self._check_same_model_on_all_ranks(params, group_of, placed)
         self._warn_unoptimized(params, group_of)
         self._check_sizes(params, group_of)
+        for layer in layers.values():  # before materialising: binding picks the experts
+            if layer.ep_size > 1:
+                partition = expert_parallel_partition(layer.ep_size, self.world_size)
+                layer.bind(self.groups.communicator(partition))
 
         layouts = self._layouts(model, params, group_of, placed)
         self.units = [
@@ -197,6 +206,13 @@ class ZeroEngine:
         # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
         return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=cfg.stage > 0)
 
+    def _stored_name(self, unit: FlatUnit, name: str) -> str:
+        """The name a parameter is checkpointed and consolidated under: its own, or for a
+        distinct copy (an expert-parallel rank's experts) its global name."""
+        if unit.group.spec.replicated:
+            return name
+        return self._expert_names.stored(name, unit.group.copy_index)
+
     # ================================================================ set-up helpers
     def _warn_unoptimized(self, params, group_of) -> None:
         missing = [
@@ -266,8 +282,8 @@ class ZeroEngine:
 
         def agree(unit: FlatUnit, flat: torch.Tensor) -> None:
             unit.group.comm.broadcast(flat, src=0)
-            if unit.group.replicas is not None:
-                unit.group.replicas.broadcast(flat, src=0)
+            if unit.group.summed_over_copies is not None:  # every copy starts from copy 0's
+                unit.group.summed_over_copies.broadcast(flat, src=0)
 
         if on_meta and self.config.stage < 3:
             flats = [flat_for(u) for u in self.units]
@@ -512,17 +528,17 @@ class ZeroEngine:
         self.reducer.wait()
         if self._grads_unscaled:
             return self._last_grad_norm, False
-        # Each element once: a unit with several copies counts its first copy's shards.
+        # Each element once: a unit with several copies counts its first copy's shards (all
+        # of distinct copies); at stage 0 only a copy's first rank counts its whole copy.
         shards = [
             unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
             for unit in self.units
-            if self.config.stage == 0 or unit.group.holds_first_copy
+            if unit.group.primary and (self.config.stage > 0 or unit.group.rank == 0)
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
         sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
-        if self.config.stage > 0:
-            self._world.control_all_reduce(sq)
+        self._world.control_all_reduce(sq)
         scale = self.scaler.scale
         norm = sq.sqrt()[0] / scale
         overflow = not bool(torch.isfinite(norm))
@@ -611,6 +627,7 @@ class ZeroEngine:
             self._world,
             self.config.stage,
             self.device,
+            self._stored_name,
         )
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
@@ -645,7 +662,7 @@ class ZeroEngine:
         """Load safetensors weights (a file, or Hugging Face shards with their index),
         each rank reading only its own ranges; the optimizer state is left as it is."""
         self.wait_for_parameters()
-        read = load_pretrained(self.units, self.module, path, strict)
+        read = load_pretrained(self.units, self.module, path, strict, self._stored_name)
         self.refresh_from_masters()
         return read
 
@@ -665,24 +682,44 @@ class ZeroEngine:
         for unit in self.units:
             if not unit.layout.numel:
                 continue
-            full = self._gather_master(unit)
-            if keep:
+            for copy_index, full in self._full_copies(unit):
+                if not keep:
+                    continue
                 for slot in unit.layout.slots:
                     value = full[slot.offset : slot.end].view(slot.shape).to("cpu", copy=True)
                     for name in (slot.name, *slot.aliases):
-                        out[name] = value
+                        stored = (
+                            name
+                            if unit.group.spec.replicated
+                            else self._expert_names.stored(name, copy_index)
+                        )
+                        out[stored] = value
         if keep:
             for name, buf in checkpoint.persistent_buffers(self.module):
                 out[name] = buf.detach().to("cpu", copy=True)
         return out
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
-        """The unit's full fp32 values (padded), identical on every rank."""
+        """The unit's full fp32 values (padded), identical across its shard group."""
         if self.config.stage == 0:
             return unit.master
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
         unit.group.comm.all_gather(full, unit.master)
         return full
+
+    def _full_copies(self, unit: FlatUnit) -> Iterator[tuple[int, torch.Tensor]]:
+        """(copy index, full fp32 values) of each copy this rank needs to see: its own, or
+        for distinct copies every one in turn (sent over the ranks at this rank's position
+        in every copy), so that rank 0 ends with every expert."""
+        full = self._gather_master(unit)
+        group = unit.group
+        if group.spec.replicated or group.replicas is None:
+            yield group.copy_index, full
+            return
+        for copy_index in range(group.spec.copies):
+            value = full if copy_index == group.copy_index else torch.empty_like(full)
+            group.replicas.broadcast(value, src=copy_index)
+            yield copy_index, value
 
     # ================================================================ lifecycle
     def close(self) -> None:

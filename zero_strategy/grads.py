@@ -179,7 +179,7 @@ class GradReducer:
             sent.div_(group.grad_divisor)  # average; dividing first keeps fp16 sums in range
         if self.stage < 2:
             out = sent
-            work = group.world.all_reduce_sum(sent, async_op=True)
+            work = group.holders.all_reduce_sum(sent, async_op=True)
         else:
             comm = group.comm
             start, end = unit.layout.shard_range(unit.rank)
@@ -221,8 +221,9 @@ class GradReducer:
             if unit.grad_opt.data_ptr() != mine.data_ptr():
                 unit.grad_opt.copy_(mine)
         else:
-            if unit.group.replicas is not None:  # the other copies' sums of this shard
-                unit.group.replicas.all_reduce_sum(job.out)
+            others = unit.group.summed_over_copies
+            if others is not None:  # the other copies' sums of this shard
+                others.all_reduce_sum(job.out)
             unit.grad_opt.add_(job.out)
             self.pool.give(job.sent)
 

@@ -6,10 +6,12 @@ modules whose parameters are not sharded over the whole data-parallel world (Non
 rest). A module with a spec shards every parameter under it, unless a deeper module says
 otherwise; at stage 3 it becomes a unit of its own, so a unit never mixes groups.
 
-A `ShardSpec` splits the world's ranks into equal groups. Each group holds one full copy
-of the module's parameters, sharded across the group's ranks; the copies are kept equal
-(gradients are summed across them), as in hybrid sharding. The world itself is the spec
-with one group.
+A `ShardSpec` splits the world's ranks into equal groups, each sharding its own copy of
+the module's parameters across its ranks. Replicated copies (the default) are kept equal:
+gradients are summed across them, as in hybrid sharding. Distinct copies
+(`replicated=False`) are different parameters under the same local names, as the local
+experts of each expert-parallel rank are: each group reduces and steps its own. The
+world itself is the spec with one group.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ShardSpec:
     """The world's ranks split into equal groups, each sharding one copy."""
 
     groups: tuple[tuple[int, ...], ...]
+    replicated: bool = True  # copies hold the same parameters (False: each group its own)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(tuple(int(r) for r in g) for g in self.groups))
@@ -34,14 +37,20 @@ class ShardSpec:
         return cls((tuple(range(world_size)),))
 
     @classmethod
-    def contiguous(cls, world_size: int, group_size: int) -> ShardSpec:
+    def contiguous(cls, world_size: int, group_size: int, replicated: bool = True) -> ShardSpec:
         """Groups of `group_size` consecutive ranks: (0..k-1), (k..2k-1), ..."""
-        if group_size <= 0 or world_size % group_size:
-            raise ValueError(
-                f"A shard group size of {group_size} does not divide the world size "
-                f"{world_size}; use a divisor of {world_size}."
-            )
-        return cls(tuple(tuple(range(s, s + group_size)) for s in range(0, world_size, group_size)))
+        _check_divides(group_size, world_size)
+        starts = range(0, world_size, group_size)
+        return cls(tuple(tuple(range(s, s + group_size)) for s in starts), replicated)
+
+    @classmethod
+    def strided(cls, world_size: int, group_size: int, replicated: bool = True) -> ShardSpec:
+        """Groups of `group_size` ranks a stride apart: (0, s, 2s, ...), (1, 1+s, ...), with
+        s = world_size / group_size (the expert-data-parallel groups of contiguous
+        expert-parallel groups)."""
+        _check_divides(group_size, world_size)
+        stride = world_size // group_size
+        return cls(tuple(tuple(range(s, world_size, stride)) for s in range(stride)), replicated)
 
     @property
     def size(self) -> int:
@@ -78,6 +87,14 @@ class ShardSpec:
         return [list(g) for g in self.groups]
 
 
+def _check_divides(group_size: int, world_size: int) -> None:
+    if group_size <= 0 or world_size % group_size:
+        raise ValueError(
+            f"A shard group size of {group_size} does not divide the world size "
+            f"{world_size}; use a divisor of {world_size}."
+        )
+
+
 PlacementFn = Callable[[str, nn.Module], ShardSpec | None]
 
 
@@ -100,7 +117,7 @@ def placed_modules(
                 f"{type(spec).__name__}; return a ShardSpec, or None for the whole world."
             )
         spec.check(world_size, f"placement({path!r}, {type(module).__name__})")
-        if spec != world:
+        if spec != world or not spec.replicated:
             out[path] = spec
     return out
 

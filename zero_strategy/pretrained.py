@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -36,7 +37,11 @@ def _locate(path: Path) -> dict[str, Path]:
 
 
 def load_pretrained(
-    units: list[FlatUnit], module: nn.Module, path: str | os.PathLike, strict: bool = True
+    units: list[FlatUnit],
+    module: nn.Module,
+    path: str | os.PathLike,
+    strict: bool = True,
+    stored_name: Callable[[FlatUnit, str], str] = lambda unit, name: name,
 ) -> dict[str, int]:
     """Fill the units' fp32 master shards (and the module's buffers) from safetensors;
     returns how many elements this rank read from the files (exactly its own ranges). With
@@ -57,11 +62,12 @@ def load_pretrained(
     read = 0
     for unit in units:
         for slot in unit.layout.slots:
-            source = next((n for n in (slot.name, *slot.aliases) if n in located), None)
+            names = [stored_name(unit, n) for n in (slot.name, *slot.aliases)]
+            source = next((n for n in names if n in located), None)
             if source is None:
-                missing.append(slot.name)
+                missing.append(names[0])
                 continue
-            wanted.update({slot.name, *slot.aliases} & located.keys())
+            wanted.update(set(names) & located.keys())
             handle = handle_for(source)
             if handle.shape(source) != tuple(slot.shape):
                 shape_errors.append(

@@ -61,7 +61,7 @@ class ShardGroup:
 
     spec: ShardSpec
     comm: Communicator  # this rank's shard group
-    replicas: Communicator | None  # same shard of every copy; None with one copy
+    replicas: Communicator | None  # same position in every copy; None with one copy
     world: Communicator  # every data-parallel rank
     copy_index: int  # which copy this rank's group holds
 
@@ -74,9 +74,22 @@ class ShardGroup:
         return self.comm.group.size
 
     @property
-    def holds_first_copy(self) -> bool:
-        """Copy 0 counts each element once: in the global norm and in checkpoints."""
-        return self.copy_index == 0
+    def primary(self) -> bool:
+        """Whether this rank's shards count in the global norm and are written to
+        checkpoints: each element once, so copy 0 of replicated copies, every distinct one."""
+        return self.copy_index == 0 or not self.spec.replicated
+
+    @property
+    def summed_over_copies(self) -> Communicator | None:
+        """Replicated copies: the group a shard's gradient is summed over after its own
+        group's reduction (None when there is one copy, or the copies are distinct)."""
+        return self.replicas if self.spec.replicated else None
+
+    @property
+    def holders(self) -> Communicator:
+        """Every rank holding this rank's copy's parameters: a full gradient is summed, and
+        initial values agree, over it (the world for replicated copies)."""
+        return self.world if self.spec.replicated else self.comm
 
     @property
     def grad_divisor(self) -> int:
@@ -116,13 +129,14 @@ class ProcessGroups:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         on_gloo = self.backend == "gloo"
         self._rs_via_ar = (
-            on_gloo if reduce_scatter_via_all_reduce is None else (reduce_scatter_via_all_reduce)
+            on_gloo if reduce_scatter_via_all_reduce is None else reduce_scatter_via_all_reduce
         )
         self._ag_via_bcast = (
-            on_gloo if all_gather_via_broadcast is None else (all_gather_via_broadcast)
+            on_gloo if all_gather_via_broadcast is None else all_gather_via_broadcast
         )
+        self._comms: dict[tuple[tuple[int, ...], ...], Communicator] = {}
         world_spec = ShardSpec.world(self.world_size)
-        world = self._communicator(self._create(world_spec.groups))
+        world = self.communicator(world_spec.groups)
         self.world = ShardGroup(world_spec, world, None, world, 0)
         self._groups[world_spec] = self.world
 
@@ -132,12 +146,19 @@ class ProcessGroups:
         ask for the same specs in the same order)."""
         if spec not in self._groups:
             copy, _ = spec.locate(self.rank)
-            shard = self._communicator(self._create(spec.groups))
-            replicas = (
-                self._communicator(self._create(spec.replica_groups())) if spec.copies > 1 else None
-            )
+            shard = self.communicator(spec.groups)
+            replicas = self.communicator(spec.replica_groups()) if spec.copies > 1 else None
             self._groups[spec] = ShardGroup(spec, shard, replicas, self.world.comm, copy)
         return self._groups[spec]
+
+    def communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
+        """The communicator of this rank's group in `partition` (the ranks split into
+        groups), created once (collective the first time, as `shard_group`)."""
+        if partition not in self._comms:
+            self._comms[partition] = Communicator(
+                self._create(partition), self._rs_via_ar, self._ag_via_bcast, self.reopen
+            )
+        return self._comms[partition]
 
     def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
         """This rank's group of `partition` (every rank creates every group of it)."""
@@ -158,17 +179,9 @@ class ProcessGroups:
         )
         return group
 
-    def _communicator(self, group: CommGroup) -> Communicator:
-        return Communicator(group, self._rs_via_ar, self._ag_via_bcast, self.reopen)
-
     def communicators(self) -> list[Communicator]:
-        """Each communicator once (the world's serves as several groups' `world`)."""
-        seen: dict[int, Communicator] = {}
-        for g in self._groups.values():
-            for comm in (g.comm, g.replicas, g.world):
-                if comm is not None:
-                    seen.setdefault(id(comm), comm)
-        return list(seen.values())
+        """Every communicator, each once."""
+        return list(self._comms.values())
 
     # ------------------------------------------------------------------ lifecycle
     @property

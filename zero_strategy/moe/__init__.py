@@ -1,0 +1,6 @@
+"""Mixture of experts: `MoE` layers, expert-parallel and sharded by ZeRO at every stage."""
+
+from .layer import MoE, moe_losses
+from .router import Router
+
+__all__ = ["MoE", "Router", "moe_losses"]

@@ -1,0 +1,127 @@
+"""`MoE`: a mixture-of-experts layer, a drop-in for a transformer block's MLP.
+
+    moe = MoE(hidden_size=256, expert=MLP(256), num_experts=8, ep_size=2, k=2)
+    y = moe(x)                       # [..., hidden] -> [..., hidden]
+    loss = task_loss + moe_losses(model)
+
+With `ep_size` > 1 the experts are split over an expert-parallel group of contiguous
+ranks, each holding `num_experts / ep_size` of them; tokens travel to their experts by
+all-to-all. `ZeroEngine` builds the groups: it binds each layer to its expert-parallel
+group and shards the experts over their expert-data-parallel group (the ranks holding
+the same experts) at every stage, while the router and the rest of the model are sharded
+over the whole world. Routing is dropless: every token reaches its k experts, with no
+padding to the busiest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..kernels import permute, plan_dispatch, unpermute
+from . import dispatch
+from .experts import Experts
+from .router import Router
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int,
+        ep_size: int = 1,
+        k: int = 1,
+        *,
+        score: str = "softmax",
+        normalize: bool = True,
+        aux_loss_coef: float = 0.01,
+        z_loss_coef: float = 0.0,
+        jitter: float = 0.0,
+        expert_init: Callable[[nn.Module], None] | None = None,
+    ):
+        """`expert_init(submodule)` initialises each expert copy (default: the
+        submodules' `reset_parameters()`), under a seed of its global expert id."""
+        super().__init__()
+        if num_experts <= 0 or ep_size <= 0 or num_experts % ep_size:
+            raise ValueError(
+                f"MoE num_experts={num_experts} must be a positive multiple of "
+                f"ep_size={ep_size}: each expert-parallel rank holds the same number of "
+                "experts. Change one of them."
+            )
+        self.hidden_size, self.num_experts, self.ep_size = hidden_size, num_experts, ep_size
+        self.num_local = num_experts // ep_size
+        self.router = Router(
+            hidden_size, num_experts, k, score, normalize, aux_loss_coef, z_loss_coef, jitter
+        )
+        # One draw from the global RNG whatever ep_size is: the experts' seeds, so the same
+        # seed gives the same experts at every expert-parallel size.
+        seed = int(torch.randint(2**40, ()).item())
+        self.experts = Experts(expert, self.num_local, seed, expert_init)
+        self._comm: Communicator | None = None
+        self.last_losses: torch.Tensor | None = None  # aux + z of the last training forward
+
+    # ------------------------------------------------------------------ groups
+    def bind(self, comm: Communicator) -> None:
+        """Set the expert-parallel group (ZeroEngine does, with its own groups, before it
+        materialises the model): this rank then holds experts rank * num_local, ..."""
+        if comm.size != self.ep_size:
+            raise ValueError(f"MoE ep_size={self.ep_size} got a group of {comm.size} ranks.")
+        self._comm = comm
+        self.experts.assign(comm.rank * self.num_local)
+
+    def global_expert_name(self, local_name: str, ep_rank: int) -> str:
+        """`local.<i>.<rest>` (a name under `self.experts`) for expert-parallel rank
+        `ep_rank` -> `local.<global id>.<rest>`: checkpoints store experts by global id."""
+        head, index, rest = local_name.split(".", 2)
+        return f"{head}.{ep_rank * self.num_local + int(index)}.{rest}"
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"MoE expects inputs of hidden size {self.hidden_size}, got {tuple(hidden.shape)}."
+            )
+        tokens = hidden.reshape(-1, self.hidden_size)
+        routing = self.router(tokens)
+        if self.training and torch.is_grad_enabled():
+            self.last_losses = routing.aux_loss + routing.z_loss
+        plan = plan_dispatch(routing.expert_index, self.num_experts)  # dropless
+        rows = permute(tokens, plan)  # grouped by global expert
+        if self.ep_size == 1:
+            chunks = list(rows.split(plan.kept_per_expert.tolist()))
+            out = torch.cat(self.experts(chunks)) if chunks else rows
+        else:
+            out = self._expert_parallel(rows, plan.kept_per_expert)
+        y = unpermute(out, plan, routing.weights)
+        return y.to(hidden.dtype).reshape(hidden.shape)
+
+    def _expert_parallel(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        comm = self._comm
+        if comm is None:
+            raise RuntimeError(
+                f"MoE with ep_size={self.ep_size} has no expert-parallel group: hand the model "
+                "to ZeroEngine (or a zero-strategy Trainer/Fabric/Accelerate strategy), which "
+                "creates the groups, before running it."
+            )
+        received, out_splits, in_splits, counts = dispatch.exchange(
+            rows, per_expert, comm, self.num_local
+        )
+        chunks, order = dispatch.by_expert(received, counts)
+        outputs = torch.cat(self.experts(chunks))
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.numel(), device=order.device)
+        back = outputs.index_select(0, restore)
+        return dispatch.combine(back, comm, out_splits, in_splits)
+
+
+def moe_losses(model: nn.Module) -> torch.Tensor:
+    """The sum of every MoE layer's router losses from its last training forward (add it
+    to the task loss); zero when there are none."""
+    losses = [
+        m.last_losses for m in model.modules() if isinstance(m, MoE) and m.last_losses is not None
+    ]
+    return torch.stack(losses).sum() if losses else torch.zeros(())

@@ -1,0 +1,65 @@
+"""What the engine needs to know about a model's MoE layers: their expert-parallel
+groups, where their experts are sharded, and the names experts are stored under.
+
+- Expert-parallel groups are contiguous ranks (`ShardSpec.contiguous(world, ep_size)`);
+  tokens travel by all-to-all inside one.
+- The experts of expert-parallel rank j live on the ranks at position j of every
+  expert-parallel group: the expert-data-parallel group (`ShardSpec.strided`), over which
+  ZeRO shards them. Each such group holds different experts under the same local names:
+  the spec's copies are distinct (`replicated=False`).
+- A checkpoint stores an expert under its global id, so it reloads at any `ep_size`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..placement import ShardSpec
+from .layer import MoE
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def _check(path: str, layer: MoE, world_size: int) -> None:
+    if world_size % layer.ep_size:
+        raise ValueError(
+            f"MoE layer '{path}' has ep_size={layer.ep_size}, which does not divide the "
+            f"world size {world_size}: expert-parallel groups are ep_size contiguous ranks. "
+            f"Use a divisor of {world_size}."
+        )
+
+
+def expert_parallel_partition(ep_size: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+    return ShardSpec.contiguous(world_size, ep_size).groups
+
+
+def expert_placements(layers: dict[str, MoE], world_size: int) -> dict[str, ShardSpec]:
+    """`<layer>.experts` -> its expert-data-parallel spec, for layers with ep_size > 1 (with
+    one expert-parallel rank the experts are ordinary parameters)."""
+    out = {}
+    for path, layer in layers.items():
+        _check(path, layer, world_size)
+        if layer.ep_size > 1:
+            spec = ShardSpec.strided(world_size, world_size // layer.ep_size, replicated=False)
+            out[f"{path}.experts" if path else "experts"] = spec
+    return out
+
+
+class ExpertNames:
+    """Stored names of expert parameters: the local `<layer>.experts.local.<i>.<rest>` of
+    expert-parallel rank j is `<layer>.experts.local.<j * num_local + i>.<rest>`."""
+
+    def __init__(self, layers: dict[str, MoE]):
+        self.prefixes = {
+            (f"{path}.experts." if path else "experts."): layer
+            for path, layer in layers.items()
+            if layer.ep_size > 1
+        }
+
+    def stored(self, name: str, ep_rank: int) -> str:
+        for prefix, layer in self.prefixes.items():
+            if name.startswith(prefix):
+                return prefix + layer.global_expert_name(name[len(prefix) :], ep_rank)
+        return name
