@@ -3,7 +3,9 @@ the same training as one process holding every expert."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +86,112 @@ def test_bad_input_names_the_fix():
         moe(torch.randn(3, 8))
     with pytest.raises(RuntimeError, match="no expert-parallel group"):
         MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2)(torch.randn(3, 8))
+
+
+class _Skewed(torch.nn.Module):
+    """An MoE layer whose router sends every token to expert 0."""
+
+    def __init__(self, ep_size: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe = MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1)
+        with torch.no_grad():
+            self.moe.router.gate.weight.zero_()
+            self.moe.router.gate.weight[0] = 1.0  # positive inputs: expert 0 always wins
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+def _skewed(rank: int, world: int, stage: int):
+    """Rank r has 2r tokens (rank 0 none); every token goes to expert 0, so the other
+    experts, and rank 0's whole batch, are empty: every collective must still pair up."""
+    model = _Skewed(ep_size=world)
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
+        ZeroConfig(stage=stage),
+    )
+    for step in range(3):
+        x = torch.rand(2 * rank, 8, generator=torch.Generator().manual_seed(step)) + 0.1
+        loss = engine(x).pow(2).sum()
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    state = engine.full_state_dict()
+    engine.close()
+    return state if rank == 0 else None
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_empty_experts_and_an_empty_rank_train_on(stage):
+    state = run_world(_skewed, 2, stage, timeout=120)[0]
+    assert all(torch.isfinite(v).all() for v in state.values())
+    fresh = _Skewed(ep_size=1).state_dict()
+    # Expert 0 trained (it saw every token); the others got zero gradients and stayed.
+    moved = {n for n, v in state.items() if not torch.equal(v, fresh[n])}
+    assert {n for n in moved if ".local." in n} == {
+        "moe.experts.local.0.weight",
+        "moe.experts.local.0.bias",
+    }
+
+
+def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
+    model = moe_model(ep_size)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    if load:
+        engine.load_checkpoint(ckpt)
+    losses = []
+    for step in steps:
+        x, y = local_batch(step, 0, rank, world, MOE)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    if save:
+        engine.save_checkpoint(ckpt)
+    engine.close()
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [((2, 2), (4, 3)), ((4, 3), (1, 1)), ((2, 1), (2, 3))]
+)
+def test_checkpoint_reloads_at_another_ep_size_and_stage(saved, loaded, tmp_path):
+    """Experts are stored by global id: (ep_size, stage) -> another pair continues as the
+    uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    cut = STEPS // 2
+    full = run_world(_resumable, WORLD, *saved, range(STEPS), ckpt, False, False)[0]
+    run_world(_resumable, WORLD, *saved, range(cut), ckpt, False, True)
+    index = json.loads(Path(ckpt, "index.json").read_text())
+    experts = sorted(
+        n
+        for n in index["params"]
+        if n.startswith("blocks.0.moe.experts.local.") and n.endswith(".0.weight")
+    )
+    assert experts == [f"blocks.0.moe.experts.local.{e}.0.weight" for e in range(4)]
+    resumed = run_world(_resumable, WORLD, *loaded, range(cut, STEPS), ckpt, True, False)[0]
+    for got, want in zip(resumed, full[cut:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, full[cut:])
+
+
+def test_consolidated_moe_checkpoint_loads_into_the_one_process_model(tmp_path):
+    """`zero-strategy consolidate` of an ep_size-2 checkpoint: every expert, under its
+    global id, in a plain state dict the ep_size-1 model loads."""
+    from safetensors.torch import load_file
+
+    from zero_strategy.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    run_world(_resumable, 2, 2, 3, range(2), ckpt, False, True)
+    out = tmp_path / "plain"
+    assert main(["consolidate", ckpt, str(out)]) == 0
+    state = load_file(str(out / "model.safetensors"))
+    model = moe_model(1)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to wte

@@ -61,6 +61,7 @@ class ShardedState:
     stage: int
     device: torch.device  # where control tensors go (an NCCL group refuses CPU ones)
     stored_name: Callable[[FlatUnit, str], str]  # a parameter's name in the checkpoint
+    model_names: set[str]  # every rank's stored names (other expert-parallel ranks' experts)
 
 
 @dataclass
@@ -443,7 +444,7 @@ def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:
     saved = index["params"]
     mine = {state.stored_name(u, s.name): s for u in state.units for s in u.layout.slots}
     missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
+    unexpected = sorted(set(saved) - state.model_names)
     mismatched = sorted(
         f"{n}: checkpoint {tuple(saved[n]['shape'])} vs model {tuple(mine[n].shape)}"
         for n in set(mine) & set(saved)

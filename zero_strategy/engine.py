@@ -206,6 +206,17 @@ class ZeroEngine:
         # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
         return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=cfg.stage > 0)
 
+    def _model_names(self) -> set[str]:
+        """The stored names of the whole model: this rank's, and the experts of every
+        other expert-parallel rank."""
+        return {
+            name if unit.group.spec.replicated else self._expert_names.stored(name, copy)
+            for unit in self.units
+            for slot in unit.layout.slots
+            for name in (slot.name, *slot.aliases)
+            for copy in range(1 if unit.group.spec.replicated else unit.group.spec.copies)
+        }
+
     def _stored_name(self, unit: FlatUnit, name: str) -> str:
         """The name a parameter is checkpointed and consolidated under: its own, or for a
         distinct copy (an expert-parallel rank's experts) its global name."""
@@ -628,6 +639,7 @@ class ZeroEngine:
             self.config.stage,
             self.device,
             self._stored_name,
+            self._model_names(),
         )
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
