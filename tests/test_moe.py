@@ -195,3 +195,40 @@ def test_consolidated_moe_checkpoint_loads_into_the_one_process_model(tmp_path):
     model = moe_model(1)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to wte
+
+
+def _memory(rank, world, ep_size, stage):
+    model = moe_model(ep_size)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    x, y = local_batch(0, 0, rank, world, MOE)
+    engine.backward(engine(x, y))
+    engine.step()
+    report = engine.memory_report()
+    engine.close()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group(stage):
+    """ep_size 2 on 4 ranks: each rank holds 2 of the 4 experts, sharded over the 2 ranks
+    holding the same ones, so its expert Adam moments are 1/4 of all experts' (8 bytes
+    an element), as memory_report() shows; the planner's ep_size accounting agrees."""
+    from zero_strategy.planner import count_params, plan
+
+    model = moe_model(1)
+    every_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    for report in run_world(_memory, WORLD, 2, stage):
+        # Beyond the moments: AdamW's 4-byte `step` per optimizer tensor (at most 2 param
+        # groups x 2 layers) and the padding of each layer's expert unit to the group size.
+        extra = report["expert_optimizer_state"] - every_expert * 8 / WORLD
+        assert 0 < extra <= 4 * 2 * 2 + 8 * 2 * 1
+        assert report["expert_parameters"] <= report["parameters"]
+        params, root = count_params(model)
+        predicted = plan(
+            params, WORLD, stage, root_params=root, ep_size=2, expert_params=every_expert
+        )
+        state = sum(
+            report[k] for k in ("parameters", "master_params", "gradients", "optimizer_state")
+        )
+        assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, report)

@@ -612,6 +612,8 @@ class ZeroEngine:
             self.config.stage,
             comm_tensors=self.reducer.comm_buffers(),
             comm_storages=self.gather.storage_pool.storages() if self.gather else (),
+            expert_units=[u for u in self.units if not u.group.spec.replicated],
+            expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
         )
 
     def comm_report(self) -> dict[str, dict[str, int]]:

@@ -41,22 +41,12 @@ class _Ledger:
         self.bytes[kind] += storage.nbytes()
 
 
-def memory_report(
-    units: Iterable[FlatUnit],
-    optimizer: torch.optim.Optimizer,
-    module: nn.Module,
-    stage: int,
-    comm_tensors: Iterable[torch.Tensor] = (),
-    comm_storages: Iterable[torch.UntypedStorage] = (),
-) -> dict[str, int]:
-    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
-    shard at stage 3); master_params: fp32 masters not shared with them; gradients;
-    optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
-    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in flight
-    and pooled) and the storages that recycle stage 3's gather memory (`comm_storages`);
-    buffers: the model's buffers. `total` sums them."""
-    units = list(units)
-    ledger = _Ledger()
+MODEL_STATE = ("parameters", "master_params", "gradients", "optimizer_state")
+
+
+def _add_model_state(
+    ledger: _Ledger, units: list[FlatUnit], states: Iterable[dict], stage: int
+) -> None:
     for unit in units:
         ledger.add("parameters", unit.full if stage < 3 else unit.shard)
     for unit in units:
@@ -65,10 +55,35 @@ def memory_report(
         ledger.add("gradients", unit.grad_opt)
         if stage < 2:
             ledger.add("gradients", unit.grad_full)
-    for state in optimizer.state.values():
+    for state in states:
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 ledger.add("optimizer_state", value)
+
+
+def memory_report(
+    units: Iterable[FlatUnit],
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    stage: int,
+    comm_tensors: Iterable[torch.Tensor] = (),
+    comm_storages: Iterable[torch.UntypedStorage] = (),
+    expert_units: Iterable[FlatUnit] = (),
+    expert_params: Iterable[torch.Tensor] = (),
+) -> dict[str, int]:
+    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
+    shard at stage 3); master_params: fp32 masters not shared with them; gradients;
+    optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
+    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in flight
+    and pooled) and the storages that recycle stage 3's gather memory (`comm_storages`);
+    buffers: the model's buffers. `total` sums them.
+
+    With MoE experts (`expert_units`, and the optimizer parameters over them),
+    `expert_<kind>` is the experts' part of each model-state kind, already counted in the
+    kind itself (and so not in `total` twice)."""
+    units = list(units)
+    ledger = _Ledger()
+    _add_model_state(ledger, units, optimizer.state.values(), stage)
     for unit in units:
         if stage == 3 and unit.gathered_bytes():
             ledger.add_storage("gathered_parameters", unit.gathered_storage())
@@ -82,4 +97,10 @@ def memory_report(
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)
     report["total"] = sum(report.values())
+    expert_units = list(expert_units)
+    if expert_units:
+        states = [optimizer.state.get(p, {}) for p in expert_params]
+        part = _Ledger()
+        _add_model_state(part, expert_units, states, stage)
+        report.update({f"expert_{kind}": part.bytes[kind] for kind in MODEL_STATE})
     return report
