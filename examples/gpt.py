@@ -21,10 +21,17 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     tie_embeddings: bool = True
-    n_experts: int = 0  # > 0: MoE MLPs with this many experts
+    # > 0: MoE MLPs with this many experts; a list gives each layer its own count (PR-MoE's
+    # pyramid: more experts in later layers; 0 keeps a layer dense)
+    n_experts: int | list[int] = 0
     ep_size: int = 1  # expert-parallel ranks the experts are split over
     moe_k: int = 2  # experts per token
     moe_aux_loss_coef: float = 0.01  # load balancing, added to the loss in training
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_residual: bool = False  # Residual-MoE: a dense MLP beside the experts
+
+    def experts_of(self, layer: int) -> int:
+        return self.n_experts[layer] if isinstance(self.n_experts, list) else self.n_experts
 
 
 class CausalSelfAttention(nn.Module):
@@ -59,19 +66,21 @@ class MLP(nn.Sequential):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, n_experts: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        if cfg.n_experts:
+        if n_experts:
             self.moe = MoE(
                 cfg.n_embd,
                 MLP(cfg.n_embd),
-                cfg.n_experts,
+                n_experts,
                 cfg.ep_size,
                 cfg.moe_k,
                 aux_loss_coef=cfg.moe_aux_loss_coef,
+                capacity_factor=cfg.moe_capacity_factor,
+                use_residual=cfg.moe_residual,
                 expert_init=init_weights,
             )
         else:
@@ -91,7 +100,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.experts_of(i)) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -112,7 +121,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        if self.cfg.n_experts and self.training:
+        if self.training and any(hasattr(b, "moe") for b in self.blocks):
             loss = loss + moe_losses(self)
         return loss
 

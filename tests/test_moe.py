@@ -20,16 +20,16 @@ WORLD, STEPS = 4, 6
 MOE = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, n_experts=4)
 
 
-def moe_model(ep_size: int) -> GPT:
+def moe_model(ep_size: int, cfg: GPTConfig = MOE) -> GPT:
     torch.manual_seed(0)
-    return GPT(replace(MOE, ep_size=ep_size))
+    return GPT(replace(cfg, ep_size=ep_size))
 
 
-@pytest.fixture(scope="module")
-def reference():
+def train_one_process(cfg: GPTConfig = MOE):
     """One process, every expert: each step averages the losses of the four ranks' local
-    batches (what data parallelism optimises; the router's balancing loss is per batch)."""
-    model = moe_model(1)
+    batches (what data parallelism optimises; the router's balancing loss and the
+    capacity are per batch)."""
+    model = moe_model(1, cfg)
     opt = make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -46,8 +46,13 @@ def reference():
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(rank: int, world: int, ep_size: int, stage: int, **config):
-    model = moe_model(ep_size)
+@pytest.fixture(scope="module")
+def reference():
+    return train_one_process()
+
+
+def _train(rank: int, world: int, ep_size: int, stage: int, cfg: GPTConfig = MOE, **config):
+    model = moe_model(ep_size, cfg)
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **config))
     losses = []
     for step in range(STEPS):
@@ -232,3 +237,64 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(stage):
             report[k] for k in ("parameters", "master_params", "gradients", "optimizer_state")
         )
         assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, report)
+
+
+PYRAMID = replace(MOE, n_experts=[2, 4], moe_residual=True, moe_capacity_factor=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pyramid_residual_capacity_model_matches_one_process(stage):
+    """PR-MoE's shape: 2 then 4 experts, a dense MLP beside each, capacity 1.0 (tokens
+    dropped), ep_size 2 on 4 ranks."""
+    ref_losses, ref_state = train_one_process(PYRAMID)
+    losses, state = run_world(_train, WORLD, 2, stage, PYRAMID)[0]
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert state.keys() == ref_state.keys()
+    assert rel_l2(state, ref_state) <= 1e-5
+
+
+def test_capacity_drops_exactly_the_assignments_past_it():
+    """8 tokens, top-1 over 2 experts, capacity ceil(8 / 2 * 0.75) = 3: of the six tokens
+    routed to expert 0 the first three are kept and the next three dropped (output zero,
+    so the block's residual stream carries them); expert 1's two tokens are kept."""
+    torch.manual_seed(0)
+    moe = MoE(8, torch.nn.Linear(8, 8), num_experts=2, k=1, capacity_factor=0.75, min_capacity=1)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0, 0], moe.router.gate.weight[1, 0] = 1.0, -1.0
+    x = torch.randn(8, 8)
+    x[:, 0] = torch.tensor([1.0, 2, 3, 4, 5, 6, -1, -2])  # 6 tokens to expert 0, 2 to 1
+    y = moe(x)
+    experts = moe.experts.local
+    for i in (0, 1, 2):
+        torch.testing.assert_close(y[i], experts[0](x[i]))
+    for i in (3, 4, 5):
+        assert torch.equal(y[i], torch.zeros(8))
+    for i in (6, 7):
+        torch.testing.assert_close(y[i], experts[1](x[i]))
+    moe.eval()  # eval_capacity_factor defaults to the training one
+    assert torch.equal(moe(x)[3:6], torch.zeros(3, 8))
+
+
+def test_random_token_selection_keeps_a_random_capacity_worth():
+    torch.manual_seed(0)
+    moe = MoE(
+        8,
+        torch.nn.Linear(8, 8),
+        num_experts=2,
+        k=1,
+        capacity_factor=0.5,
+        min_capacity=1,
+        random_token_selection=True,
+    )
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0, 0] = 1.0
+    x = torch.rand(16, 8) + 0.1  # every token prefers expert 0; capacity ceil(16/2*0.5) = 4
+    kept = [frozenset(torch.nonzero(moe(x).abs().sum(1)).flatten().tolist()) for _ in range(4)]
+    assert all(len(k) == 4 for k in kept)
+    assert len(set(kept)) > 1  # not always the first four tokens
+    with pytest.raises(ValueError, match="random_token_selection applies to top-1"):
+        MoE(8, torch.nn.Linear(8, 8), num_experts=2, k=2, random_token_selection=True)

@@ -15,14 +15,15 @@ padding to the busiest one.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..kernels import permute, plan_dispatch, unpermute
-from . import dispatch
+from ..kernels import permute, unpermute
+from . import capacity, dispatch
 from .experts import Experts
 from .router import Router
 
@@ -41,10 +42,25 @@ class MoE(nn.Module):
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
+        capacity_factor: float | None = None,
+        eval_capacity_factor: float | None = None,
+        min_capacity: int = 4,
+        random_token_selection: bool = False,
+        use_residual: bool = False,
         expert_init: Callable[[nn.Module], None] | None = None,
     ):
         """`expert_init(submodule)` initialises each expert copy (default: the
-        submodules' `reset_parameters()`), under a seed of its global expert id."""
+        submodules' `reset_parameters()`), under a seed of its global expert id.
+
+        `capacity_factor` None is dropless; a number caps each expert at
+        `capacity_for(tokens, k, num_experts, factor, min_capacity)` of this rank's
+        assignments and drops the rest (their output is zero: the block's residual
+        stream carries the token). `eval_capacity_factor` replaces it in evaluation
+        (default: the same). `random_token_selection` (top-1 with a capacity) lets tokens
+        compete for capacity in random order while training. `use_residual` is
+        Residual-MoE: a dense copy of `expert` beside the experts, mixed in by a learned
+        per-token coefficient (`out = moe * c0 + mlp * c1`, `c = softmax(Linear(h, 2))`).
+        """
         super().__init__()
         if num_experts <= 0 or ep_size <= 0 or num_experts % ep_size:
             raise ValueError(
@@ -52,14 +68,31 @@ class MoE(nn.Module):
                 f"ep_size={ep_size}: each expert-parallel rank holds the same number of "
                 "experts. Change one of them."
             )
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(
+                f"MoE capacity_factor={capacity_factor} must be positive (or None: dropless)."
+            )
+        if random_token_selection and k != 1:
+            raise ValueError(
+                f"MoE random_token_selection applies to top-1 routing, got k={k}; drop it or "
+                "use k=1."
+            )
         self.hidden_size, self.num_experts, self.ep_size = hidden_size, num_experts, ep_size
         self.num_local = num_experts // ep_size
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = (
+            capacity_factor if eval_capacity_factor is None else eval_capacity_factor
+        )
+        self.min_capacity, self.random_token_selection = min_capacity, random_token_selection
         self.router = Router(
             hidden_size, num_experts, k, score, normalize, aux_loss_coef, z_loss_coef, jitter
         )
         # One draw from the global RNG whatever ep_size is: the experts' seeds, so the same
         # seed gives the same experts at every expert-parallel size.
         seed = int(torch.randint(2**40, ()).item())
+        if use_residual:
+            self.residual_mlp = copy.deepcopy(expert)
+            self.coefficient = nn.Linear(hidden_size, 2)
         self.experts = Experts(expert, self.num_local, seed, expert_init)
         self._comm: Communicator | None = None
         self.last_losses: torch.Tensor | None = None  # aux + z of the last training forward
@@ -89,7 +122,12 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         if self.training and torch.is_grad_enabled():
             self.last_losses = routing.aux_loss + routing.z_loss
-        plan = plan_dispatch(routing.expert_index, self.num_experts)  # dropless
+        plan = capacity.plan(
+            routing.expert_index,
+            self.num_experts,
+            self._capacity(tokens.shape[0]),
+            self._shuffle() if self.random_token_selection and self.training else None,
+        )
         rows = permute(tokens, plan)  # grouped by global expert
         if self.ep_size == 1:
             chunks = list(rows.split(plan.kept_per_expert.tolist()))
@@ -97,7 +135,22 @@ class MoE(nn.Module):
         else:
             out = self._expert_parallel(rows, plan.kept_per_expert)
         y = unpermute(out, plan, routing.weights)
+        if hasattr(self, "residual_mlp"):
+            mix = torch.softmax(self.coefficient(tokens).to(torch.float32), dim=-1)
+            y = y * mix[:, :1] + self.residual_mlp(tokens).to(torch.float32) * mix[:, 1:]
         return y.to(hidden.dtype).reshape(hidden.shape)
+
+    def _capacity(self, tokens: int) -> int | None:
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if factor is None:
+            return None
+        return capacity.capacity_for(
+            tokens, self.router.k, self.num_experts, factor, self.min_capacity
+        )
+
+    def _shuffle(self) -> torch.Generator:
+        """A generator drawn from the global RNG: seeded runs select reproducibly."""
+        return torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
 
     def _expert_parallel(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         comm = self._comm
