@@ -24,7 +24,7 @@ class GPTConfig:
     # > 0: MoE MLPs with this many experts; a list gives each layer its own count (PR-MoE's
     # pyramid: more experts in later layers; 0 keeps a layer dense)
     n_experts: int | list[int] = 0
-    ep_size: int = 1  # expert-parallel ranks the experts are split over
+    ep_size: int | None = 1  # expert-parallel ranks (None: the strategy's expert_parallel_size)
     moe_k: int = 2  # experts per token
     moe_aux_loss_coef: float = 0.01  # load balancing, added to the loss in training
     moe_capacity_factor: float | None = None  # None: dropless

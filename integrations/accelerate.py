@@ -7,7 +7,8 @@ Accelerate has no place for a third-party sharding plugin: its config file rejec
 unknown keys, `DistributedType` is a closed enum, and the `Accelerator` constructor's
 plugin arguments are typed. So the script swaps the class, and the ZeRO settings come
 from a `ZeroPlugin`: its arguments, else the `ZERO_STRATEGY_*` environment variables that
-`accelerate launch` copies into every process (`ZERO_STRATEGY_STAGE`, and
+`accelerate launch` copies into every process (`ZERO_STRATEGY_STAGE`,
+`ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, and
 `ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields, or a
 DeepSpeed `ds_config.json`). Launch as
 Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU).
@@ -43,6 +44,7 @@ from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
+ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"
 ENV_CONFIG_FILE = "ZERO_STRATEGY_CONFIG_FILE"
 CHECKPOINT_DIR = "zero_model"  # inside save_state's folder: the engine's sharded checkpoint
 OPTIMIZER_MARKER = {"zero_strategy": "sharded; the state is in the zero_model checkpoint"}
@@ -58,8 +60,9 @@ class ZeroPlugin:
     """The ZeRO settings of a `ZeroAccelerator`.
 
     Fields are read in this order, later ones winning: the YAML/JSON file
-    (`config_file`, else `$ZERO_STRATEGY_CONFIG_FILE`), `$ZERO_STRATEGY_STAGE`, then
-    `stage` and `options` (any `ZeroConfig` field) given here."""
+    (`config_file`, else `$ZERO_STRATEGY_CONFIG_FILE`), `$ZERO_STRATEGY_STAGE` and
+    `$ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, then `stage` and `options` (any `ZeroConfig`
+    field) given here."""
 
     stage: int | None = None
     config_file: str | None = None
@@ -71,7 +74,9 @@ class ZeroPlugin:
         if config_file:
             values.update(_read_config_file(config_file))
         if os.environ.get(ENV_STAGE):
-            values["stage"] = _stage_from_env(os.environ[ENV_STAGE])
+            values["stage"] = _int_from_env(ENV_STAGE, "a stage (0, 1, 2 or 3)")
+        if os.environ.get(ENV_EXPERT_PARALLEL):
+            values["expert_parallel_size"] = _int_from_env(ENV_EXPERT_PARALLEL, "a number of ranks")
         values.update(self.options)
         if self.stage is not None:
             values["stage"] = self.stage
@@ -107,11 +112,11 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return dict(values)
 
 
-def _stage_from_env(value: str) -> int:
+def _int_from_env(name: str, what: str) -> int:
     try:
-        return int(value)
+        return int(os.environ[name])
     except ValueError:
-        raise ValueError(f"{ENV_STAGE}={value!r} is not a stage; set it to 0, 1, 2 or 3.") from None
+        raise ValueError(f"{name}={os.environ[name]!r} is not {what}; set an integer.") from None
 
 
 class ZeroOptimizer(AcceleratedOptimizer):

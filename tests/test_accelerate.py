@@ -177,6 +177,8 @@ def test_plugin_reads_file_then_environment_then_arguments(tmp_path, monkeypatch
     assert (resolved.stage, resolved.bucket_size, resolved.prefetch_depth) == (1, 1000, 3)
     monkeypatch.setenv("ZERO_STRATEGY_STAGE", "2")
     assert ZeroPlugin().resolve("no").stage == 2
+    monkeypatch.setenv("ZERO_STRATEGY_EXPERT_PARALLEL_SIZE", "2")
+    assert ZeroPlugin().resolve("no").expert_parallel_size == 2
     explicit = ZeroPlugin(stage=3, options={"bucket_size": 50}).resolve("fp16")
     assert (explicit.stage, explicit.bucket_size, explicit.compute_dtype) == (3, 50, "fp16")
     assert ZeroPlugin().resolve("bf16").compute_dtype == "fp32"  # under Accelerate's autocast
@@ -190,6 +192,10 @@ def test_plugin_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="ZERO_STRATEGY_STAGE='three' is not a stage"):
         ZeroPlugin().resolve("no")
     monkeypatch.delenv("ZERO_STRATEGY_STAGE")
+    monkeypatch.setenv("ZERO_STRATEGY_EXPERT_PARALLEL_SIZE", "two")
+    with pytest.raises(ValueError, match="EXPERT_PARALLEL_SIZE='two' is not a number of ranks"):
+        ZeroPlugin().resolve("no")
+    monkeypatch.delenv("ZERO_STRATEGY_EXPERT_PARALLEL_SIZE")
     with pytest.raises(FileNotFoundError, match=r"missing\.yaml"):
         ZeroPlugin(config_file=str(tmp_path / "missing.yaml")).resolve("no")
     typo = tmp_path / "typo.json"

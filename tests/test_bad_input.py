@@ -40,6 +40,7 @@ BAD_VALUES = [
     ("all_gather_via_broadcast", 1, "None (automatic), True or False"),
     ("overlap_param_gather", None, "True or False"),
     ("allow_untested_optimizer", "no", "True or False"),
+    ("expert_parallel_size", 0, "positive number of ranks"),
 ]
 
 

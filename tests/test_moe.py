@@ -298,3 +298,92 @@ def test_random_token_selection_keeps_a_random_capacity_worth():
     assert len(set(kept)) > 1  # not always the first four tokens
     with pytest.raises(ValueError, match="random_token_selection applies to top-1"):
         MoE(8, torch.nn.Linear(8, 8), num_experts=2, k=2, random_token_selection=True)
+
+
+def _built_on_meta(rank, world, stage, ep_size):
+    from zero_strategy import init_on_meta
+
+    torch.manual_seed(0)
+    with init_on_meta():
+        model = GPT(replace(MOE, ep_size=None))
+    engine = ZeroEngine(
+        model,
+        make_optimizer(model),
+        ZeroConfig(stage=stage, expert_parallel_size=ep_size),
+    )
+    state = engine.full_state_dict()
+    engine.close()
+    return state if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_meta_built_experts_get_their_global_values(stage):
+    """Built on the meta device with ep_size=None: each rank materialises only its experts,
+    with the values of their global ids (the same at expert_parallel_size 2 and 4), and
+    no two experts alike (ranks do not repeat each other's initialisation)."""
+    two = run_world(_built_on_meta, WORLD, stage, 2)[0]
+    four = run_world(_built_on_meta, WORLD, stage, 4)[0]
+    experts = sorted(n for n in two if ".experts." in n)
+    assert len(experts) == 2 * 4 * 4  # 2 layers x 4 experts x (2 weights + 2 biases)
+    for name in experts:
+        assert torch.equal(two[name], four[name]), name
+    first = [two[f"blocks.0.moe.experts.local.{e}.0.weight"] for e in range(4)]
+    assert all(not torch.equal(first[a], first[b]) for a in range(4) for b in range(a))
+
+
+def _lightning_fit(rank, world, expert_parallel_size):
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    class LitMoE(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(replace(MOE, ep_size=None))
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = local_batch(batch_idx, 0, self.global_rank, world, MOE)
+            loss = self.model(x, y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return make_optimizer(self.model)
+
+    strategy = ZeroStrategy(stage=3, expert_parallel_size=expert_parallel_size)
+    trainer = quiet_trainer(world, strategy, max_steps=4)
+    module = LitMoE()
+    data = torch.utils.data.DataLoader(torch.zeros(8 * world, 1), batch_size=1)
+    trainer.fit(module, data)
+    held = sum(1 for n, _ in module.model.named_parameters() if ".experts.local." in n)
+    return module.losses, held
+
+
+@pytest.mark.slow
+def test_lightning_strategy_takes_the_expert_parallel_size():
+    """Trainer(strategy=ZeroStrategy(stage=3, expert_parallel_size=2)) on 2 ranks splits
+    the experts (each rank holds half) and trains as with every expert on every rank."""
+    split = run_world(_lightning_fit, 2, 2)
+    whole = run_world(_lightning_fit, 2, 1)
+    for (losses, held), (want, held_all) in zip(split, whole, strict=True):
+        assert held * 2 == held_all
+        for got, ref in zip(losses, want, strict=True):
+            assert abs(got - ref) <= 1e-5 * abs(ref)
+
+
+def _settle(rank, world, ep_size, n_experts):
+    model = GPT(replace(MOE, ep_size=None, n_experts=n_experts))
+    ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=1, expert_parallel_size=ep_size))
+
+
+def test_expert_parallel_size_that_divides_neither_world_nor_experts_is_refused():
+    for ep_size, n_experts, needle in [
+        (3, 6, "expert_parallel_size=3 does not divide the world size 2"),
+        (2, 3, "expert_parallel_size=2 does not divide this MoE layer's num_experts=3"),
+    ]:
+        for status, payload in run_world(_settle, 2, ep_size, n_experts, expect_errors=True):
+            assert status == "error" and needle in payload, payload

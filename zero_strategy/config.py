@@ -97,6 +97,9 @@ class ZeroConfig:
     broadcast_buffers: bool = True
     # Optimizers outside torch's elementwise set are refused unless this is True.
     allow_untested_optimizer: bool = False
+    # MoE layers built with ep_size=None split their experts over this many contiguous
+    # ranks (expert parallelism); 1 keeps every expert on every rank.
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # Any sequence of names (a Hydra/OmegaConf ListConfig, a tuple) becomes a list.
@@ -120,6 +123,15 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(name, "use a positive number of elements, e.g. 25_000_000.")
+        if (
+            not isinstance(self.expert_parallel_size, int)
+            or isinstance(self.expert_parallel_size, bool)
+            or self.expert_parallel_size <= 0
+        ):
+            fail(
+                "expert_parallel_size",
+                "use a positive number of ranks that divides the world size.",
+            )
         for name in ("prefetch_depth", "persistence_threshold", "max_reuse_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

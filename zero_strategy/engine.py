@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint, fused_step, meta_init
@@ -33,7 +34,13 @@ from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
 from .module_state import ModuleStateHooks
-from .moe.placement import ExpertNames, expert_parallel_partition, expert_placements, moe_layers
+from .moe.placement import (
+    ExpertNames,
+    expert_parallel_partition,
+    expert_placements,
+    moe_layers,
+    settle_expert_parallel,
+)
 from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
 from .partition import (
     FROZEN_GROUP,
@@ -70,6 +77,7 @@ class ZeroEngine:
         check_optimizer(optimizer, cfg.allow_untested_optimizer)
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
+        _settle_expert_parallel(model, optimizer, cfg.expert_parallel_size)
         params = unique_parameters(model)
         if not params:
             raise ValueError(
@@ -767,6 +775,17 @@ def _coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
     if isinstance(config, dict):
         return ZeroConfig.from_dict(config)
     raise TypeError(f"config must be a ZeroConfig or a dict, got {type(config).__name__}.")
+
+
+def _settle_expert_parallel(model, optimizer, ep_size: int) -> None:
+    """MoE layers built with ep_size=None keep this rank's experts; the optimizer, built
+    over every expert, forgets the others."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    dropped = {id(p) for p in settle_expert_parallel(model, ep_size, rank, world)}
+    if dropped:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in dropped]
 
 
 def _resolve_device(params, device) -> torch.device:

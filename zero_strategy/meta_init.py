@@ -57,9 +57,22 @@ def run_init(
     model: nn.Module, modules: list[tuple[str, nn.Module]], init_fn: InitFn | None
 ) -> None:
     """Initialise the parameters directly owned by each module (now real, pointing at a
-    flat buffer)."""
+    flat buffer). A module under an ancestor with `zero_initialise()` (MoE experts, which
+    seed each expert by its global id) is left to that ancestor, called once."""
     hf_init = getattr(model, "_init_weights", None)
+    owners = {
+        path: module
+        for path, module in model.named_modules()
+        if callable(getattr(module, "zero_initialise", None))
+    }
+    done: set[str] = set()
     for path, module in modules:
+        owner = next((o for o in owners if path == o or path.startswith(o + ".") or o == ""), None)
+        if owner is not None:
+            if owner not in done:
+                owners[owner].zero_initialise()
+                done.add(owner)
+            continue
         if init_fn is not None:
             init_fn(module)
         elif callable(hf_init):

@@ -40,6 +40,20 @@ class Experts(nn.Module):
             self.first_id = first_id
             self._initialise()
 
+    def keep(self, first_id: int, count: int) -> list[nn.Parameter]:
+        """Keep experts `first_id .. first_id + count - 1` of the ones held (all of them,
+        initialised by global id); returns the parameters of the others, now dropped."""
+        kept = list(self.local[first_id - self.first_id : first_id - self.first_id + count])
+        dropped = [p for m in self.local if all(m is not k for k in kept) for p in m.parameters()]
+        self.local = nn.ModuleList(kept)
+        self.first_id = first_id
+        return dropped
+
+    def zero_initialise(self) -> None:
+        """Materialisation from the meta device calls this (not the model's own init), so
+        that each expert still gets the values of its global id."""
+        self._initialise()
+
     def _initialise(self) -> None:
         for i, module in enumerate(self.local):
             with torch.random.fork_rng(devices=[]):

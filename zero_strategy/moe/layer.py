@@ -34,7 +34,7 @@ class MoE(nn.Module):
         hidden_size: int,
         expert: nn.Module,
         num_experts: int,
-        ep_size: int = 1,
+        ep_size: int | None = 1,
         k: int = 1,
         *,
         score: str = "softmax",
@@ -62,7 +62,7 @@ class MoE(nn.Module):
         per-token coefficient (`out = moe * c0 + mlp * c1`, `c = softmax(Linear(h, 2))`).
         """
         super().__init__()
-        if num_experts <= 0 or ep_size <= 0 or num_experts % ep_size:
+        if num_experts <= 0 or (ep_size is not None and (ep_size <= 0 or num_experts % ep_size)):
             raise ValueError(
                 f"MoE num_experts={num_experts} must be a positive multiple of "
                 f"ep_size={ep_size}: each expert-parallel rank holds the same number of "
@@ -77,8 +77,10 @@ class MoE(nn.Module):
                 f"MoE random_token_selection applies to top-1 routing, got k={k}; drop it or "
                 "use k=1."
             )
+        # ep_size None: ZeroEngine decides (ZeroConfig.expert_parallel_size); until then
+        # this rank holds every expert.
         self.hidden_size, self.num_experts, self.ep_size = hidden_size, num_experts, ep_size
-        self.num_local = num_experts // ep_size
+        self.num_local = num_experts // (ep_size or 1)
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = (
             capacity_factor if eval_capacity_factor is None else eval_capacity_factor
@@ -89,7 +91,7 @@ class MoE(nn.Module):
         )
         # One draw from the global RNG whatever ep_size is: the experts' seeds, so the same
         # seed gives the same experts at every expert-parallel size.
-        seed = int(torch.randint(2**40, ()).item())
+        seed = int(torch.randint(2**40, (), device="cpu").item())
         if use_residual:
             self.residual_mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
@@ -98,6 +100,20 @@ class MoE(nn.Module):
         self.last_losses: torch.Tensor | None = None  # aux + z of the last training forward
 
     # ------------------------------------------------------------------ groups
+    def settle_ep_size(self, ep_size: int, ep_rank: int) -> list[nn.Parameter]:
+        """For a layer built with ep_size=None: split the experts over `ep_size` ranks,
+        keeping this rank's (`ep_rank` in its group); returns the parameters dropped."""
+        if self.ep_size is not None:
+            return []
+        if self.num_experts % ep_size:
+            raise ValueError(
+                f"expert_parallel_size={ep_size} does not divide this MoE layer's "
+                f"num_experts={self.num_experts}: each expert-parallel rank holds the same "
+                "number of experts. Choose a divisor of the expert count."
+            )
+        self.ep_size, self.num_local = ep_size, self.num_experts // ep_size
+        return self.experts.keep(ep_rank * self.num_local, self.num_local)
+
     def bind(self, comm: Communicator) -> None:
         """Set the expert-parallel group (ZeroEngine does, with its own groups, before it
         materialises the model): this rank then holds experts rank * num_local, ..."""
@@ -129,7 +145,7 @@ class MoE(nn.Module):
             self._shuffle() if self.random_token_selection and self.training else None,
         )
         rows = permute(tokens, plan)  # grouped by global expert
-        if self.ep_size == 1:
+        if (self.ep_size or 1) == 1:
             chunks = list(rows.split(plan.kept_per_expert.tolist()))
             out = torch.cat(self.experts(chunks)) if chunks else rows
         else:

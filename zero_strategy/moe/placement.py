@@ -22,6 +22,23 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {path: m for path, m in model.named_modules() if isinstance(m, MoE)}
 
 
+def settle_expert_parallel(
+    model: nn.Module, ep_size: int, rank: int, world_size: int
+) -> list[nn.Parameter]:
+    """Give layers built with ep_size=None the configured size (1 unless the world is
+    split), keeping this rank's experts; returns the parameters of the experts dropped."""
+    if world_size % ep_size:
+        raise ValueError(
+            f"ZeroConfig.expert_parallel_size={ep_size} does not divide the world size "
+            f"{world_size}: expert-parallel groups are that many contiguous ranks. Use a "
+            f"divisor of {world_size}."
+        )
+    dropped = []
+    for layer in moe_layers(model).values():
+        dropped += layer.settle_ep_size(ep_size, rank % ep_size)
+    return dropped
+
+
 def _check(path: str, layer: MoE, world_size: int) -> None:
     if world_size % layer.ep_size:
         raise ValueError(
