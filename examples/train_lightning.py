@@ -3,6 +3,7 @@ a sharded checkpoint written, then consolidated into one safetensors file.
 
     python examples/train_lightning.py                 # Lightning launches the 2 ranks
     python examples/train_lightning.py --strategy zero1 --max-steps 50
+    python examples/train_lightning.py --experts 4 --expert-parallel-size 2   # MoE MLPs
 
 The corpus is Python's standard-library docstrings, tokenised as bytes: no download.
 """
@@ -39,11 +40,19 @@ class ByteWindows(Dataset):
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, n_layer: int = 4, n_embd: int = 128, lr: float = 3e-3):
+    def __init__(self, n_layer: int = 4, n_embd: int = 128, lr: float = 3e-3, experts: int = 0):
         super().__init__()
         self.save_hyperparameters()
+        # With experts, every MLP is an MoE layer whose experts the strategy splits over
+        # its expert_parallel_size (ep_size=None).
         self.cfg = GPTConfig(
-            vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd
+            vocab_size=256,
+            block_size=64,
+            n_layer=n_layer,
+            n_head=4,
+            n_embd=n_embd,
+            n_experts=experts,
+            ep_size=None,
         )
 
     def configure_model(self) -> None:
@@ -69,15 +78,26 @@ def main() -> None:
     parser.add_argument("--strategy", default="zero3", choices=["zero1", "zero2", "zero3", "ddp"])
     parser.add_argument("--max-steps", type=int, default=120)
     parser.add_argument("--out", default="runs/lightning")
+    parser.add_argument("--experts", type=int, default=0, help="MoE MLPs with this many experts")
+    parser.add_argument(
+        "--expert-parallel-size", type=int, default=1, help="ranks the experts are split over"
+    )
     args = parser.parse_args()
 
     L.seed_everything(0)
     torch.set_num_threads(1)
     data = DataLoader(ByteWindows(byte_tokens(), 64), batch_size=8, shuffle=True, num_workers=0)
+    strategy = args.strategy
+    if args.expert_parallel_size > 1:
+        from zero_strategy.integrations.lightning import ZeroStrategy
+
+        strategy = ZeroStrategy(
+            stage=int(args.strategy[-1]), expert_parallel_size=args.expert_parallel_size
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=args.strategy,
+        strategy=strategy,
         max_steps=args.max_steps,
         accumulate_grad_batches=2,
         gradient_clip_val=1.0,
@@ -85,7 +105,7 @@ def main() -> None:
         default_root_dir=args.out,
         enable_checkpointing=False,
     )
-    model = LitGPT()
+    model = LitGPT(experts=args.experts)
     trainer.fit(model, data)
     ckpt = Path(args.out) / "last.ckpt"
     # Every rank writes its shard (a directory for zero*); optimizer state included.
