@@ -1,0 +1,102 @@
+"""MoE training side by side: this project's expert-parallel `MoE` under ZeRO stages 1-3
+against DeepSpeed-MoE under DeepSpeed ZeRO-2, 2 gloo ranks, ep_size 2, one thread per
+rank, the same experts, k, capacity and batches.
+
+    python benchmarks/moe_bench.py --rounds 3        # needs pip install -e .[bench]
+
+Runs interleave (a different order each round; the machine is noisy). The table shows
+median tokens per second per rank, the ratio to DeepSpeed-MoE measured in the same
+round (median over rounds), and peak RSS per rank (the larger rank's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.launch import torchrun  # noqa: E402
+
+ALL = ["ds-moe", "zero1", "zero2", "zero3"]
+
+
+def run_one(impl: str, args, out: str) -> dict | None:
+    proc = torchrun(
+        str(HERE / "moe_worker.py"),
+        "--impl",
+        impl,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--out",
+        out,
+        timeout=args.timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    ranks = [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(2)]
+    return {
+        "tokens_per_s": min(r["tokens_per_s"] for r in ranks),
+        "rss": max(r["peak_rss_mib"] for r in ranks),
+        "loss": ranks[0]["losses"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--impls", default=",".join(ALL))
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    impls = args.impls.split(",")
+    rounds = []
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(args.rounds):
+            order = impls[r % len(impls) :] + impls[: r % len(impls)]
+            results = {}
+            for impl in order:
+                res = run_one(impl, args, out)
+                if res:
+                    results[impl] = res
+                    print(
+                        f"round {r} {impl:7s} {res['tokens_per_s']:.0f} tokens/s "
+                        f"rss {res['rss']:.0f} MiB loss {res['loss'][-1]:.4f}",
+                        flush=True,
+                    )
+            rounds.append(results)
+    print(f"\nMoE GPT, ep_size 2 on 2 gloo ranks, {len(rounds)} rounds x {args.steps} steps")
+    print("| impl | tokens/s per rank | vs DeepSpeed-MoE (ZeRO-2) | peak RSS/rank (MiB) |")
+    print("|---|---|---|---|")
+    for impl in impls:
+        got = [rd[impl] for rd in rounds if impl in rd]
+        if not got:
+            print(f"| {impl} | failed | - | - |")
+            continue
+        ratios = [
+            rd[impl]["tokens_per_s"] / rd["ds-moe"]["tokens_per_s"]
+            for rd in rounds
+            if impl in rd and "ds-moe" in rd
+        ]
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        print(
+            f"| {impl} | {statistics.median(g['tokens_per_s'] for g in got):.0f} | {ratio} "
+            f"| {statistics.median(g['rss'] for g in got):.0f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rounds, indent=1))
+
+
+if __name__ == "__main__":
+    main()
