@@ -22,31 +22,26 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.launch import torchrun  # noqa: E402
+from benchmarks.launch import run_ranks  # noqa: E402
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
 
 
 def run_one(impl: str, args, out: str) -> dict | None:
-    proc = torchrun(
+    ranks = run_ranks(
         str(HERE / "engine_worker.py"),
-        "--impl",
         impl,
+        out,
         "--size",
         args.size,
         "--warmup",
         str(args.warmup),
         "--steps",
         str(args.steps),
-        "--out",
-        out,
         timeout=args.timeout,
-        check=False,
     )
-    if proc.returncode != 0:
-        print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
+    if ranks is None:
         return None
-    ranks = [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(2)]
     return {
         "step": max(r["median_step_s"] for r in ranks),
         "phases": ranks[0]["phase_medians_s"],

@@ -24,3 +24,20 @@ def torchrun(
     return subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=timeout, check=check
     )
+
+
+def run_ranks(
+    script: str, impl: str, out: str, *args: str, nproc: int = 2, timeout: float | None = None
+) -> list[dict] | None:
+    """Run `script --impl impl ... --out out` on `nproc` ranks; each rank's JSON result
+    (`<out>/<impl>.rank<r>.json`), or None (with the error printed) when the run failed."""
+    import json
+    from pathlib import Path
+
+    proc = torchrun(
+        script, "--impl", impl, *args, "--out", out, nproc=nproc, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(nproc)]

@@ -21,29 +21,24 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.launch import torchrun  # noqa: E402
+from benchmarks.launch import run_ranks  # noqa: E402
 
 ALL = ["ds-moe", "zero1", "zero2", "zero3"]
 
 
 def run_one(impl: str, args, out: str) -> dict | None:
-    proc = torchrun(
+    ranks = run_ranks(
         str(HERE / "moe_worker.py"),
-        "--impl",
         impl,
+        out,
         "--warmup",
         str(args.warmup),
         "--steps",
         str(args.steps),
-        "--out",
-        out,
         timeout=args.timeout,
-        check=False,
     )
-    if proc.returncode != 0:
-        print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+    if ranks is None:
         return None
-    ranks = [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(2)]
     return {
         "tokens_per_s": min(r["tokens_per_s"] for r in ranks),
         "rss": max(r["peak_rss_mib"] for r in ranks),

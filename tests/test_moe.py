@@ -51,11 +51,10 @@ def reference():
     return train_one_process()
 
 
-def _train(rank: int, world: int, ep_size: int, stage: int, cfg: GPTConfig = MOE, **config):
-    model = moe_model(ep_size, cfg)
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **config))
+def _steps(engine: ZeroEngine, steps, rank: int, world: int) -> list[float]:
+    """Train `steps`; each step's loss averaged over the ranks."""
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         x, y = local_batch(step, 0, rank, world, MOE)
         loss = engine(x, y)
         engine.backward(loss)
@@ -64,6 +63,13 @@ def _train(rank: int, world: int, ep_size: int, stage: int, cfg: GPTConfig = MOE
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
+    return losses
+
+
+def _train(rank: int, world: int, ep_size: int, stage: int, cfg: GPTConfig = MOE, **config):
+    model = moe_model(ep_size, cfg)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **config))
+    losses = _steps(engine, range(STEPS), rank, world)
     state = engine.full_state_dict()
     engine.close()
     return losses, state if rank == 0 else None
@@ -146,16 +152,7 @@ def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
     if load:
         engine.load_checkpoint(ckpt)
-    losses = []
-    for step in steps:
-        x, y = local_batch(step, 0, rank, world, MOE)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = _steps(engine, steps, rank, world)
     if save:
         engine.save_checkpoint(ckpt)
     engine.close()
@@ -387,3 +384,37 @@ def test_expert_parallel_size_that_divides_neither_world_nor_experts_is_refused(
     ]:
         for status, payload in run_world(_settle, 2, ep_size, n_experts, expect_errors=True):
             assert status == "error" and needle in payload, payload
+
+
+def _fabric_fit(rank, world, expert_parallel_size):
+    import os
+
+    import lightning as L
+
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29513")
+    strategy = ZeroFabricStrategy(stage=2, expert_parallel_size=expert_parallel_size)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = GPT(replace(MOE, ep_size=None))
+    model, optimizer = fabric.setup(model, make_optimizer(model))
+    losses = []
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world, MOE)
+        loss = model(x, y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_fabric_strategy_takes_the_expert_parallel_size():
+    split = run_world(_fabric_fit, 2, 2)
+    whole = run_world(_fabric_fit, 2, 1)
+    for losses, want in zip(split, whole, strict=True):
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want, strict=True))
