@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero_strategy.moe import MoE, moe_losses
+from zero_strategy.moe import BatchedMLP, MoE, moe_losses
 
 
 @dataclass
@@ -29,6 +29,7 @@ class GPTConfig:
     moe_aux_loss_coef: float = 0.01  # load balancing, added to the loss in training
     moe_capacity_factor: float | None = None  # None: dropless
     moe_residual: bool = False  # Residual-MoE: a dense MLP beside the experts
+    moe_batched: bool = False  # experts as batched [n_experts, ...] weights (BatchedMLP)
 
     def experts_of(self, layer: int) -> int:
         return self.n_experts[layer] if isinstance(self.n_experts, list) else self.n_experts
@@ -72,9 +73,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         if n_experts:
+            expert = BatchedMLP(cfg.n_embd, 4 * cfg.n_embd) if cfg.moe_batched else MLP(cfg.n_embd)
             self.moe = MoE(
                 cfg.n_embd,
-                MLP(cfg.n_embd),
+                expert,
                 n_experts,
                 cfg.ep_size,
                 cfg.moe_k,

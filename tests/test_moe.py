@@ -418,3 +418,45 @@ def test_fabric_strategy_takes_the_expert_parallel_size():
     whole = run_world(_fabric_fit, 2, 1)
     for losses, want in zip(split, whole, strict=True):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want, strict=True))
+
+
+BATCHED = replace(MOE, moe_batched=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ep_size", "stage"), [(2, 1), (4, 3), (2, 3)])
+def test_batched_experts_match_one_process(ep_size, stage):
+    """Experts as batched [num_experts, ...] weights (BatchedMLP): each rank holds its rows."""
+    ref_losses, ref_state = train_one_process(BATCHED)
+    losses, state = run_world(_train, WORLD, ep_size, stage, BATCHED)[0]
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert state.keys() == ref_state.keys()
+    assert state["blocks.0.moe.experts.local.w_in"].shape == (4, 32, 128)
+    assert rel_l2(state, ref_state) <= 1e-5
+
+
+def _batched_resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
+    model = moe_model(ep_size, BATCHED)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    if load:
+        engine.load_checkpoint(ckpt)
+    losses = _steps(engine, steps, rank, world)
+    if save:
+        engine.save_checkpoint(ckpt)
+    engine.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_batched_expert_checkpoint_reloads_at_another_ep_size(tmp_path):
+    """Each rank writes its rows of the [num_experts, ...] tensors; ep 2 -> 4 continues."""
+    ckpt = str(tmp_path / "ckpt")
+    cut = STEPS // 2
+    full = run_world(_batched_resumable, WORLD, 2, 2, range(STEPS), ckpt, False, False)[0]
+    run_world(_batched_resumable, WORLD, 2, 2, range(cut), ckpt, False, True)
+    index = json.loads(Path(ckpt, "index.json").read_text())
+    assert index["params"]["blocks.0.moe.experts.local.w_in"]["shape"] == [4, 32, 128]
+    resumed = run_world(_batched_resumable, WORLD, 4, 3, range(cut, STEPS), ckpt, True, False)[0]
+    for got, want in zip(resumed, full[cut:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)

@@ -33,7 +33,7 @@ from torch import nn
 from .comm import Communicator
 from .flat_unit import FlatUnit
 from .optimizer import OptimizerView
-from .partition import ParamSlot
+from .partition import ParamSlot, Stored
 from .safetensors_io import SafetensorsFile
 
 FORMAT = "zero-strategy/1"
@@ -60,7 +60,9 @@ class ShardedState:
     world: Communicator  # every rank: barriers and the index exchange
     stage: int
     device: torch.device  # where control tensors go (an NCCL group refuses CPU ones)
-    stored_name: Callable[[FlatUnit, str], str]  # a parameter's name in the checkpoint
+    # Where a parameter (unit, name, shape) is stored: a tensor's name, shape and the
+    # parameter's offset in it (experts: global ids, or rows of a batched weight).
+    stored: Callable[[FlatUnit, str, tuple[int, ...]], Stored]
     model_names: set[str]  # every rank's stored names (other expert-parallel ranks' experts)
 
 
@@ -170,18 +172,18 @@ def save(
     written: dict[str, dict[str, Any]] = {}
     for unit, slot, lo, hi in _owned_pieces(state):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
-        name = state.stored_name(unit, slot.name)
-        tensors[name] = unit.master[a:b]
+        stored = state.stored(unit, slot.name, slot.shape)
+        tensors[stored.name] = unit.master[a:b]
         for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
-            tensors[f"{key}/{name}"] = value
+            tensors[f"{key}/{stored.name}"] = value
             state_keys.add(key)
-        written[name] = {
-            "shape": list(slot.shape),
+        written[stored.name] = {
+            "shape": list(stored.shape),
             "dtype": str(slot.dtype).removeprefix("torch."),
-            "aliases": [state.stored_name(unit, a) for a in slot.aliases],
+            "aliases": [state.stored(unit, a, slot.shape).name for a in slot.aliases],
             "group": slot.group_index,
-            "start": lo,
-            "end": hi,
+            "start": stored.offset + lo,
+            "end": stored.offset + hi,
         }
     if rank == 0:
         for name, buf in persistent_buffers(state.module):
@@ -377,8 +379,9 @@ def load(
         for slot in unit.layout.slots:
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
-                name = state.stored_name(unit, slot.name)
-                values = reader.read(name, lo - slot.offset, hi - slot.offset)
+                stored = state.stored(unit, slot.name, slot.shape)
+                at = stored.offset - slot.offset
+                values = reader.read(stored.name, at + lo, at + hi)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
     if load_optimizer_states:
         _load_optimizer_state(state, reader)
@@ -432,17 +435,21 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
             for slot in unit.layout.slots:
                 s, e = max(a, slot.offset), min(b, slot.end)
                 if s < e:
-                    name = state.stored_name(unit, slot.name)
-                    buf[s - a : e - a].copy_(
-                        reader.read(name, s - slot.offset, e - slot.offset, f"{key}/")
-                    )
+                    stored = state.stored(unit, slot.name, slot.shape)
+                    at = stored.offset - slot.offset
+                    buf[s - a : e - a].copy_(reader.read(stored.name, at + s, at + e, f"{key}/"))
             entry[key] = buf
         optimizer.state[view.param] = entry
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:
     saved = index["params"]
-    mine = {state.stored_name(u, s.name): s for u in state.units for s in u.layout.slots}
+    mine = {
+        stored.name: stored
+        for u in state.units
+        for s in u.layout.slots
+        for stored in [state.stored(u, s.name, s.shape)]
+    }
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - state.model_names)
     mismatched = sorted(

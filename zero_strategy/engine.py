@@ -44,6 +44,7 @@ from .moe.placement import (
 from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
 from .partition import (
     FROZEN_GROUP,
+    Stored,
     UnitLayout,
     bucket_layouts,
     module_layouts,
@@ -218,19 +219,23 @@ class ZeroEngine:
         """The stored names of the whole model: this rank's, and the experts of every
         other expert-parallel rank."""
         return {
-            name if unit.group.spec.replicated else self._expert_names.stored(name, copy)
+            self._stored(unit, name, slot.shape, copy).name
             for unit in self.units
             for slot in unit.layout.slots
             for name in (slot.name, *slot.aliases)
-            for copy in range(1 if unit.group.spec.replicated else unit.group.spec.copies)
+            for copy in range(unit.group.spec.copies)
         }
 
-    def _stored_name(self, unit: FlatUnit, name: str) -> str:
-        """The name a parameter is checkpointed and consolidated under: its own, or for a
-        distinct copy (an expert-parallel rank's experts) its global name."""
+    def _stored(
+        self, unit: FlatUnit, name: str, shape: tuple[int, ...], copy: int | None = None
+    ) -> Stored:
+        """Where a parameter is checkpointed and consolidated: under its own name, or for
+        a distinct copy (`copy`, default this rank's: an expert-parallel rank's experts)
+        under its global name, or as its rows of a batched weight."""
         if unit.group.spec.replicated:
-            return name
-        return self._expert_names.stored(name, unit.group.copy_index)
+            return Stored(name, tuple(shape))
+        copy = unit.group.copy_index if copy is None else copy
+        return self._expert_names.stored(name, copy, tuple(shape))
 
     # ================================================================ set-up helpers
     def _warn_unoptimized(self, params, group_of) -> None:
@@ -648,7 +653,7 @@ class ZeroEngine:
             self._world,
             self.config.stage,
             self.device,
-            self._stored_name,
+            self._stored,
             self._model_names(),
         )
 
@@ -684,7 +689,7 @@ class ZeroEngine:
         """Load safetensors weights (a file, or Hugging Face shards with their index),
         each rank reading only its own ranges; the optimizer state is left as it is."""
         self.wait_for_parameters()
-        read = load_pretrained(self.units, self.module, path, strict, self._stored_name)
+        read = load_pretrained(self.units, self.module, path, strict, self._stored)
         self.refresh_from_masters()
         return read
 
@@ -708,14 +713,15 @@ class ZeroEngine:
                 if not keep:
                     continue
                 for slot in unit.layout.slots:
-                    value = full[slot.offset : slot.end].view(slot.shape).to("cpu", copy=True)
+                    value = full[slot.offset : slot.end].to("cpu", copy=True)
                     for name in (slot.name, *slot.aliases):
-                        stored = (
-                            name
-                            if unit.group.spec.replicated
-                            else self._expert_names.stored(name, copy_index)
-                        )
-                        out[stored] = value
+                        stored = self._stored(unit, name, slot.shape, copy_index)
+                        if tuple(stored.shape) == tuple(slot.shape):
+                            out[stored.name] = value.view(slot.shape)
+                            continue
+                        # A batched expert weight: this copy's rows of the whole tensor.
+                        whole = out.setdefault(stored.name, torch.empty(stored.shape))
+                        whole.view(-1)[stored.offset : stored.offset + slot.numel] = value
         if keep:
             for name, buf in checkpoint.persistent_buffers(self.module):
                 out[name] = buf.detach().to("cpu", copy=True)
@@ -779,13 +785,14 @@ def _coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
 
 def _settle_expert_parallel(model, optimizer, ep_size: int) -> None:
     """MoE layers built with ep_size=None keep this rank's experts; the optimizer, built
-    over every expert, forgets the others."""
+    over every expert, forgets the others (and takes a batched weight's slice for it)."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    dropped = {id(p) for p in settle_expert_parallel(model, ep_size, rank, world)}
-    if dropped:
+    replaced = settle_expert_parallel(model, ep_size, rank, world)
+    if replaced:
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in dropped]
+            params = [replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [p for p in params if p is not None]
 
 
 def _resolve_device(params, device) -> torch.device:

@@ -50,6 +50,16 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """Where a parameter lives in a checkpoint: a tensor's name, its full shape, and the
+    element offset of this parameter's values in that tensor's flattening."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class Segment:
     """The intersection of one rank's slice with one param group's region of a unit."""
 

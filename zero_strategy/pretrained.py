@@ -16,6 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .partition import Stored
 from .safetensors_io import SafetensorsFile
 
 
@@ -41,12 +42,14 @@ def load_pretrained(
     module: nn.Module,
     path: str | os.PathLike,
     strict: bool = True,
-    stored_name: Callable[[FlatUnit, str], str] = lambda unit, name: name,
+    stored: Callable[[FlatUnit, str, tuple[int, ...]], Stored] | None = None,
 ) -> dict[str, int]:
     """Fill the units' fp32 master shards (and the module's buffers) from safetensors;
     returns how many elements this rank read from the files (exactly its own ranges). With
     `strict`, names missing from the files or left unused raise. The caller refreshes its
-    compute copies after."""
+    compute copies after. `stored` says where a parameter sits in the files (by default
+    under its own name and shape: experts pass their global names or batched rows)."""
+    stored = stored or (lambda unit, name, shape: Stored(name, tuple(shape)))
     located = _locate(Path(path))
     handles: dict[Path, SafetensorsFile] = {}
 
@@ -62,21 +65,23 @@ def load_pretrained(
     read = 0
     for unit in units:
         for slot in unit.layout.slots:
-            names = [stored_name(unit, n) for n in (slot.name, *slot.aliases)]
-            source = next((n for n in names if n in located), None)
-            if source is None:
-                missing.append(names[0])
+            places = [stored(unit, n, slot.shape) for n in (slot.name, *slot.aliases)]
+            place = next((p for p in places if p.name in located), None)
+            if place is None:
+                missing.append(places[0].name)
                 continue
-            wanted.update(set(names) & located.keys())
+            source = place.name
+            wanted.update({p.name for p in places} & located.keys())
             handle = handle_for(source)
-            if handle.shape(source) != tuple(slot.shape):
+            if handle.shape(source) != tuple(place.shape):
                 shape_errors.append(
-                    f"{source}: file {handle.shape(source)} vs model {tuple(slot.shape)}"
+                    f"{source}: file {handle.shape(source)} vs model {tuple(place.shape)}"
                 )
                 continue
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
-                values = handle.read_range(source, lo - slot.offset, hi - slot.offset)
+                at = place.offset - slot.offset
+                values = handle.read_range(source, at + lo, at + hi)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                 read += hi - lo
     buffers = dict(module.named_buffers())

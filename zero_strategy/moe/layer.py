@@ -100,11 +100,12 @@ class MoE(nn.Module):
         self.last_losses: torch.Tensor | None = None  # aux + z of the last training forward
 
     # ------------------------------------------------------------------ groups
-    def settle_ep_size(self, ep_size: int, ep_rank: int) -> list[nn.Parameter]:
+    def settle_ep_size(self, ep_size: int, ep_rank: int) -> dict[int, nn.Parameter | None]:
         """For a layer built with ep_size=None: split the experts over `ep_size` ranks,
-        keeping this rank's (`ep_rank` in its group); returns the parameters dropped."""
+        keeping this rank's (`ep_rank` in its group); returns the replaced parameters
+        (`Experts.keep`)."""
         if self.ep_size is not None:
-            return []
+            return {}
         if self.num_experts % ep_size:
             raise ValueError(
                 f"expert_parallel_size={ep_size} does not divide this MoE layer's "
@@ -124,7 +125,10 @@ class MoE(nn.Module):
 
     def global_expert_name(self, local_name: str, ep_rank: int) -> str:
         """`local.<i>.<rest>` (a name under `self.experts`) for expert-parallel rank
-        `ep_rank` -> `local.<global id>.<rest>`: checkpoints store experts by global id."""
+        `ep_rank` -> `local.<global id>.<rest>`: checkpoints store experts by global id.
+        Batched weights keep their name (the stored tensor holds every expert's rows)."""
+        if self.experts.batched:
+            return local_name
         head, index, rest = local_name.split(".", 2)
         return f"{head}.{ep_rank * self.num_local + int(index)}.{rest}"
 

@@ -12,8 +12,11 @@ groups, where their experts are sharded, and the names experts are stored under.
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
+from ..partition import Stored
 from ..placement import ShardSpec
 from .layer import MoE
 
@@ -24,19 +27,20 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
 
 def settle_expert_parallel(
     model: nn.Module, ep_size: int, rank: int, world_size: int
-) -> list[nn.Parameter]:
+) -> dict[int, nn.Parameter | None]:
     """Give layers built with ep_size=None the configured size (1 unless the world is
-    split), keeping this rank's experts; returns the parameters of the experts dropped."""
+    split), keeping this rank's experts; returns, by id of each parameter that left the
+    model, its replacement (a batched weight's slice) or None."""
     if world_size % ep_size:
         raise ValueError(
             f"ZeroConfig.expert_parallel_size={ep_size} does not divide the world size "
             f"{world_size}: expert-parallel groups are that many contiguous ranks. Use a "
             f"divisor of {world_size}."
         )
-    dropped = []
+    replaced: dict[int, nn.Parameter | None] = {}
     for layer in moe_layers(model).values():
-        dropped += layer.settle_ep_size(ep_size, rank % ep_size)
-    return dropped
+        replaced.update(layer.settle_ep_size(ep_size, rank % ep_size))
+    return replaced
 
 
 def _check(path: str, layer: MoE, world_size: int) -> None:
@@ -65,8 +69,9 @@ def expert_placements(layers: dict[str, MoE], world_size: int) -> dict[str, Shar
 
 
 class ExpertNames:
-    """Stored names of expert parameters: the local `<layer>.experts.local.<i>.<rest>` of
-    expert-parallel rank j is `<layer>.experts.local.<j * num_local + i>.<rest>`."""
+    """How expert parameters are stored: the local `<layer>.experts.local.<i>.<rest>` of
+    expert-parallel rank j as `<layer>.experts.local.<j * num_local + i>.<rest>`; a batched
+    weight `[num_local, ...]` as rows `j * num_local ...` of one `[num_experts, ...]`."""
 
     def __init__(self, layers: dict[str, MoE]):
         self.prefixes = {
@@ -75,8 +80,12 @@ class ExpertNames:
             if layer.ep_size > 1
         }
 
-    def stored(self, name: str, ep_rank: int) -> str:
+    def stored(self, name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
         for prefix, layer in self.prefixes.items():
             if name.startswith(prefix):
-                return prefix + layer.global_expert_name(name[len(prefix) :], ep_rank)
-        return name
+                stored = prefix + layer.global_expert_name(name[len(prefix) :], ep_rank)
+                if not layer.experts.batched:
+                    return Stored(stored, tuple(shape))
+                rows = math.prod(shape)
+                return Stored(stored, (layer.num_experts, *shape[1:]), ep_rank * rows)
+        return Stored(name, tuple(shape))
