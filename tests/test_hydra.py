@@ -42,6 +42,7 @@ def test_overrides_reach_the_strategy(stage):
         f"trainer/strategy=zero{stage}",
         "trainer.strategy.bucket_size=1000",
         "trainer.strategy.unit_module_classes=[Block]",
+        "trainer.strategy.expert_parallel_size=2",
         "trainer.devices=1",
         "hydra.runtime.output_dir=/tmp",
     )
@@ -53,6 +54,7 @@ def test_overrides_reach_the_strategy(stage):
         1000,
         ["Block"],
     )
+    assert config.expert_parallel_size == 2
 
 
 def test_a_wrong_type_fails_at_composition_naming_the_field():

@@ -147,8 +147,8 @@ def test_empty_experts_and_an_empty_rank_train_on(stage):
     }
 
 
-def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
-    model = moe_model(ep_size)
+def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save, cfg=MOE):
+    model = moe_model(ep_size, cfg)
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
     if load:
         engine.load_checkpoint(ckpt)
@@ -161,15 +161,23 @@ def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("saved", "loaded"), [((2, 2), (4, 3)), ((4, 3), (1, 1)), ((2, 1), (2, 3))]
+    ("saved", "loaded", "world"),
+    [
+        ((2, 2), (4, 3), WORLD),
+        ((4, 3), (1, 1), WORLD),
+        ((2, 1), (2, 3), WORLD),
+        ((4, 2), (2, 3), 2),
+    ],
 )
-def test_checkpoint_reloads_at_another_ep_size_and_stage(saved, loaded, tmp_path):
-    """Experts are stored by global id: (ep_size, stage) -> another pair continues as the
-    uninterrupted run."""
+def test_checkpoint_reloads_at_another_ep_size_and_stage(saved, loaded, world, tmp_path):
+    """Experts are stored by global id: (ep_size, stage) -> another pair, at 4 ranks or
+    at 2, continues as the uninterrupted 4-rank run. (The balancing loss is off: it is
+    computed per rank's batch, so another world size changes the objective itself.)"""
+    cfg = replace(MOE, moe_aux_loss_coef=0.0)
     ckpt = str(tmp_path / "ckpt")
     cut = STEPS // 2
-    full = run_world(_resumable, WORLD, *saved, range(STEPS), ckpt, False, False)[0]
-    run_world(_resumable, WORLD, *saved, range(cut), ckpt, False, True)
+    full = run_world(_resumable, WORLD, *saved, range(STEPS), ckpt, False, False, cfg)[0]
+    run_world(_resumable, WORLD, *saved, range(cut), ckpt, False, True, cfg)
     index = json.loads(Path(ckpt, "index.json").read_text())
     experts = sorted(
         n
@@ -177,7 +185,7 @@ def test_checkpoint_reloads_at_another_ep_size_and_stage(saved, loaded, tmp_path
         if n.startswith("blocks.0.moe.experts.local.") and n.endswith(".0.weight")
     )
     assert experts == [f"blocks.0.moe.experts.local.{e}.0.weight" for e in range(4)]
-    resumed = run_world(_resumable, WORLD, *loaded, range(cut, STEPS), ckpt, True, False)[0]
+    resumed = run_world(_resumable, world, *loaded, range(cut, STEPS), ckpt, True, False, cfg)[0]
     for got, want in zip(resumed, full[cut:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, full[cut:])
 
@@ -436,27 +444,21 @@ def test_batched_experts_match_one_process(ep_size, stage):
     assert rel_l2(state, ref_state) <= 1e-5
 
 
-def _batched_resumable(rank, world, ep_size, stage, steps, ckpt, load, save):
-    model = moe_model(ep_size, BATCHED)
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
-    if load:
-        engine.load_checkpoint(ckpt)
-    losses = _steps(engine, steps, rank, world)
-    if save:
-        engine.save_checkpoint(ckpt)
-    engine.close()
-    return losses
-
-
 @pytest.mark.slow
 def test_batched_expert_checkpoint_reloads_at_another_ep_size(tmp_path):
-    """Each rank writes its rows of the [num_experts, ...] tensors; ep 2 -> 4 continues."""
+    """Each rank writes its rows of the [num_experts, ...] tensors; ep 2 -> 4 continues,
+    and so does 2 ranks (balancing loss off, as for module experts)."""
+    cfg = replace(BATCHED, moe_aux_loss_coef=0.0)
     ckpt = str(tmp_path / "ckpt")
     cut = STEPS // 2
-    full = run_world(_batched_resumable, WORLD, 2, 2, range(STEPS), ckpt, False, False)[0]
-    run_world(_batched_resumable, WORLD, 2, 2, range(cut), ckpt, False, True)
+    full = run_world(_resumable, WORLD, 2, 2, range(STEPS), ckpt, False, False, cfg)[0]
+    run_world(_resumable, WORLD, 2, 2, range(cut), ckpt, False, True, cfg)
     index = json.loads(Path(ckpt, "index.json").read_text())
     assert index["params"]["blocks.0.moe.experts.local.w_in"]["shape"] == [4, 32, 128]
-    resumed = run_world(_batched_resumable, WORLD, 4, 3, range(cut, STEPS), ckpt, True, False)[0]
+    resumed = run_world(_resumable, WORLD, 4, 3, range(cut, STEPS), ckpt, True, False, cfg)[0]
+    for got, want in zip(resumed, full[cut:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    # And at another world size: 2 ranks, every expert split over both.
+    resumed = run_world(_resumable, 2, 2, 1, range(cut, STEPS), ckpt, True, False, cfg)[0]
     for got, want in zip(resumed, full[cut:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
