@@ -184,24 +184,34 @@ def build(impl: str, model: torch.nn.Module):
     raise SystemExit(f"unknown implementation {impl}")
 
 
-def main() -> None:
+def worker_arguments(*extra: tuple[str, dict]) -> argparse.Namespace:
+    """The arguments every benchmark worker takes (plus `extra` (flag, kwargs) pairs)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", required=True)
-    parser.add_argument("--size", default="bench", choices=sorted(SIZES))
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    for flag, kwargs in extra:
+        parser.add_argument(flag, **kwargs)
+    return parser.parse_args()
 
+
+def init_ranks(impl: str) -> int:
+    """One thread per rank, and the process group DeepSpeed or torch expects; the rank."""
     torch.set_num_threads(1)
-    if args.impl.startswith("ds"):
+    if impl.startswith("ds"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    return dist.get_rank()
+
+
+def main() -> None:
+    args = worker_arguments(("--size", {"default": "bench", "choices": sorted(SIZES)}))
+    rank = init_ranks(args.impl)
     cfg = SIZES[args.size]
     torch.manual_seed(0)
     model = GPT(cfg)

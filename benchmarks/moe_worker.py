@@ -12,7 +12,6 @@ Both layers use the same experts (the example GPT's MLP), top-2 routing, capacit
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,7 +25,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_worker import PeakRSS
+from benchmarks.engine_worker import PeakRSS, init_ranks, worker_arguments
 from examples.gpt import GPT, MLP, GPTConfig
 
 # ~40M parameters, 8 experts of 1.6M in each of 4 layers, seq 128.
@@ -122,22 +121,8 @@ def build(impl: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", required=True)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
-    torch.set_num_threads(1)
-    if args.impl.startswith("ds"):
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    args = worker_arguments()
+    rank = init_ranks(args.impl)
     forward, backward, step = build(args.impl)
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(CFG.vocab_size, (args.batch, CFG.block_size + 1), generator=g)
