@@ -2,15 +2,18 @@
 unit whose gradients are all in is reduced at once, asynchronously, while backward goes on.
 
 - Stages 0-1 keep the full gradient buffer: each parameter's .grad is a view of it, and
-  it is all-reduced in place (averaged) over every rank, so .grad holds the global
+  it is all-reduced in place over every rank holding the unit's parameters (all ranks,
+  or for MoE experts the ranks holding the same experts), so .grad holds the global
   gradient as under DDP.
 - Stages 2-3 reduce-scatter the buffer over the unit's shard group and keep only this
   rank's slice, accumulated in fp32 across micro-batches; when the unit has several
-  copies (a placement's groups), the slice is then summed over its replica group. The
-  full buffer lives only from a unit's first gradient to the end of its reduction.
+  replicated copies (a placement's groups), the slice is then summed over its replica
+  group. The full buffer lives only from a unit's first gradient to the end of its
+  reduction.
 
-Every unit is averaged over all data-parallel ranks, whatever group shards it: each
-rank's loss is the mean over its own batch, and the step follows the mean of those.
+Every unit is divided by the number of data-parallel ranks, whatever group shards it:
+each rank's loss is the mean over its own batch, and the step follows the mean of those
+(an expert's sum over its group already holds every rank's tokens, by the all-to-all).
 
 Under `no_sync()`, gradients accumulate locally and nothing is communicated; the next
 synchronised backward reduces everything. At the end of a synchronised backward every
