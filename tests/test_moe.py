@@ -462,3 +462,40 @@ def test_batched_expert_checkpoint_reloads_at_another_ep_size(tmp_path):
     resumed = run_world(_resumable, 2, 2, 1, range(cut, STEPS), ckpt, True, False, cfg)[0]
     for got, want in zip(resumed, full[cut:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def _accelerate_fit(rank, world, expert_parallel_size):
+    import os
+
+    from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    plugin = ZeroPlugin(stage=2, options={"expert_parallel_size": expert_parallel_size})
+    accelerator = ZeroAccelerator(zero_plugin=plugin, cpu=True)
+    torch.manual_seed(0)
+    model = GPT(replace(MOE, ep_size=None))
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    losses = []
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world, MOE)
+        loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = accelerator.get_state_dict(model)
+    return losses, sorted(state)
+
+
+@pytest.mark.slow
+def test_accelerate_takes_the_expert_parallel_size():
+    """ZeroAccelerator with expert_parallel_size=2 trains as with every expert on every
+    rank, and get_state_dict consolidates every expert under its global id."""
+    pytest.importorskip("accelerate")
+    split = run_world(_accelerate_fit, 2, 2)
+    whole = run_world(_accelerate_fit, 2, 1)
+    (losses, names), (want, want_names) = split[0], whole[0]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want, strict=True))
+    assert names == want_names
