@@ -167,6 +167,7 @@ def _resumable(rank, world, ep_size, stage, steps, ckpt, load, save, cfg=MOE):
         ((4, 3), (1, 1), WORLD),
         ((2, 1), (2, 3), WORLD),
         ((4, 2), (2, 3), 2),
+        ((2, 0), (4, 3), WORLD),
     ],
 )
 def test_checkpoint_reloads_at_another_ep_size_and_stage(saved, loaded, world, tmp_path):
@@ -499,3 +500,37 @@ def test_accelerate_takes_the_expert_parallel_size():
     (losses, names), (want, want_names) = split[0], whole[0]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want, strict=True))
     assert names == want_names
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_task_loss_trains_the_router_on_every_kernel_backend(backend):
+    """The routing kernel picks the experts; the weights come from autograd-visible
+    softmax, so the gate gets the task loss's gradient with the Triton kernel too (its
+    outputs carry none), and the same weights as the reference."""
+    import os
+
+    from zero_strategy.kernels import use_backend
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run here under TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    moe = MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=2, aux_loss_coef=0.0)
+    x = torch.randn(6, 8)
+    with use_backend(backend):
+        moe(x).pow(2).sum().backward()
+    assert moe.router.gate.weight.grad is not None
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    with use_backend("reference"):
+        want = moe.router(x).weights
+    with use_backend(backend):
+        got = moe.router(x).weights
+    torch.testing.assert_close(got, want)
+
+
+def test_placement_specs_are_checked_for_positions_and_copies():
+    from zero_strategy import ShardSpec
+
+    # Groups are sets: positions follow rank order, copies their first rank.
+    assert ShardSpec(((3, 2), (1, 0))).groups == ((0, 1), (2, 3))
+    with pytest.raises(ValueError, match="must rise from copy to copy"):
+        ShardSpec(((0, 3), (1, 2))).check(4, "placement('x')")

@@ -259,6 +259,10 @@ def _splits_tied_weight(path, module):
     return PAIRS if path == "wte" else None
 
 
+def _distinct(path, module):
+    return ShardSpec(PAIRS.groups, replicated=False) if path == "blocks.0" else None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("placement", "stage", "needle"),
@@ -267,6 +271,7 @@ def _splits_tied_weight(path, module):
         (_not_a_spec, 3, "return a ShardSpec"),
         (_per_rank, 3, "same placement"),
         (_splits_tied_weight, 2, "shared by modules placed on different shard groups"),
+        (_distinct, 3, "Return a replicated ShardSpec"),
     ],
 )
 def test_bad_placement_is_refused_on_every_rank(placement, stage, needle):

@@ -79,12 +79,12 @@ def _owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, in
     flattened-parameter coordinates. Each element is written once: by the ranks of the
     first copy of its unit, or at stage 0 (replicated) by rank 0 alone."""
     for unit in state.units:
-        if state.stage == 0:
-            if state.world.rank != 0:
+        if not unit.group.primary:
+            continue
+        if state.stage == 0:  # replicated: a copy's first rank writes it (rank 0, or each
+            if unit.group.rank != 0:  # expert-parallel rank's first holder of its experts)
                 continue
             start, end = 0, unit.layout.padded_numel
-        elif not unit.group.primary:
-            continue
         else:
             start, end = unit.layout.shard_range(unit.rank)
         for slot in unit.layout.slots:

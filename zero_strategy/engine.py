@@ -720,7 +720,9 @@ class ZeroEngine:
                             out[stored.name] = value.view(slot.shape)
                             continue
                         # A batched expert weight: this copy's rows of the whole tensor.
-                        whole = out.setdefault(stored.name, torch.empty(stored.shape))
+                        whole = out.setdefault(
+                            stored.name, torch.empty(stored.shape, dtype=value.dtype)
+                        )
                         whole.view(-1)[stored.offset : stored.offset + slot.numel] = value
         if keep:
             for name, buf in checkpoint.persistent_buffers(self.module):

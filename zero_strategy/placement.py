@@ -30,7 +30,10 @@ class ShardSpec:
     replicated: bool = True  # copies hold the same parameters (False: each group its own)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "groups", tuple(tuple(int(r) for r in g) for g in self.groups))
+        # A group is a set: positions follow rank order (as torch's process groups do),
+        # and copies are numbered by their first rank.
+        groups = sorted(tuple(sorted(int(r) for r in g)) for g in self.groups)
+        object.__setattr__(self, "groups", tuple(groups))
 
     @classmethod
     def world(cls, world_size: int) -> ShardSpec:
@@ -82,6 +85,12 @@ class ShardSpec:
                 f"does not split the {world_size} ranks into groups of equal size, each rank "
                 "in exactly one. Use e.g. ShardSpec.contiguous(world_size, group_size)."
             )
+        if any(list(r) != sorted(r) for r in self.replica_groups()):
+            raise ValueError(
+                f"{where} returned ShardSpec(groups={self.describe()}): the ranks holding the "
+                "same shard of each copy must rise from copy to copy (copy 0 holds the lowest "
+                "ranks at every position). Use ShardSpec.contiguous or ShardSpec.strided."
+            )
 
     def describe(self) -> list[list[int]]:
         return [list(g) for g in self.groups]
@@ -117,7 +126,14 @@ def placed_modules(
                 f"{type(spec).__name__}; return a ShardSpec, or None for the whole world."
             )
         spec.check(world_size, f"placement({path!r}, {type(module).__name__})")
-        if spec != world or not spec.replicated:
+        if not spec.replicated:
+            raise ValueError(
+                f"placement({path!r}, {type(module).__name__}) returned a ShardSpec with "
+                "replicated=False: distinct copies need a global name for each copy's "
+                "parameters, which only MoE layers give (their experts are placed by the "
+                "engine). Return a replicated ShardSpec."
+            )
+        if spec != world:
             out[path] = spec
     return out
 

@@ -37,10 +37,9 @@ class CommGroup:
     """A process group and this rank's place in it (`group` is None for a single rank,
     and for a closed group)."""
 
-    ranks: tuple[int, ...]  # global ranks, in group order
+    ranks: tuple[int, ...]  # global ranks, rising (torch numbers a group's ranks so)
     rank: int  # this rank's position in `ranks`
     group: dist.ProcessGroup | None
-    backend: str
 
     @property
     def size(self) -> int:
@@ -163,7 +162,7 @@ class ProcessGroups:
     def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
         """This rank's group of `partition` (every rank creates every group of it)."""
         mine = next(g for g in partition if self.rank in g)
-        comm_group = CommGroup(mine, mine.index(self.rank), None, self.backend)
+        comm_group = CommGroup(mine, mine.index(self.rank), None)
         if comm_group.distributed:
             comm_group.group = self._new_group(partition)
             self._made.append((comm_group, partition))

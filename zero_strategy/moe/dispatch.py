@@ -63,7 +63,7 @@ def by_expert(
         for s in range(sources):
             i = s * num_local + e
             order.append(torch.arange(starts[i], starts[i] + counts[i]))
-    index = torch.cat(order).to(rows.device) if order else torch.empty(0, dtype=torch.int64)
+    index = torch.cat(order).to(rows.device)  # num_local >= 1: never empty of pieces
     grouped = rows.index_select(0, index)
     per_expert = received.sum(0).tolist()
     return list(grouped.split(per_expert)), index

@@ -4,8 +4,9 @@ seed gives the same experts at every expert-parallel size."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -83,8 +84,7 @@ class Experts(nn.Module):
 
     def _initialise(self) -> None:
         for i in range(self.count):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed + self.first_id + i)
+            with _seeded(self.seed + self.first_id + i):
                 if self.batched:
                     self.local.reset_expert(i)
                     continue
@@ -111,3 +111,16 @@ class Experts(nn.Module):
                     "size inside the expert (e.g. Linear(h, 4h), act, Linear(4h, h))."
                 )
         return out
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """The CPU generator (and the current CUDA device's, if CUDA is in use) seeded within,
+    the caller's states restored after: other devices' streams are left alone."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = [torch.cuda.current_device()] if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed(seed)
+        yield

@@ -63,13 +63,17 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
         logits = F.linear(x, self.gate.weight.to(torch.float32))
         if self.score == "softmax":
-            weights, index = topk_route(logits, self.k, self.normalize)
+            # The kernel picks the experts (ties to the lower id, the same on every rank and
+            # backend); the weights are taken from torch's softmax so that the task loss
+            # trains the gate (the Triton kernel's outputs carry no gradient).
+            _, index = topk_route(logits.detach(), self.k, self.normalize)
             probs = torch.softmax(logits, dim=-1)
         else:
             probs = torch.sigmoid(logits)
-            weights, index = torch.topk(probs, self.k, dim=-1)
-            if self.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            index = torch.topk(probs.detach(), self.k, dim=-1).indices
+        weights = probs.gather(-1, index)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         zero = logits.new_zeros(())
         aux = zero
         if self.aux_loss_coef and tokens.shape[0]:
