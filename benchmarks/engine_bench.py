@@ -16,13 +16,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.launch import run_ranks  # noqa: E402
+from benchmarks.launch import interleaved_rounds, run_ranks  # noqa: E402
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
 
@@ -53,25 +52,16 @@ def run_one(impl: str, args, out: str) -> dict | None:
 
 
 def run_rounds(impls: list[str], args) -> list[dict[str, dict]]:
-    rounds: list[dict[str, dict]] = []
-    with tempfile.TemporaryDirectory() as out:
-        for r in range(args.rounds):
-            order = impls[r % len(impls) :] + impls[: r % len(impls)]
-            if r % 2:
-                order.reverse()
-            results = {}
-            for impl in order:
-                res = run_one(impl, args, out)
-                if res:
-                    results[impl] = res
-                    print(
-                        f"round {r} {impl:6s} step {res['step']:.3f}s rss {res['rss']:.0f} MiB "
-                        f"state {res['state']:.1f} MiB loss {res['loss'][-1]:.5f} phases "
-                        + "/".join(f"{v * 1000:.0f}" for v in res["phases"].values()),
-                        flush=True,
-                    )
-            rounds.append(results)
-    return rounds
+    return interleaved_rounds(
+        impls,
+        args.rounds,
+        lambda impl, out: run_one(impl, args, out),
+        lambda res: (
+            f"step {res['step']:.3f}s rss {res['rss']:.0f} MiB state {res['state']:.1f} MiB "
+            f"loss {res['loss'][-1]:.5f} phases "
+            + "/".join(f"{v * 1000:.0f}" for v in res["phases"].values())
+        ),
+    )
 
 
 def _median_ratio(rounds, num: str, den: str) -> float:

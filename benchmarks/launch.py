@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 def torchrun(
@@ -41,3 +42,30 @@ def run_ranks(
         print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
     return [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def interleaved_rounds(
+    impls: list[str],
+    rounds: int,
+    run: Callable[[str, str], dict | None],
+    describe: Callable[[dict], str],
+) -> list[dict[str, dict]]:
+    """`rounds` rounds of `run(impl, out_dir)` over every implementation, in a different
+    order each round (rotated, and reversed every other round: the machine is noisy, so
+    no implementation always runs first or last); each result printed by `describe`."""
+    import tempfile
+
+    results: list[dict[str, dict]] = []
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(rounds):
+            order = impls[r % len(impls) :] + impls[: r % len(impls)]
+            if r % 2:
+                order.reverse()
+            got = {}
+            for impl in order:
+                res = run(impl, out)
+                if res:
+                    got[impl] = res
+                    print(f"round {r} {impl:7s} {describe(res)}", flush=True)
+            results.append(got)
+    return results

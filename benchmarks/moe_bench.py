@@ -15,13 +15,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.launch import run_ranks  # noqa: E402
+from benchmarks.launch import interleaved_rounds, run_ranks  # noqa: E402
 
 ALL = ["ds-moe", "zero1", "zero2", "zero3"]
 
@@ -56,21 +55,15 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     impls = args.impls.split(",")
-    rounds = []
-    with tempfile.TemporaryDirectory() as out:
-        for r in range(args.rounds):
-            order = impls[r % len(impls) :] + impls[: r % len(impls)]
-            results = {}
-            for impl in order:
-                res = run_one(impl, args, out)
-                if res:
-                    results[impl] = res
-                    print(
-                        f"round {r} {impl:7s} {res['tokens_per_s']:.0f} tokens/s "
-                        f"rss {res['rss']:.0f} MiB loss {res['loss'][-1]:.4f}",
-                        flush=True,
-                    )
-            rounds.append(results)
+    rounds = interleaved_rounds(
+        impls,
+        args.rounds,
+        lambda impl, out: run_one(impl, args, out),
+        lambda res: (
+            f"{res['tokens_per_s']:.0f} tokens/s rss {res['rss']:.0f} MiB "
+            f"loss {res['loss'][-1]:.4f}"
+        ),
+    )
     print(f"\nMoE GPT, ep_size 2 on 2 gloo ranks, {len(rounds)} rounds x {args.steps} steps")
     print("| impl | tokens/s per rank | vs DeepSpeed-MoE (ZeRO-2) | peak RSS/rank (MiB) |")
     print("|---|---|---|---|")
