@@ -70,7 +70,7 @@ def patch_model_summary_callback(root: str) -> None:
 
     def _summary(self, trainer, pl_module):
         engine = getattr(trainer.strategy, "engine", None)
-        if not isinstance(engine, ZeroEngine) or engine.config.stage < 3:
+        if not isinstance(engine, ZeroEngine) or engine.stage < 3:
             return original(self, trainer, pl_module)
         if not summary_cls:
             summary_cls.append(make_summary_classes(root))

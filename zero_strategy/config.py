@@ -95,6 +95,11 @@ class ZeroConfig:
     # Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each training forward,
     # as DDP's default broadcast_buffers=True does.
     broadcast_buffers: bool = True
+    # Stages 2-3: after each synchronised backward, put the full reduced gradient on every
+    # parameter's .grad, as DDP shows it (for clipping checks, dtype checks, comparisons).
+    # Costs DDP's gradient memory (the compute dtype, whole model) on every rank, and at
+    # stage 3 also the full parameters, from the end of backward to the step.
+    keep_full_grads: bool = False
     # Optimizers outside torch's elementwise set are refused unless this is True.
     allow_untested_optimizer: bool = False
     # MoE layers built with ep_size=None split their experts over this many contiguous

@@ -19,7 +19,7 @@ import hashlib
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from . import checkpoint, fused_step, meta_init
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
+from .full_view import FullGrads, FullParameters
 from .gather import GatherManager, in_backward
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
@@ -95,6 +96,9 @@ class ZeroEngine:
         # Dropping the engine (with its module) destroys its groups; so does close().
         self._finalizer = weakref.finalize(self, self.groups.close)
         self._world = self.groups.world.comm  # every rank: control messages, buffers
+        # One process has nothing to shard: every parameter and gradient stays in place,
+        # as in plain training, whatever stage was asked for (the checkpoints are the same).
+        self.stage = cfg.stage if self.world_size > 1 else 0
         self.module = model
 
         group_of = group_index_of_params(optimizer, [p.param for p in params])
@@ -120,7 +124,7 @@ class ZeroEngine:
             FlatUnit(
                 lay,
                 [model.get_parameter(s.name) for s in lay.slots],
-                cfg.stage,
+                self.stage,
                 self.groups.shard_group(lay.spec),
                 self.device,
                 cfg.compute_torch_dtype,
@@ -151,7 +155,7 @@ class ZeroEngine:
         self.gather: GatherManager | None = None
         self.reducer = GradReducer(
             self.units,
-            cfg.stage,
+            self.stage,
             cfg.overlap_comm,
             cfg.reduce_torch_dtype,
             on_unit_ready=self._on_unit_grads_ready,
@@ -159,10 +163,10 @@ class ZeroEngine:
         )
         self.publisher = (
             ParameterPublisher(model, self.units, cfg.overlap_param_gather)
-            if cfg.stage in (1, 2)
+            if self.stage in (1, 2)
             else None
         )
-        if cfg.stage == 3:
+        if self.stage == 3:
             self.gather = GatherManager(
                 model,
                 self.units,
@@ -176,6 +180,8 @@ class ZeroEngine:
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
         )
+        self._full_parameters = FullParameters(self.units, self.gather, self.wait_for_parameters)
+        self._full_grads = FullGrads(self.units, self.stage, self.gather)
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
@@ -198,7 +204,9 @@ class ZeroEngine:
         """Units and their specs: stage 3 makes every placed module a unit of its own;
         stages 1-2 never put parameters of two specs in one bucket."""
         cfg, world = self.config, ShardSpec.world(self.world_size)
-        if cfg.stage == 3:
+        if cfg.stage == 3 and self.stage != 3:  # one process: check the names all the same
+            select_unit_modules(model, cfg.unit_module_classes)
+        if self.stage == 3:
             chosen = set(select_unit_modules(model, cfg.unit_module_classes)) | set(placed)
             unit_paths = [path for path, _ in model.named_modules() if path and path in chosen]
 
@@ -213,7 +221,7 @@ class ZeroEngine:
             return placed[governing] if governing is not None else world
 
         # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
-        return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=cfg.stage > 0)
+        return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=self.stage > 0)
 
     def _model_names(self) -> set[str]:
         """The stored names of the whole model: this rank's, and the experts of every
@@ -258,7 +266,7 @@ class ZeroEngine:
                 "optimizer over the model's parameters that require grad."
             )
         world = self.world_size
-        if self.config.stage > 0 and trainable < world:
+        if self.stage > 0 and trainable < world:
             raise ValueError(
                 f"The model has {trainable} trainable element(s) but the world size is {world}: "
                 "some ranks would own no part of the model. Use fewer processes, or stage 0 "
@@ -309,7 +317,7 @@ class ZeroEngine:
             if unit.group.summed_over_copies is not None:  # every copy starts from copy 0's
                 unit.group.summed_over_copies.broadcast(flat, src=0)
 
-        if on_meta and self.config.stage < 3:
+        if on_meta and self.stage < 3:
             flats = [flat_for(u) for u in self.units]
             for unit, flat in zip(self.units, flats):
                 point(unit, flat)
@@ -364,6 +372,8 @@ class ZeroEngine:
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
         self._expose_grads()
         self._grads_live = True
+        if self.config.keep_full_grads and self.reducer.sync:
+            self._full_grads.show()
 
     def _expose_grads(self) -> None:
         for view in self._opt_views:
@@ -374,6 +384,7 @@ class ZeroEngine:
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
+        self._full_grads.hide()
         if self.config.broadcast_buffers and self._buffers_stale:
             self._sync_buffers()
             self._buffers_stale = False
@@ -407,7 +418,7 @@ class ZeroEngine:
         if not self._grads_live:
             return
         cleared = any(v.param.grad is None for v in self._opt_views) or (
-            self.config.stage < 2
+            self.stage < 2
             and any(
                 p.grad is None
                 for u in self.units
@@ -431,6 +442,7 @@ class ZeroEngine:
         outside zero_grad(), and return the loss times the fp16 loss scale."""
         self.wait_for_parameters()
         self._zero_if_cleared_elsewhere()
+        self._full_grads.hide()
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
     def reshard(self) -> None:
@@ -471,8 +483,9 @@ class ZeroEngine:
         _, overflow = self._unscale_and_measure()
         if not overflow:
             for unit in self.units:
-                if unit.grad_opt is not None:
-                    unit.grad_opt.clamp_(-clip_value, clip_value)
+                for grad in unit.grad_buffers():
+                    grad.clamp_(-clip_value, clip_value)
+            self._full_grads.clamp(clip_value)
 
     def step(self) -> bool:
         """One optimizer step over this rank's shards, then refresh the compute copies.
@@ -501,6 +514,8 @@ class ZeroEngine:
             finally:
                 self._inside_step = False
         self.scaler.update(False)
+        if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
+            self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
         self._publish_parameters(copies_written=fused)
         self._grads_unscaled = False
@@ -529,6 +544,24 @@ class ZeroEngine:
             for name in (slot.name, *slot.aliases)
         }
 
+    def gathered_parameters(
+        self,
+        modules: nn.Module | Iterable[nn.Module] | None = None,
+        modifier_rank: int | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Full parameters of `modules` (all when None) inside a `with` block, at every
+        stage; writes made inside it reach the fp32 masters on exit: `modifier_rank`'s
+        (broadcast to the others), or with None each rank's own slice. Collective: every
+        rank enters and leaves it. Holds those modules' full parameters meanwhile."""
+        return self._full_parameters.gathered(modules, modifier_rank)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s full reduced (and clipped, unscaled) gradient in fp32, or None if it
+        is frozen. Collective over the ranks sharding its unit at stages 2-3."""
+        self.reducer.wait()
+        scale = 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
+        return self._full_grads.grad(param, scale)
+
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2) before reading the full
         parameters outside the module's forward."""
@@ -539,6 +572,7 @@ class ZeroEngine:
         """Zero the gradient buffers (they are kept allocated; `set_to_none` is accepted
         for API compatibility)."""
         self.reducer.wait()
+        self._full_grads.hide()
         self.reducer.zero_grad()
         for view in self._opt_views:
             view.param.grad = None
@@ -557,7 +591,7 @@ class ZeroEngine:
         shards = [
             unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
             for unit in self.units
-            if unit.group.primary and (self.config.stage > 0 or unit.group.rank == 0)
+            if unit.group.primary and (self.stage > 0 or unit.group.rank == 0)
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
@@ -576,8 +610,9 @@ class ZeroEngine:
 
     def _scale_grads(self, factor: float) -> None:
         for unit in self.units:
-            if unit.grad_opt is not None:
-                unit.grad_opt.mul_(factor)
+            for grad in unit.grad_buffers():
+                grad.mul_(factor)
+        self._full_grads.scale(factor)
 
     def _fused_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Per param group, in the group's order: (master view, gradient view, the slice of
@@ -588,7 +623,7 @@ class ZeroEngine:
             unit, lo, hi = view.unit, view.lo, view.hi
             if fp32:
                 copy = None
-            elif self.config.stage < 3:
+            elif self.stage < 3:
                 copy = unit.full[unit.opt_start + lo : unit.opt_start + hi]
             else:
                 copy = unit.shard[lo:hi]
@@ -622,7 +657,7 @@ class ZeroEngine:
             self.units,
             self.optimizer,
             self.module,
-            self.config.stage,
+            self.stage,
             comm_tensors=self.reducer.comm_buffers(),
             comm_storages=self.gather.storage_pool.storages() if self.gather else (),
             expert_units=[u for u in self.units if not u.group.spec.replicated],
@@ -651,7 +686,7 @@ class ZeroEngine:
             self._opt_views,
             self.module,
             self._world,
-            self.config.stage,
+            self.stage,
             self.device,
             self._stored,
             self._model_names(),
@@ -731,7 +766,7 @@ class ZeroEngine:
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's full fp32 values (padded), identical across its shard group."""
-        if self.config.stage == 0:
+        if self.stage == 0:
             return unit.master
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
         unit.group.comm.all_gather(full, unit.master)

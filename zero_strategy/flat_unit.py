@@ -103,6 +103,20 @@ class FlatUnit:
             if slot.trainable:
                 p.grad = self.grad_full[slot.offset : slot.end].view(slot.shape)
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Every distinct gradient tensor of this unit, each element once: scaling or
+        clipping them all keeps `.grad` (stages 0-1) and the optimizer's slice in step."""
+        if self.grad_opt is None:
+            return []
+        if self.grad_full is None or self.stage >= 2:
+            return [self.grad_opt]
+        if (
+            self.grad_opt.untyped_storage().data_ptr()
+            == self.grad_full.untyped_storage().data_ptr()
+        ):
+            return [self.grad_full]  # the optimizer's slice is a view of it
+        return [self.grad_full, self.grad_opt]
+
     # ------------------------------------------------------------------ stage 3
     @property
     def gathered(self) -> bool:

@@ -1,0 +1,178 @@
+"""Full parameters and gradients on demand, against DDP: `gathered_parameters()` (read,
+and writes from one rank or from all), `full_grad()`, `keep_full_grads`, and world size 1
+keeping everything in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_world
+from tests.training import local_batch, make_model, make_optimizer
+from zero_strategy import ZeroConfig, ZeroEngine
+
+
+def _engine(stage: int, **config) -> ZeroEngine:
+    model = make_model()
+    return ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **config))
+
+
+def _one_step(engine: ZeroEngine, rank: int, world: int) -> None:
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.zero_grad()
+
+
+def _gathered_read(rank, world, stage):
+    engine = _engine(stage)
+    _one_step(engine, rank, world)
+    outside = [p.numel() for p in engine.module.parameters()]
+    with engine.gathered_parameters():
+        inside = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = [p.numel() for p in engine.module.parameters()]
+    masters = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return outside, after, {n: torch.equal(v, masters[n]) for n, v in inside.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gathered_parameters_reads_the_full_trained_values(stage):
+    for outside, after, same in run_world(_gathered_read, 2, stage):
+        assert all(same.values()), [n for n, ok in same.items() if not ok]
+        if stage == 3:  # freed before and after: only the block holds them
+            assert sum(outside) == sum(after) == 0
+        else:
+            assert 0 not in outside
+
+
+def _gathered_write(rank, world, stage, modifier_rank, compute_dtype):
+    engine = _engine(stage, compute_dtype=compute_dtype)
+    _one_step(engine, rank, world)
+    before = engine.full_state_dict(rank0_only=False)
+    block = engine.module.blocks[1]
+    with engine.gathered_parameters(block, modifier_rank=modifier_rank), torch.no_grad():
+        for p in block.parameters():
+            if modifier_rank is None:
+                p.mul_(-2.0)  # every rank writes the same values
+            elif rank == modifier_rank:
+                p.data.fill_(0.5)  # through .data, as Lightning's callbacks write
+            else:
+                p.data.fill_(-7.0)  # discarded: not the modifier
+    after = engine.full_state_dict(rank0_only=False)
+    # The next forward uses the written values on every rank.
+    x, y = local_batch(1, 0, rank, world)
+    with torch.no_grad():
+        loss = engine(x, y).item()
+    engine.close()
+    return before, after, loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("modifier_rank", [1, None])
+def test_gathered_parameters_writes_reach_the_masters(stage, modifier_rank):
+    results = run_world(_gathered_write, 2, stage, modifier_rank, "fp32")
+    (before, after, loss0), (_, after1, loss1) = results
+    assert loss0 != loss1  # different batches, the same written model
+    for name, value in before.items():
+        assert torch.equal(after[name], after1[name])
+        if name.startswith("blocks.1."):
+            expected = torch.full_like(value, 0.5) if modifier_rank == 1 else value * -2.0
+            assert torch.equal(after[name], expected), name
+        else:
+            assert torch.equal(after[name], value), name
+
+
+def _read_only_bf16(rank, world, stage):
+    engine = _engine(stage, compute_dtype="bf16")
+    _one_step(engine, rank, world)
+    before = engine.full_state_dict(rank0_only=False)
+    with engine.gathered_parameters():
+        total = sum(float(p.float().sum()) for p in engine.module.parameters())
+    after = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return total, all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reading_in_bf16_never_rounds_the_fp32_masters(stage):
+    (t0, same0), (t1, same1) = run_world(_read_only_bf16, 2, stage)
+    assert same0 and same1
+    assert t0 == t1
+
+
+# ----------------------------------------------------------------- gradients
+def _clipped_grads_ddp(rank, world, clip):
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    x, y = local_batch(0, 0, rank, world)
+    model(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    return {n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None}
+
+
+def _clipped_grads_zero(rank, world, stage, clip):
+    engine = _engine(stage, keep_full_grads=True)
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.clip_grad_norm_(clip)
+    shown = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+    asked = {n: engine.full_grad(p) for n, p in engine.module.named_parameters()}
+    engine.step()
+    engine.zero_grad()
+    cleared = all(p.grad is None for p in engine.module.parameters()) or stage < 2
+    engine.close()
+    return shown, asked, cleared
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_full_gradients_after_clipping_match_ddp(stage):
+    clip = 0.05
+    ddp = run_world(_clipped_grads_ddp, 2, clip)
+    zero = run_world(_clipped_grads_zero, 2, stage, clip)
+    for (shown, asked, cleared), reference in zip(zero, ddp):
+        assert cleared
+        assert shown.keys() == reference.keys()
+        for name, ref in reference.items():
+            torch.testing.assert_close(shown[name], ref, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(asked[name], ref, rtol=1e-5, atol=1e-7)
+
+
+def _grads_without_option(rank, world, stage):
+    engine = _engine(stage)
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    shown = [p.grad is not None for p in engine.module.parameters()]
+    engine.close()
+    return shown
+
+
+def test_without_the_option_stage_2_shows_no_gradient():
+    """The option is what costs DDP's gradient memory: off, .grad stays empty."""
+    assert not any(any(shown) for shown in run_world(_grads_without_option, 2, 2))
+
+
+def test_full_grad_refuses_a_foreign_tensor():
+    engine = _engine(3)
+    with pytest.raises(ValueError, match="does not manage"):
+        engine.full_grad(torch.zeros(3))
+
+
+# ----------------------------------------------------------------- one process
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_one_keeps_parameters_and_gradients_in_place(stage):
+    """Nothing to shard: the model reads and trains as in plain PyTorch, whatever stage."""
+    assert not dist.is_initialized()
+    reference = make_model()
+    ref_opt = make_optimizer(reference)
+    engine = _engine(stage)
+    x, y = local_batch(0, 0, 0, 1)
+    reference(x, y).backward()
+    engine.backward(engine(x, y))
+    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        assert p.shape == q.shape, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
+    ref_opt.step()
+    engine.step()
+    for p, q in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,186 @@
+"""Full parameters and gradients on demand, for code written against DDP.
+
+Stage 3 frees each unit's parameters between uses, and stages 2-3 keep only this rank's
+slice of each gradient. Code that reads the model outside forward (an EMA callback, a
+parity check, `model.a.item()`, a gradient dtype check after backward) would see empty
+tensors or `None`. This module makes the full values visible where the caller asks, at a
+cost the caller chooses:
+
+- `FullParameters.gathered(modules, modifier_rank)`: the units holding those modules'
+  parameters are gathered for a `with` block. Writes made inside it go back into the fp32
+  masters (and the stage-3 shards) on exit: `modifier_rank`'s writes, broadcast first, or
+  with `None` each rank's own slice of its own view (all ranks writing the same values
+  is then exact). This is DeepSpeed's `GatheredParameters(modifier_rank=...)`, at every
+  stage.
+- `FullGrads`: `grad(param)` is one parameter's full reduced gradient (a collective over
+  its unit's shard group); `show()` puts the full gradient on every `.grad`, as DDP does,
+  for `ZeroConfig(keep_full_grads=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .flat_unit import FlatUnit
+from .gather import STATE_DICT, GatherManager
+
+
+def units_of(
+    units: list[FlatUnit], modules: nn.Module | Iterable[nn.Module] | None
+) -> list[FlatUnit]:
+    """The units holding any parameter of `modules` (all units when None)."""
+    if modules is None:
+        return list(units)
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    wanted = {id(p) for m in modules for p in m.parameters()}
+    return [u for u in units if any(id(p) in wanted for p in u.params)]
+
+
+class FullParameters:
+    """Installed by the engine with its units, its stage-3 gatherer (None at stages 0-2)
+    and how to finish the parameter gathers of stages 1-2."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        gather: GatherManager | None,
+        wait_for_parameters: Callable[[], None],
+    ):
+        self.units = units
+        self.gather = gather
+        self.wait_for_parameters = wait_for_parameters
+
+    @contextlib.contextmanager
+    def gathered(
+        self,
+        modules: nn.Module | Iterable[nn.Module] | None = None,
+        modifier_rank: int | None = None,
+    ) -> Iterator[None]:
+        """Full parameters of `modules` (every module when None) inside the block;
+        collective on entry and exit (every rank holding them takes part)."""
+        chosen = units_of(self.units, modules)
+        self.wait_for_parameters()
+        held = [u for u in chosen if self.gather is not None and self.gather.ensure(u, STATE_DICT)]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for unit in chosen:
+                    if unit.full is not None and unit.layout.numel:
+                        if modifier_rank is not None:
+                            _broadcast_from(unit, modifier_rank)
+                        write_back_unit(unit)
+            for unit in held:
+                unit.free_full()
+
+
+def _broadcast_from(unit: FlatUnit, rank: int) -> None:
+    """Every holder of the unit's copy takes `rank`'s full values; a copy that `rank` does
+    not hold (another expert-parallel rank's experts) keeps its own ranks' writes."""
+    holders = unit.group.holders
+    if rank in holders.group.ranks:
+        holders.broadcast(unit.full, src=holders.group.ranks.index(rank), kind="gathered")
+
+
+@torch.no_grad()
+def write_back_unit(unit: FlatUnit) -> None:
+    """This rank's slice of the (gathered) full values into its fp32 master and, at
+    stage 3, its compute-dtype shard. In reduced precision only the elements that differ
+    from the master's rounding are written, so reading alone never rounds a master."""
+    view = unit.full[unit.opt_start : unit.opt_end]
+    master = unit.master
+    if view.data_ptr() != master.data_ptr():
+        if view.dtype == master.dtype:
+            master.copy_(view)
+        else:
+            changed = view != master.to(view.dtype)
+            master[changed] = view[changed].to(master.dtype)
+    if unit.shard is not None and unit.shard.data_ptr() != master.data_ptr():
+        unit.shard.copy_(view)
+
+
+class FullGrads:
+    """Full gradients for readers: one parameter's on request, or all of them on `.grad`
+    after each synchronised backward (`show`), kept consistent with clipping and
+    unscaling (`scale`, `clamp`) until the next backward or step (`hide`).
+
+    Stages 0-1 hold the full reduced gradient on `.grad` already; stages 2-3 gather it
+    from the shards into a full buffer per unit (the compute dtype: DDP's gradient
+    memory), and at stage 3 also keep the parameters gathered while it is shown."""
+
+    def __init__(self, units: list[FlatUnit], stage: int, gather: GatherManager | None):
+        self.units = units
+        self.stage = stage
+        self.gather = gather
+        self._shown: dict[int, torch.Tensor] = {}  # unit index -> full gradient buffer
+        self._held: list[FlatUnit] = []  # stage 3: units gathered to carry .grad
+        self.owner = {id(p): (u, s) for u in units for s, p in zip(u.layout.slots, u.params)}
+
+    def grad(self, param: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+        """`param`'s full reduced gradient in fp32 (None for a frozen parameter), divided
+        by `scale` (the loss scale not yet taken out). Collective over its unit's shard
+        group at stages 2-3."""
+        if id(param) not in self.owner:
+            raise ValueError(
+                "full_grad() takes a parameter of the engine's model (model.parameters()); "
+                f"got a tensor of shape {tuple(param.shape)} it does not manage."
+            )
+        unit, slot = self.owner[id(param)]
+        if not slot.trainable or unit.grad_opt is None:
+            return None
+        full = self._gather(unit, torch.float32)
+        value = full[slot.offset : slot.end].view(slot.shape).clone()
+        return value / scale if scale != 1.0 else value
+
+    def _gather(self, unit: FlatUnit, dtype: torch.dtype) -> torch.Tensor:
+        if self.stage < 2:
+            return unit.grad_full.to(dtype)
+        full = torch.empty(unit.layout.padded_numel, dtype=dtype, device=unit.device)
+        unit.group.comm.all_gather(full, unit.grad_opt.to(dtype))
+        return full
+
+    # ---------------------------------------------------------------- on .grad
+    def show(self) -> None:
+        """After a synchronised backward: every trainable parameter's `.grad` is a view of
+        its unit's full reduced gradient (stages 2-3; stages 0-1 have it already)."""
+        if self.stage < 2:
+            return
+        for unit in self.units:
+            if not unit.layout.trainable or not unit.layout.numel:
+                continue
+            if self.gather is not None and self.gather.ensure(unit, STATE_DICT):
+                self._held.append(unit)
+            full = self._gather(unit, unit.compute_dtype)
+            self._shown[unit.layout.index] = full
+            for slot, p in zip(unit.layout.slots, unit.params):
+                if slot.trainable:
+                    p.grad = full[slot.offset : slot.end].view(slot.shape)
+
+    def scale(self, factor: float) -> None:
+        for full in self._shown.values():
+            full.mul_(factor)
+
+    def clamp(self, limit: float) -> None:
+        for full in self._shown.values():
+            full.clamp_(-limit, limit)
+
+    def hide(self) -> None:
+        """Before the next backward, or when the step changes the parameters: the shown
+        gradients go (a later backward would otherwise accumulate into them)."""
+        if not self._shown and not self._held:
+            return
+        for unit in self.units:
+            if unit.layout.index in self._shown:
+                for slot, p in zip(unit.layout.slots, unit.params):
+                    if slot.trainable:
+                        p.grad = None
+        self._shown.clear()
+        for unit in self._held:
+            if not unit.persistent:
+                unit.free_full()
+        self._held.clear()
