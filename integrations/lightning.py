@@ -24,6 +24,7 @@ from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
+from .engine_of import attach, engine_of
 from .lightning_summary import patch_model_summary_callback
 from .pairing import one_optimizer_message, stand_in_optimizer
 from .strategy_config import (
@@ -150,24 +151,22 @@ def make_strategy(root: str):
                 precision_class.append(make_precision(root))
             self.precision_plugin = precision_class[0](flag, self)
             model = self.lightning_module
-            existing = getattr(model, "_zero_engine", None)
+            existing = engine_of(model)
             if trainer.state.fn == "fit" and self._layer_sync and existing is None:
                 self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
                 model = self.lightning_module
             self.model_to_device()
-            if existing is not None:
-                # The module was sharded by an earlier fit/validate: its parameters live in
-                # that engine. Evaluation reuses it; a second fit would need the new
-                # optimizer re-pointed at shards that no longer match model.parameters().
-                if trainer.state.fn == "fit":
-                    raise RuntimeError(
-                        "This LightningModule was already sharded by a ZeRO strategy run; "
-                        "fit it once per instance (resume with fit(ckpt_path=...) on a new "
-                        "instance) or evaluate it with validate/test/predict."
-                    )
+            if existing is not None and trainer.state.fn != "fit":
+                # Sharded by an earlier run: evaluation reuses that engine as it is.
                 self.engine = existing
                 self.model = model
                 return
+            if existing is not None:
+                # fit() again (more epochs, or after an exception): configure_optimizers
+                # builds new optimizers over model.parameters(), as under DDP, so the
+                # module is handed back whole and sharded again around them.
+                existing.release_module()
+                attach(model, None)
             if trainer.state.fn == "fit":  # TrainerFn is a str enum
                 self.setup_optimizers(trainer)
                 if len(self.optimizers) != 1:
@@ -182,7 +181,7 @@ def make_strategy(root: str):
             else:
                 optimizer = stand_in_optimizer(model)  # evaluation only
             self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)
-            model._zero_engine = self.engine
+            attach(model, self.engine)
             self.model = model
 
         def model_to_device(self) -> None:

@@ -142,7 +142,7 @@ class ZeroEngine:
         self.optimizer = optimizer
         self._opt_views: list[OptimizerView] = []
         self._repoint_optimizer()
-        optimizer.register_step_pre_hook(self._guard_direct_step)
+        self._handles = [optimizer.register_step_pre_hook(self._guard_direct_step)]
         self.fused_step = fused_step.build(optimizer, own_hooks=1)
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
         # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
@@ -185,8 +185,10 @@ class ZeroEngine:
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
-        model.register_forward_pre_hook(lambda *_: self.before_forward())
-        model.register_forward_hook(lambda *_: self.after_forward())
+        self._handles += [
+            model.register_forward_pre_hook(lambda *_: self.before_forward()),
+            model.register_forward_hook(lambda *_: self.after_forward()),
+        ]
         self._last_grad_norm: torch.Tensor | None = None
         self.global_steps = 0
         self.reset_comm_report()
@@ -799,6 +801,34 @@ class ZeroEngine:
         if self.gather is not None:
             self.gather.release_all()
         self.groups.close()
+
+    def release_module(self) -> nn.Module:
+        """Hand the model back as a plain module, to shard it again with a new optimizer
+        (Lightning's second `fit()`) or to use it without the engine: every parameter
+        becomes a full tensor of its fp32 master values on this rank (this rank's experts
+        for MoE layers), every hook the engine installed is removed and its groups are
+        closed. Collective at stages 1-3 (the shards are gathered); the engine is done."""
+        with contextlib.suppress(Exception):  # after an exception mid-step: finish or drop
+            self.reducer.wait()
+        self.reducer.in_flight.clear()
+        self.wait_for_parameters()
+        if self.gather is not None:
+            self.gather.release_all()
+        with torch.no_grad():
+            for unit in self.units:
+                full = self._gather_master(unit)
+                for slot, p in zip(unit.layout.slots, unit.params):
+                    p.data = full[slot.offset : slot.end].view(slot.shape).clone()
+                    p.grad = None
+        hooks = [self._handles, self.reducer.handles, self._module_state.handles]
+        hooks += [self.gather.handles] if self.gather is not None else []
+        hooks += [self.publisher.handles] if self.publisher is not None else []
+        for handle in (h for group in hooks for h in group):
+            handle.remove()
+        for owner in (self.module, self.optimizer):
+            owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again
+        self.close()
+        return self.module
 
     def reopen(self) -> None:
         """Re-create the process groups `close()` destroyed (collective: every rank)."""
