@@ -11,6 +11,7 @@ The corpus is Python's standard-library docstrings, tokenised as bytes: no downl
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -73,6 +74,15 @@ class LitGPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def epochs_spanned(max_steps: int, samples: int, ranks: int, batch: int, accumulate: int) -> int:
+    """The epochs that `max_steps` optimizer steps reach into. Trainer(max_steps=...) alone
+    sets max_epochs=-1, and Lightning's bar then reads "Epoch 1/-2" and counts the remaining
+    optimizer steps as batches ("82/41" with accumulate_grad_batches=2). As an upper bound
+    it stops nothing: max_steps is reached first."""
+    batches = math.ceil(math.ceil(samples / ranks) / batch)  # per rank (DistributedSampler)
+    return math.ceil(max_steps / math.ceil(batches / accumulate))  # a step ends each epoch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--strategy", default="zero3", choices=["zero1", "zero2", "zero3", "ddp"])
@@ -86,7 +96,8 @@ def main() -> None:
 
     L.seed_everything(0)
     torch.set_num_threads(1)
-    data = DataLoader(ByteWindows(byte_tokens(), 64), batch_size=8, shuffle=True, num_workers=0)
+    windows = ByteWindows(byte_tokens(), 64)
+    data = DataLoader(windows, batch_size=8, shuffle=True, num_workers=0)
     strategy = args.strategy
     if args.expert_parallel_size > 1:
         from zero_strategy.integrations.lightning import ZeroStrategy
@@ -99,6 +110,7 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_steps=args.max_steps,
+        max_epochs=epochs_spanned(args.max_steps, len(windows), 2, 8, accumulate=2),
         accumulate_grad_batches=2,
         gradient_clip_val=1.0,
         logger=False,

@@ -11,7 +11,9 @@ from a `ZeroPlugin`: its arguments, else the `ZERO_STRATEGY_*` environment varia
 `ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, and
 `ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields, or a
 DeepSpeed `ds_config.json`). Launch as
-Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU).
+Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU),
+or with the DeepSpeed ZeRO config `accelerate config` wrote: its stage and clipping are
+translated (`accelerate_env`), and Accelerate does not also set up DeepSpeed.
 
 The model is never wrapped: the engine shards it in place, so `unwrap_model` returns the
 user's module and `model(...)` is the user's forward. `backward`, the prepared optimizer's
@@ -40,6 +42,7 @@ from torch import nn
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 
+from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message
 
@@ -59,7 +62,9 @@ COMPUTE_DTYPES = {"no": "fp32", "bf16": "fp32", "fp16": "fp16"}
 class ZeroPlugin:
     """The ZeRO settings of a `ZeroAccelerator`.
 
-    Fields are read in this order, later ones winning: the YAML/JSON file
+    Fields are read in this order, later ones winning: Accelerate's DeepSpeed settings
+    (`ACCELERATE_USE_DEEPSPEED` and the `ACCELERATE_DEEPSPEED_*` variables `accelerate
+    launch` exports for a DeepSpeed config; see `accelerate_env`), the YAML/JSON file
     (`config_file`, else `$ZERO_STRATEGY_CONFIG_FILE`), `$ZERO_STRATEGY_STAGE` and
     `$ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, then `stage` and `options` (any `ZeroConfig`
     field) given here."""
@@ -68,8 +73,8 @@ class ZeroPlugin:
     config_file: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
-    def resolve(self, mixed_precision: str) -> ZeroConfig:
-        values: dict[str, Any] = {"stage": 3}
+    def resolve(self, mixed_precision: str, base: Mapping[str, Any] | None = None) -> ZeroConfig:
+        values: dict[str, Any] = {"stage": 3, **(base or {})}
         config_file = self.config_file or os.environ.get(ENV_CONFIG_FILE)
         if config_file:
             values.update(_read_config_file(config_file))
@@ -156,9 +161,15 @@ class ZeroOptimizer(AcceleratedOptimizer):
 class ZeroAccelerator(Accelerator):
     """`Accelerator` whose `prepare` shards each (model, optimizer) pair with a `ZeroEngine`.
     A model prepared without an optimizer (a frozen reference model) is prepared as
-    Accelerate prepares one for evaluation: replicated, not sharded."""
+    Accelerate prepares one for evaluation: replicated, not sharded.
+
+    Launched with an `accelerate config` for DeepSpeed ZeRO, its stage and clipping are the
+    base of the ZeroConfig (`accelerate_env`); `zero_plugin`'s fields and the
+    `ZERO_STRATEGY_*` variables win over them, as this class's own arguments
+    (`mixed_precision`, `gradient_accumulation_steps`) win over Accelerate's variables."""
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any):
+        deepspeed_env = take_deepspeed_env()  # before Accelerate reads ACCELERATE_USE_DEEPSPEED
         super().__init__(*args, **kwargs)
         if self.distributed_type in (
             DistributedType.DEEPSPEED,
@@ -173,7 +184,7 @@ class ZeroAccelerator(Accelerator):
             )
         require_cpu_or_cuda(self.device, "Accelerator")
         self.zero_plugin = zero_plugin or ZeroPlugin()
-        self.zero_config = self.zero_plugin.resolve(str(self.mixed_precision))
+        self.zero_config = self.zero_plugin.resolve(str(self.mixed_precision), deepspeed_env)
         self.engine: ZeroEngine | None = None
         self._unpaired_models: list[nn.Module] = []
         self._saving_state = False
