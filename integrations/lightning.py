@@ -26,7 +26,7 @@ from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .lightning_summary import patch_model_summary_callback
-from .pairing import one_optimizer_message, stand_in_optimizer
+from .pairing import stand_in_optimizer
 from .strategy_config import (
     PRECISIONS,
     compute_dtype_for,
@@ -74,14 +74,14 @@ def make_precision(root: str):
             self._after_closure(model, optimizer)
             skip = model.automatic_optimization and closure_result is None
             if not skip:
-                self._strategy.engine.step()
+                self._strategy.engine.step(optimizer)
             return closure_result
 
         def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-            self._strategy.engine.clip_grad_norm_(float(clip_val))
+            self._strategy.engine.clip_grad_norm_(float(clip_val), optimizer)
 
         def clip_grad_by_value(self, optimizer, clip_val) -> None:
-            self._strategy.engine.clip_grad_value_(float(clip_val))
+            self._strategy.engine.clip_grad_value_(float(clip_val), optimizer)
 
     return ZeroPrecision
 
@@ -168,16 +168,8 @@ def make_strategy(root: str):
                 existing.release_module()
                 attach(model, None)
             if trainer.state.fn == "fit":  # TrainerFn is a str enum
-                self.setup_optimizers(trainer)
-                if len(self.optimizers) != 1:
-                    raise RuntimeError(
-                        one_optimizer_message(
-                            "The ZeRO strategy",
-                            f"configure_optimizers returned {len(self.optimizers)} optimizers",
-                            "use strategy='ddp' for multi-optimizer training",
-                        )
-                    )
-                optimizer = self.optimizers[0]
+                self.setup_optimizers(trainer)  # several (a GAN's) are each sharded
+                optimizer = list(self.optimizers)
             else:
                 optimizer = stand_in_optimizer(model)  # evaluation only
             self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -167,30 +168,100 @@ def test_validate_and_test_run_with_sharded_parameters():
     assert vals[0] == vals[1] and 0 < vals[0] < 10  # sync_dist: the same on every rank
 
 
-def _two_optimizers(rank, world):
-    from lightning_helpers import lit_module_class, loader, quiet_trainer
+def _gan(rank, world, strategy):
+    """Manual optimization with two optimizers, as Lightning's GAN example: each step
+    toggles one optimizer's parameters, clips them by their own norm, and steps it."""
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
 
-    class GAN(lit_module_class()):
+    class GAN(L.LightningModule):
         def __init__(self):
             super().__init__()
+            torch.manual_seed(0)
+            self.generator = torch.nn.Sequential(
+                torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)
+            )
+            self.discriminator = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
             self.automatic_optimization = False
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            (real,) = batch
+            opt_g, opt_d = self.optimizers()
+            noise = torch.randn(
+                real.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx)
+            )
+            bce = torch.nn.functional.binary_cross_entropy_with_logits
+            self.toggle_optimizer(opt_g)
+            fake = self.generator(noise)
+            g_loss = bce(self.discriminator(fake), torch.ones(real.shape[0], 1))
+            self.manual_backward(g_loss)
+            self.clip_gradients(opt_g, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_d)
+            d_loss = bce(self.discriminator(real), torch.ones(real.shape[0], 1)) + bce(
+                self.discriminator(self.generator(noise).detach()), torch.zeros(real.shape[0], 1)
+            )
+            self.manual_backward(d_loss)
+            opt_d.step()
+            opt_d.zero_grad()
+            self.untoggle_optimizer(opt_d)
+            self.losses.append((g_loss.item(), d_loss.item()))
 
         def configure_optimizers(self):
-            half = len(list(self.model.parameters())) // 2
-            params = list(self.model.parameters())
-            return torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)
+            return (
+                torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+                torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9),
+            )
 
-    trainer = quiet_trainer(world, "zero2", max_steps=1)
-    trainer.fit(GAN(), loader(n_batches=2, world=world))
+    data = torch.randn(6 * 4 * world, 8, generator=torch.Generator().manual_seed(1))
+    module = GAN()
+    trainer = quiet_trainer(world, strategy, max_epochs=1)
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=4))
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return module.losses, final
 
 
-def test_more_than_one_optimizer_is_refused_at_setup():
-    for status, message in run_world(_two_optimizers, 2, expect_errors=True):
-        assert (
-            status == "error"
-            and "shards one model with one optimizer, but configure_optimizers returned 2"
-            in message
-        )
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_optimizers_with_manual_optimization_match_ddp(stage):
+    ddp = run_world(_gan, 2, "ddp_find_unused_parameters_true")
+    ours = run_world(_gan, 2, f"zero{stage}")
+    for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
+        assert len(losses) == 6
+        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
+        for name, value in ddp_final.items():
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _fit_twice(rank, world, strategy):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    module = lit_module_class()()
+    for steps in (3, 6):  # a new Trainer: 6 more steps, with new optimizers
+        trainer = quiet_trainer(world, strategy, max_steps=steps)
+        trainer.fit(module, loader(n_batches=6, world=world))
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return module.losses, final
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fit_twice_on_the_same_module_matches_ddp(stage):
+    ddp = run_world(_fit_twice, 2, "ddp")
+    ours = run_world(_fit_twice, 2, f"zero{stage}")
+    for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
+        assert len(losses) == 9
+        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
+        for name, value in ddp_final.items():
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
 
 
 def _manual(rank, world, strategy):

@@ -33,6 +33,7 @@ from torch import nn
 from .comm import Communicator
 from .flat_unit import FlatUnit
 from .optimizer import OptimizerView
+from .optimizer_set import OptimizerSet
 from .partition import ParamSlot, Stored
 from .safetensors_io import SafetensorsFile
 
@@ -54,7 +55,7 @@ class ShardedState:
     """What a checkpoint reads and writes, handed over by the engine."""
 
     units: list[FlatUnit]
-    optimizer: torch.optim.Optimizer
+    optimizer: OptimizerSet  # every optimizer of the engine, as one
     views: list[OptimizerView]  # the optimizer's parameters, one per (unit, group) segment
     module: nn.Module  # for its persistent buffers
     world: Communicator  # every rank: barriers and the index exchange
@@ -120,7 +121,7 @@ def _elementwise_state(
     }
 
 
-def _scalar_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
     """Per param group: non-elementwise state (Adam's `step`), equal for all its segments."""
     groups: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
     for gi, group in enumerate(optimizer.param_groups):
@@ -263,7 +264,7 @@ def _index(
         "params": params,
         "buffers": [name for name, _ in persistent_buffers(state.module)],
         "optimizer": {
-            "class": type(optimizer).__name__,
+            "class": optimizer.name,
             "param_groups": groups,
             "elementwise_state": sorted({k for report in reports for k in report["keys"]}),
             "scalar_state": scalars,
@@ -370,10 +371,10 @@ def load(
     index = reader.index
     _check_same_model(state, index)
     opt_index = index["optimizer"]
-    if load_optimizer_states and opt_index["class"] != type(state.optimizer).__name__:
+    if load_optimizer_states and opt_index["class"] != state.optimizer.name:
         raise CheckpointError(
             f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
-            f"{type(state.optimizer).__name__}; build the same optimizer to resume."
+            f"{state.optimizer.name}; build the same optimizer to resume."
         )
     for unit in state.units:
         for slot in unit.layout.slots:

@@ -15,11 +15,12 @@ meta-device materialisation (`init`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from .moe.placement import (
     settle_expert_parallel,
 )
 from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
+from .optimizer_set import OptimizerSet
 from .partition import (
     FROZEN_GROUP,
     Stored,
@@ -63,7 +65,7 @@ class ZeroEngine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         config: ZeroConfig | dict | None = None,
         *,
         device: torch.device | str | None = None,
@@ -73,13 +75,19 @@ class ZeroEngine:
         """`placement(module_path, module)` may return a `ShardSpec` for a module whose
         parameters are sharded over groups other than the whole world (None elsewhere).
         The experts of `zero_strategy.moe.MoE` layers are placed on their
-        expert-data-parallel groups whatever it says."""
+        expert-data-parallel groups whatever it says.
+
+        Several optimizers over disjoint parameter sets (a GAN's) are each sharded, and
+        step on their own: `step(optimizer)`, `optimizer.zero_grad()`."""
         self.config = _coerce_config(config)
         cfg = self.config
-        check_optimizer(optimizer, cfg.allow_untested_optimizer)
+        optimizers = _optimizer_list(optimizer, cfg)
+        for opt in optimizers:
+            check_optimizer(opt, cfg.allow_untested_optimizer)
+        self._optimizer_set = OptimizerSet(optimizers)
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
-        _settle_expert_parallel(model, optimizer, cfg.expert_parallel_size)
+        _settle_expert_parallel(model, self._optimizer_set, cfg.expert_parallel_size)
         params = unique_parameters(model)
         if not params:
             raise ValueError(
@@ -101,7 +109,7 @@ class ZeroEngine:
         self.stage = cfg.stage if self.world_size > 1 else 0
         self.module = model
 
-        group_of = group_index_of_params(optimizer, [p.param for p in params])
+        group_of = group_index_of_params(self._optimizer_set, [p.param for p in params])
         for p in params:
             if not p.param.requires_grad:
                 group_of.pop(id(p.param), None)
@@ -139,16 +147,28 @@ class ZeroEngine:
             meta_init.check_no_meta_buffers(model)
         self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
 
-        self.optimizer = optimizer
+        self.optimizers = optimizers
+        self.optimizer = optimizers[0]
         self._opt_views: list[OptimizerView] = []
         self._repoint_optimizer()
-        self._handles = [optimizer.register_step_pre_hook(self._guard_direct_step)]
-        self.fused_step = fused_step.build(optimizer, own_hooks=1)
+        self._handles = [o.register_step_pre_hook(self._guard_direct_step) for o in optimizers]
+        self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
+        self.fused_step = self._fused[0]
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
         # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
-        # buffers: at stages 2-3 the parameters hold no .grad for them to clear.
-        optimizer.zero_grad = self.zero_grad
+        # buffers: at stages 2-3 the parameters hold no .grad for them to clear. Each
+        # optimizer clears its own parameters' gradients, the model all of them.
+        for opt in optimizers:
+            opt.zero_grad = functools.partial(self.zero_grad, optimizer=opt)
         model.zero_grad = self.zero_grad
+        self._groups_off: set[int] = set()  # param groups whose requires_grad is off
+        if len(optimizers) > 1:
+            owners = {id(p) for u in self.units for s, p in zip(u.layout.slots, u.params)}
+            self._handles += [
+                module.register_forward_pre_hook(lambda *_: self._follow_requires_grad())
+                for module in model.modules()
+                if any(id(p) in owners for p in module.parameters(recurse=False))
+            ]
         self._inside_step = False
 
         self.scaler = LossScaler(cfg)
@@ -189,7 +209,7 @@ class ZeroEngine:
             model.register_forward_pre_hook(lambda *_: self.before_forward()),
             model.register_forward_hook(lambda *_: self.after_forward()),
         ]
-        self._last_grad_norm: torch.Tensor | None = None
+        self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's, by groups
         self.global_steps = 0
         self.reset_comm_report()
 
@@ -351,14 +371,29 @@ class ZeroEngine:
                 by_group.setdefault(seg.group_index, []).append(
                     (unit, seg.start - unit.opt_start, seg.end - unit.opt_start)
                 )
-        repoint_optimizer(
-            self.optimizer,
-            {gi: [u.master[lo:hi] for u, lo, hi in segs] for gi, segs in by_group.items()},
-        )
+        # Every group has a view on every rank (an empty one where none of its elements
+        # is this rank's), so that a group's requires_grad (Lightning's toggle_optimizer)
+        # reads the same everywhere.
+        optimizers = self._optimizer_set
+        for gi, group in enumerate(optimizers.param_groups):
+            if gi not in by_group and group["params"]:
+                first = next(u for u in self.units for s in u.layout.slots if s.group_index == gi)
+                by_group[gi] = [(first, 0, 0)]
+        for k, opt in enumerate(optimizers.optimizers):
+            offset = optimizers.group_offsets[k]
+            repoint_optimizer(
+                opt,
+                {
+                    gi - offset: [u.master[lo:hi] for u, lo, hi in by_group[gi]]
+                    for gi in optimizers.groups_of(k)
+                    if gi in by_group
+                },
+            )
+        all_groups = optimizers.param_groups
         self._opt_views = [
             OptimizerView(unit, lo, hi, opt_param, gi)
             for gi, segs in by_group.items()
-            for (unit, lo, hi), opt_param in zip(segs, self.optimizer.param_groups[gi]["params"])
+            for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
 
     # ================================================================ stage-3 glue
@@ -419,17 +454,31 @@ class ZeroEngine:
         (or, at stages 0-1, model params) whose .grad was set to None since backward."""
         if not self._grads_live:
             return
-        cleared = any(v.param.grad is None for v in self._opt_views) or (
-            self.stage < 2
-            and any(
-                p.grad is None
+        cleared = {v.group_index for v in self._opt_views if v.param.grad is None}
+        if self.stage < 2:
+            cleared |= {
+                s.group_index
                 for u in self.units
                 for s, p in zip(u.layout.slots, u.params)
-                if s.trainable
-            )
-        )
-        if cleared:
+                if s.trainable and p.grad is None
+            }
+        if cleared >= set(range(len(self._optimizer_set.param_groups))):
             self.zero_grad()
+        elif cleared:  # one optimizer's zero_grad (of several)
+            self._zero_groups(cleared)
+
+    def _follow_requires_grad(self) -> None:
+        """Lightning's `toggle_optimizer` switches requires_grad off on the other
+        optimizers' parameters, which are the engine's shard views: the model's own
+        parameters follow, group by group, before each module's forward."""
+        off = {v.group_index for v in self._opt_views if not v.param.requires_grad}
+        if off == self._groups_off:
+            return
+        self._groups_off = off
+        for unit in self.units:
+            for slot, p in zip(unit.layout.slots, unit.params):
+                if slot.trainable:
+                    p.requires_grad_(slot.group_index not in off)
 
     # ================================================================ training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -466,34 +515,43 @@ class ZeroEngine:
         finally:
             self.reducer.sync = previous
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm over all shards; returns the norm before clipping."""
+    def clip_grad_norm_(
+        self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """Clip by the global L2 norm over all shards (of `optimizer`'s parameters, when
+        given); returns the norm before clipping."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}.")
-        norm, overflow = self._unscale_and_measure()
+        _, groups = self._chosen(optimizer)
+        norm, overflow = self._unscale_and_measure(groups)
         if not overflow:
             coef = max_norm / (float(norm) + 1e-6)
             if coef < 1.0:
-                self._scale_grads(coef)
+                self._scale_grads(coef, groups)
         return norm
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element to [-clip_value, clip_value]: elementwise, so exact
-        on shards."""
+    def clip_grad_value_(
+        self, clip_value: float, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Clamp every gradient element (of `optimizer`'s parameters, when given) to
+        [-clip_value, clip_value]: elementwise, so exact on shards."""
         if clip_value <= 0:
             raise ValueError(f"clip_value must be positive, got {clip_value}.")
-        _, overflow = self._unscale_and_measure()
+        _, groups = self._chosen(optimizer)
+        _, overflow = self._unscale_and_measure(groups)
         if not overflow:
-            for unit in self.units:
-                for grad in unit.grad_buffers():
-                    grad.clamp_(-clip_value, clip_value)
-            self._full_grads.clamp(clip_value)
+            for grad in self._grad_parts(groups):
+                grad.clamp_(-clip_value, clip_value)
+            self._full_grads.clamp(clip_value, groups)
 
-    def step(self) -> bool:
-        """One optimizer step over this rank's shards, then refresh the compute copies.
-        Returns False when the step was skipped for an fp16 overflow."""
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """One optimizer step over this rank's shards, then refresh the compute copies:
+        every optimizer's, or only `optimizer`'s (its own gradients clipped by their own
+        norm, as `clip_grad_norm_` over its parameters would). Returns False when the step
+        was skipped for an fp16 overflow."""
         self.wait_for_parameters()
-        norm, overflow = self._unscale_and_measure()
+        chosen, groups = self._chosen(optimizer)
+        norm, overflow = self._unscale_and_measure(groups)
         if overflow:
             self.scaler.update(True)
             self._grads_unscaled = False
@@ -502,27 +560,41 @@ class ZeroEngine:
         if self.config.gradient_clipping > 0:
             coef = self.config.gradient_clipping / (float(norm) + 1e-6)
             if coef < 1.0:
-                self._scale_grads(coef)
+                self._scale_grads(coef, groups)
         self._expose_grads()
-        fused = self.fused_step is not None and self.fused_step.applies(
-            [v.param for v in self._opt_views]
-        )
-        if fused:
-            self.fused_step.step(self._fused_views())
-        else:
+        copies_written = True
+        for k in chosen:
+            opt, fused = self.optimizers[k], self._fused[k]
+            views = [
+                v for v in self._opt_views if v.group_index in self._optimizer_set.groups_of(k)
+            ]
+            if fused is not None and fused.applies([v.param for v in views]):
+                fused.step(self._fused_views(opt))
+                continue
+            copies_written = False
             self._inside_step = True
             try:
-                self.optimizer.step()
+                opt.step()
             finally:
                 self._inside_step = False
         self.scaler.update(False)
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
-        self._publish_parameters(copies_written=fused)
+        self._publish_parameters(copies_written=copies_written)
         self._grads_unscaled = False
+        self._norms.clear()
         self.global_steps += 1
         return True
+
+    def _chosen(self, optimizer) -> tuple[list[int], set[int] | None]:
+        """Optimizer positions, and their param groups (None: every optimizer)."""
+        if optimizer is None:
+            return list(range(len(self.optimizers))), None
+        k = self._optimizer_set.index_of(getattr(optimizer, "optimizer", optimizer))
+        if len(self.optimizers) == 1:
+            return [0], None
+        return [k], set(self._optimizer_set.groups_of(k))
 
     def parameter_numel(self, param: torch.Tensor) -> int:
         """Elements of `param` in the full model, also while stage 3 holds it freed (for
@@ -570,24 +642,41 @@ class ZeroEngine:
         if self.publisher is not None:
             self.publisher.wait_all()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (they are kept allocated; `set_to_none` is accepted
-        for API compatibility)."""
+    def zero_grad(
+        self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Zero the gradient buffers: all, or those of `optimizer`'s parameters (what its
+        own `zero_grad()` does). They are kept allocated; `set_to_none` is accepted for
+        API compatibility."""
         self.reducer.wait()
         self._full_grads.hide()
+        _, groups = self._chosen(optimizer)
+        self._norms.clear()
+        if groups is not None:
+            self._zero_groups(groups)
+            return
         self.reducer.zero_grad()
         for view in self._opt_views:
             view.param.grad = None
         self._grads_unscaled = False
         self._grads_live = False
 
+    def _zero_groups(self, groups: set[int]) -> None:
+        for grad in self._grad_parts(groups):
+            grad.zero_()
+        for view in self._opt_views:
+            if view.group_index in groups:
+                view.param.grad = None
+
     # ================================================================ step internals
-    def _unscale_and_measure(self) -> tuple[torch.Tensor, bool]:
-        """Wait for reductions, compute the global grad norm (unscaled) once per step and
-        divide the loss scale out of the gradients."""
+    def _unscale_and_measure(self, groups: set[int] | None = None) -> tuple[torch.Tensor, bool]:
+        """Wait for reductions, compute the global grad norm (unscaled) of every param
+        group or of `groups`, once per step, and divide the loss scale out of the
+        gradients."""
         self.reducer.wait()
-        if self._grads_unscaled:
-            return self._last_grad_norm, False
+        key = None if groups is None else tuple(sorted(groups))
+        if key in self._norms:
+            return self._norms[key], False
         # Each element once: a unit with several copies counts its first copy's shards (all
         # of distinct copies); at stage 0 only a copy's first rank counts its whole copy.
         shards = [
@@ -595,11 +684,15 @@ class ZeroEngine:
             for unit in self.units
             if unit.group.primary and (self.stage > 0 or unit.group.rank == 0)
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+            if groups is None or seg.group_index in groups
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
-        sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
+        if shards:
+            sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device, torch.float32)
+        else:
+            sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._world.control_all_reduce(sq)
-        scale = self.scaler.scale
+        scale = 1.0 if self._grads_unscaled else self.scaler.scale
         norm = sq.sqrt()[0] / scale
         overflow = not bool(torch.isfinite(norm))
         if overflow:
@@ -607,16 +700,42 @@ class ZeroEngine:
         if scale != 1.0:
             self._scale_grads(1.0 / scale)
         self._grads_unscaled = True
-        self._last_grad_norm = norm
+        self._norms[key] = norm
         return norm, False
 
-    def _scale_grads(self, factor: float) -> None:
+    def _grad_parts(self, groups: set[int] | None) -> list[torch.Tensor]:
+        """The gradient tensors of every param group (or of `groups`), each element once:
+        the optimizer's slices, and at stages 0-1 the full buffers `.grad` views."""
+        if groups is None:
+            return [grad for unit in self.units for grad in unit.grad_buffers()]
+        parts = []
         for unit in self.units:
-            for grad in unit.grad_buffers():
-                grad.mul_(factor)
-        self._full_grads.scale(factor)
+            if unit.grad_opt is None:
+                continue
+            # The full buffer: .grad at stages 0-1, the local sums under no_sync at 2-3.
+            if unit.grad_full is not None:
+                parts += [
+                    unit.grad_full[seg.start : seg.end]
+                    for seg in unit.layout.segments(0, unit.layout.numel)
+                    if seg.group_index in groups
+                ]
+            buffers = unit.grad_buffers()
+            if not (len(buffers) == 1 and buffers[0] is unit.grad_full):  # not a view of it
+                parts += [
+                    unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
+                    for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+                    if seg.group_index in groups
+                ]
+        return parts
 
-    def _fused_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
+    def _scale_grads(self, factor: float, groups: set[int] | None = None) -> None:
+        for grad in self._grad_parts(groups):
+            grad.mul_(factor)
+        self._full_grads.scale(factor, groups)
+
+    def _fused_views(
+        self, optimizer: torch.optim.Optimizer
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Per param group, in the group's order: (master view, gradient view, the slice of
         the compute-dtype copy it must be written to, or None when that is the master)."""
         fp32 = self.config.compute_torch_dtype == torch.float32
@@ -630,7 +749,7 @@ class ZeroEngine:
             else:
                 copy = unit.shard[lo:hi]
             by_param[id(view.param)] = (view.param.detach(), view.param.grad, copy)
-        return [[by_param[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        return [[by_param[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
     def _publish_parameters(self, copies_written: bool = False) -> None:
         """Make the updated shards visible: compute copies (unless the fused step wrote
@@ -657,7 +776,7 @@ class ZeroEngine:
         """Exact bytes held by this rank, by kind."""
         return memory_report(
             self.units,
-            self.optimizer,
+            self._optimizer_set,
             self.module,
             self.stage,
             comm_tensors=self.reducer.comm_buffers(),
@@ -684,7 +803,7 @@ class ZeroEngine:
     def _sharded_state(self) -> checkpoint.ShardedState:
         return checkpoint.ShardedState(
             self.units,
-            self.optimizer,
+            self._optimizer_set,
             self._opt_views,
             self.module,
             self._world,
@@ -825,7 +944,7 @@ class ZeroEngine:
         hooks += [self.publisher.handles] if self.publisher is not None else []
         for handle in (h for group in hooks for h in group):
             handle.remove()
-        for owner in (self.module, self.optimizer):
+        for owner in (self.module, *self.optimizers):
             owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again
         self.close()
         return self.module
@@ -848,6 +967,19 @@ def _coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
     if isinstance(config, dict):
         return ZeroConfig.from_dict(config)
     raise TypeError(f"config must be a ZeroConfig or a dict, got {type(config).__name__}.")
+
+
+def _optimizer_list(optimizer, cfg: ZeroConfig) -> list[torch.optim.Optimizer]:
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise ValueError("ZeroEngine needs at least one optimizer; got an empty list.")
+    if len(optimizers) > 1 and cfg.compute_torch_dtype == torch.float16:
+        raise ValueError(
+            "Several optimizers with fp16 are not supported: one dynamic loss scale cannot "
+            "skip one optimizer's step and not the other's. Use bf16 (or fp32), or one "
+            "optimizer with several param groups."
+        )
+    return optimizers
 
 
 def _settle_expert_parallel(model, optimizer, ep_size: int) -> None:

@@ -161,13 +161,25 @@ class FullGrads:
                 if slot.trainable:
                     p.grad = full[slot.offset : slot.end].view(slot.shape)
 
-    def scale(self, factor: float) -> None:
-        for full in self._shown.values():
-            full.mul_(factor)
+    def _parts(self, groups: set[int] | None) -> list[torch.Tensor]:
+        """The shown gradients of every param group, or of `groups`."""
+        if groups is None:
+            return list(self._shown.values())
+        return [
+            self._shown[unit.layout.index][seg.start : seg.end]
+            for unit in self.units
+            if unit.layout.index in self._shown
+            for seg in unit.layout.segments(0, unit.layout.numel)
+            if seg.group_index in groups
+        ]
 
-    def clamp(self, limit: float) -> None:
-        for full in self._shown.values():
-            full.clamp_(-limit, limit)
+    def scale(self, factor: float, groups: set[int] | None = None) -> None:
+        for grad in self._parts(groups):
+            grad.mul_(factor)
+
+    def clamp(self, limit: float, groups: set[int] | None = None) -> None:
+        for grad in self._parts(groups):
+            grad.clamp_(-limit, limit)
 
     def hide(self) -> None:
         """Before the next backward, or when the step changes the parameters: the shown

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .optimizer_set import OptimizerSet
 
 KINDS = (
     "parameters",
@@ -63,7 +64,7 @@ def _add_model_state(
 
 def memory_report(
     units: Iterable[FlatUnit],
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerSet,
     module: nn.Module,
     stage: int,
     comm_tensors: Iterable[torch.Tensor] = (),

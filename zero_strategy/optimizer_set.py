@@ -1,0 +1,95 @@
+"""Several optimizers over disjoint parameter sets, seen as one by the engine's layout
+and checkpoints (a GAN's generator and discriminator optimizers, manual optimization
+with two optimizers).
+
+Each optimizer stays the user's object and steps on its own; `OptimizerSet` only
+presents their param groups as one list (the same dicts, so re-pointing a group writes
+through to its optimizer) and their states as one mapping routed by parameter, so that
+the layout, the re-pointing and the sharded checkpoint treat "group i" alike whether it
+belongs to the first optimizer or the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+
+class _RoutedState(MutableMapping):
+    """`optimizer.state` of every optimizer at once: a key lands in the state of the
+    optimizer whose param groups hold it."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def _owner(self, param: torch.Tensor) -> torch.optim.Optimizer:
+        for opt in self.optimizers:
+            if any(p is param for group in opt.param_groups for p in group["params"]):
+                return opt
+        raise KeyError("the tensor is in no optimizer of the set")
+
+    def __getitem__(self, param):
+        return self._owner(param).state[param]
+
+    def __setitem__(self, param, value) -> None:
+        self._owner(param).state[param] = value
+
+    def __delitem__(self, param) -> None:
+        del self._owner(param).state[param]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self.optimizers)
+
+    def get(self, param, default=None):
+        for opt in self.optimizers:
+            if param in opt.state:
+                return opt.state[param]
+        return default
+
+    def clear(self) -> None:
+        for opt in self.optimizers:
+            opt.state.clear()
+
+
+class OptimizerSet:
+    """The optimizers of one engine, in order; `group_offsets[k]` is the index of
+    optimizer k's first group in the combined `param_groups`."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        self.group_offsets: list[int] = []
+        total = 0
+        for opt in self.optimizers:
+            self.group_offsets.append(total)
+            total += len(opt.param_groups)
+        self.state: MutableMapping[Any, Any] = _RoutedState(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @property
+    def name(self) -> str:
+        """What checkpoints record: "AdamW", or "Adam+SGD" for several."""
+        return "+".join(type(opt).__name__ for opt in self.optimizers)
+
+    def index_of(self, optimizer: torch.optim.Optimizer) -> int:
+        for k, opt in enumerate(self.optimizers):
+            if opt is optimizer:
+                return k
+        raise ValueError(
+            f"This {type(optimizer).__name__} is not one of the engine's optimizers; step "
+            "the optimizers given to ZeroEngine (or returned by configure_optimizers)."
+        )
+
+    def groups_of(self, k: int) -> range:
+        """Combined group indices of optimizer k."""
+        return range(
+            self.group_offsets[k], self.group_offsets[k] + len(self.optimizers[k].param_groups)
+        )
