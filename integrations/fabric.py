@@ -69,6 +69,7 @@ class ZeroFabricStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.engine: ZeroEngine | None = None
+        self._for_evaluation = False  # sharded with a stand-in optimizer (save/load first)
         self._backward_sync_control = _EngineSyncControl(self)
 
     @classmethod
@@ -100,13 +101,9 @@ class ZeroFabricStrategy(DDPStrategy):
         return stack
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
-        if len(optimizers) != 1:
-            raise RuntimeError(
-                one_optimizer_message(
-                    "The ZeRO strategy", f"fabric.setup got {len(optimizers)} optimizers"
-                )
-            )
-        self.engine = ZeroEngine(module, optimizers[0], self._config(), device=self.root_device)
+        """Several optimizers (over disjoint parameters, a GAN's) are each sharded."""
+        self.engine = ZeroEngine(module, list(optimizers), self._config(), device=self.root_device)
+        self._for_evaluation = False
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -140,6 +137,10 @@ class ZeroFabricStrategy(DDPStrategy):
         return self._pending_modules
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.engine is not None and self._for_evaluation:
+            # Sharded for a save or load before its optimizer came: shard it again with it.
+            self._pending.append(self.engine.release_module())
+            self.engine = None
         if self.engine is not None:
             raise RuntimeError(
                 one_optimizer_message(
@@ -159,9 +160,23 @@ class ZeroFabricStrategy(DDPStrategy):
         self._shard(owner, optimizer)
         return optimizer
 
-    def _shard(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _shard(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, for_evaluation: bool = False
+    ) -> None:
         self.engine = ZeroEngine(module, optimizer, self._config(), device=self.root_device)
+        self._for_evaluation = for_evaluation
         self._pending.remove(module)
+
+    def _shard_for_evaluation(self, state: Any) -> None:
+        """A model set up without an optimizer, saved or loaded: shard it with a stand-in
+        optimizer (its own arrives later through `setup_optimizers`, or never)."""
+        if self.engine is not None:
+            return
+        values = state.values() if isinstance(state, Mapping) else [state]
+        for module in values:
+            if isinstance(module, nn.Module) and module in self._pending:
+                self._shard(module, stand_in_optimizer(module), for_evaluation=True)
+                return
 
     def _require_engine(self, call: str) -> ZeroEngine:
         if self.engine is None:
@@ -184,14 +199,15 @@ class ZeroFabricStrategy(DDPStrategy):
         self._require_engine("fabric.backward()").backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        return self.engine.step()
+        return self.engine.step(optimizer)
 
     def clip_gradients_norm(
         self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True
     ):
         if norm_type != 2.0:
             raise ValueError("The ZeRO strategy clips by the global L2 norm only (norm_type=2).")
-        norm = self._require_engine("fabric.clip_gradients()").clip_grad_norm_(float(max_norm))
+        engine = self._require_engine("fabric.clip_gradients()")
+        norm = engine.clip_grad_norm_(float(max_norm), optimizer)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(
                 f"The total gradient norm is {norm}; set error_if_nonfinite=False to skip."
@@ -199,7 +215,7 @@ class ZeroFabricStrategy(DDPStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        self._require_engine("fabric.clip_gradients()").clip_grad_value_(float(clip_val))
+        self._require_engine("fabric.clip_gradients()").clip_grad_value_(float(clip_val), optimizer)
 
     def save_checkpoint(
         self, path, state: dict[str, Any], storage_options=None, filter=None
@@ -209,6 +225,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 "The ZeRO strategy writes sharded directories: storage_options and filter are not supported."
             )
         client = client_state(state, drop_types=(nn.Module, torch.optim.Optimizer))
+        self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
         engine.save_checkpoint(str(path), client_state=client)
 
@@ -226,11 +243,7 @@ class ZeroFabricStrategy(DDPStrategy):
         with_optimizer = not state or any(
             isinstance(v, torch.optim.Optimizer) for v in state.values()
         )
-        if self.engine is None:  # an evaluation model, set up without an optimizer
-            for module in (state or {}).values():
-                if isinstance(module, nn.Module) and module in self._pending:
-                    self._shard(module, stand_in_optimizer(module))
-                    break
+        self._shard_for_evaluation(state or {})
         client = self._require_engine("fabric.load()").load_checkpoint(str(path), with_optimizer)
         client = client or {}
         if not state:

@@ -188,3 +188,42 @@ def test_init_module_on_meta_and_load_raw_of_a_full_state_dict(tmp_path):
         assert on_meta and holds_shard
         assert "fabric.setup(model, optimizer)" in refused
         assert loss == pytest.approx(want[rank], rel=1e-6)
+
+
+def _model_only(rank, world, strategy, ckpt):
+    import torch
+
+    import zero_strategy  # noqa: F401
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(make_model(seed=1))
+    fabric.save(ckpt, {"model": model})  # before it has an optimizer
+    optimizer = fabric.setup_optimizers(make_optimizer(model))  # then trained with one
+    losses = []
+    for step in range(3):
+        x, y = local_batch(step, 0, rank, world)
+        loss = model(x, y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    other = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    other.launch()
+    fresh = other.setup_module(make_model(seed=2))
+    other.load(ckpt, {"model": fresh})  # the weights saved before training
+    x, y = local_batch(0, 0, rank, world)
+    with torch.no_grad():
+        first = fresh(x, y).item()
+    return losses, first
+
+
+def test_model_set_up_without_an_optimizer_saves_loads_and_then_trains(tmp_path):
+    ddp = run_world(_model_only, 2, "ddp", str(tmp_path / "ddp.ckpt"))
+    ours = run_world(_model_only, 2, "zero3", str(tmp_path / "zero3"))
+    for (losses, first), (ddp_losses, ddp_first) in zip(ours, ddp):
+        assert first == losses[0]  # the saved weights are the untrained ones
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ddp_losses))
+        assert abs(first - ddp_first) <= 1e-6 * abs(ddp_first)
