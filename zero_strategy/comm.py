@@ -48,10 +48,11 @@ class Communicator:
         group: CommGroup,
         reduce_scatter_via_all_reduce: bool,
         all_gather_via_broadcast: bool,
-        reopen: Callable[[], None],
+        refresh: Callable[[], None],
     ):
         self.group = group
-        self.reopen = reopen  # re-creates the engine's groups after a close()
+        # Re-creates the engine's groups after a close(), or on a new default group.
+        self.refresh = refresh
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
@@ -70,10 +71,10 @@ class Communicator:
         return self.group.distributed
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        if self.group.closed:
-            # Closed at a teardown and used again (a save after fit, an evaluation): every
-            # rank reaches the same first collective, so all re-create the groups together.
-            self.reopen()
+        # Closed at a teardown and used again (a save after fit, an evaluation), or the
+        # default group was re-created: every rank reaches the same first collective, so
+        # all re-create the groups together.
+        self.refresh()
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
 

@@ -134,6 +134,7 @@ class ProcessGroups:
             on_gloo if all_gather_via_broadcast is None else all_gather_via_broadcast
         )
         self._comms: dict[tuple[tuple[int, ...], ...], Communicator] = {}
+        self._default = _default_group()  # the world our groups were made in
         world_spec = ShardSpec.world(self.world_size)
         world = self.communicator(world_spec.groups)
         self.world = ShardGroup(world_spec, world, None, world, 0)
@@ -155,7 +156,7 @@ class ProcessGroups:
         groups), created once (collective the first time, as `shard_group`)."""
         if partition not in self._comms:
             self._comms[partition] = Communicator(
-                self._create(partition), self._rs_via_ar, self._ag_via_bcast, self.reopen
+                self._create(partition), self._rs_via_ar, self._ag_via_bcast, self.refresh
             )
         return self._comms[partition]
 
@@ -187,6 +188,33 @@ class ProcessGroups:
     def closed(self) -> bool:
         return any(g.closed for g, _ in self._made)
 
+    def refresh(self) -> None:
+        """Before each collective: follow a default group that was destroyed and created
+        again (every group of the old one died with it), and re-create closed groups."""
+        if self.backend != "none" and _default_group() is not self._default:
+            self._follow_new_default_group()
+        if self.closed:
+            self.reopen()
+
+    def _follow_new_default_group(self) -> None:
+        current = _default_group()
+        if current is None:
+            raise RuntimeError(
+                "The default process group was destroyed while this engine still uses it. "
+                "Call torch.distributed.init_process_group() again (same world size) before "
+                "using the engine, or close() it first."
+            )
+        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise RuntimeError(
+                f"The default process group was re-created with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}; this engine was built as rank {self.rank} of "
+                f"{self.world_size}. Build a new engine (or load its checkpoint) for a new "
+                "world."
+            )
+        for comm_group, _ in self._made:
+            comm_group.group = None  # destroyed with the old default group; not ours to free
+        self._default = current
+
     def close(self) -> None:
         """Destroy the groups this object created; the next collective on any of them
         re-creates them all (`reopen`). Local (no collective) and idempotent, so it is safe
@@ -198,7 +226,7 @@ class ProcessGroups:
         for g in live:
             g.group = None
         gc.collect()  # finished work objects that still hold a group let go of it first
-        if not dist.is_initialized():
+        if _default_group() is not self._default:
             return  # the default group was destroyed, and every group with it
         for handle in handles:
             with contextlib.suppress(ValueError):  # destroyed already (a new default group)
@@ -210,3 +238,8 @@ class ProcessGroups:
         for comm_group, partition in self._made:
             if comm_group.group is None:
                 comm_group.group = self._new_group(partition)
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    """The current default process group (None when there is none)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
