@@ -7,7 +7,6 @@ import os
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.distributed import run_world
