@@ -15,13 +15,22 @@ def require_cpu_or_cuda(device: torch.device, entry: str) -> None:
         )
 
 
-def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Move the buffers onto `device` and record it as the module's device (what
-    `LightningModule.device` reports, and where `self.log` and Lightning's collectives put
-    their tensors); parameters are placed by the engine, one unit at a time."""
+def place_buffers(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
+) -> None:
+    """Move the buffers onto `device` (floating ones also to `dtype`, for a "-true"
+    precision, as the framework's own precision plugin converts the module) and record it
+    as the module's device (what `LightningModule.device` reports, and where `self.log`
+    and Lightning's collectives put their tensors); parameters are placed by the engine,
+    one unit at a time."""
     for module in model.modules():
         for name, b in module._buffers.items():
-            if b is not None and not b.is_meta and b.device != device:
-                module._buffers[name] = b.to(device)
+            if b is None or b.is_meta:
+                continue
+            target = dtype if dtype is not None and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != target:
+                module._buffers[name] = b.to(device, target)
         if hasattr(module, "_device"):  # Lightning's device/dtype mixin
             module._device = device
+        if dtype is not None and hasattr(module, "_dtype"):
+            module._dtype = dtype

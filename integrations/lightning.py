@@ -124,6 +124,7 @@ def make_strategy(root: str):
             )
             self.engine: ZeroEngine | None = None
             self.engine_config = self._zero_base
+            self._true_dtype: torch.dtype | None = None
 
         # ------------------------------------------------------------ registry
         @classmethod
@@ -150,6 +151,10 @@ def make_strategy(root: str):
             if not precision_class:
                 precision_class.append(make_precision(root))
             self.precision_plugin = precision_class[0](flag, self)
+            # "64-true", "bf16-true": the whole module in that dtype, buffers too, as
+            # Lightning's own plugin converts it (the engine casts the parameters).
+            compute_dtype = self.engine_config.compute_torch_dtype
+            self._true_dtype = compute_dtype if flag.endswith("true") or flag == "64" else None
             model = self.lightning_module
             existing = engine_of(model)
             if trainer.state.fn == "fit" and self._layer_sync and existing is None:
@@ -179,7 +184,7 @@ def make_strategy(root: str):
         def model_to_device(self) -> None:
             """Buffers only: the engine copies each unit's parameters onto the device as it
             shards them, so the whole model never sits on one device at once."""
-            place_buffers(self.model, self.root_device)
+            place_buffers(self.model, self.root_device, self._true_dtype)
 
         @contextlib.contextmanager
         def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:

@@ -29,6 +29,8 @@ PRECISIONS = {
     "bf16-true": ("bf16", None),
     "16-mixed": ("fp16", None),  # fp16 compute, fp32 masters, dynamic loss scaling
     "16-true": ("fp16", None),
+    "64-true": ("fp64", None),  # fp64 compute and fp64 masters
+    "64": ("fp64", None),
 }
 
 

@@ -14,6 +14,8 @@ from distributed import run_world
 from training import make_model, make_optimizer, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.checkpoint import CheckpointError
+from zero_strategy.consolidate import consolidate
+from zero_strategy.safetensors_io import SafetensorsFile
 
 TOTAL, CUT = 8, 4
 
@@ -197,3 +199,22 @@ def test_model_only_load_takes_another_optimizer(tmp_path):
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
     assert not sgd.state and engine.global_steps == 0
+
+
+def test_fp64_training_resumes_bit_for_bit_and_consolidates_in_fp64(tmp_path):
+    """64-true: fp64 masters and optimizer state are stored as fp64, never through fp32."""
+    ckpt = str(tmp_path / "fp64")
+    full_losses, full_state, _ = run_world(
+        train_zero_resumable, 2, 3, range(6), ckpt, False, False, compute_dtype="fp64"
+    )[0]
+    _, saved, _ = run_world(
+        train_zero_resumable, 2, 3, range(3), ckpt, False, True, compute_dtype="fp64"
+    )[0]
+    losses, state, _ = run_world(
+        train_zero_resumable, 2, 3, range(3, 6), ckpt, True, False, compute_dtype="fp64"
+    )[0]
+    assert losses == full_losses[3:]
+    assert all(v.dtype == torch.float64 and torch.equal(state[k], v) for k, v in full_state.items())
+    (written,) = consolidate(ckpt, str(tmp_path / "model.safetensors"), show_progress=False)
+    consolidated = SafetensorsFile(written)
+    assert torch.equal(consolidated.read("wte.weight"), saved["wte.weight"])

@@ -602,3 +602,52 @@ def test_init_module_with_empty_init_builds_on_meta_and_shards():
     for on_meta, holds_shard, losses in run_world(_init_module_on_meta, 2):
         assert on_meta and holds_shard
         assert len(losses) == 2 and all(0 < v < 10 for v in losses)
+
+
+def _double(rank, world, strategy):
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Double(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16),
+                torch.nn.BatchNorm1d(16),
+                torch.nn.ReLU(),
+                torch.nn.Linear(16, 1),
+            )
+            self.dtypes: set[torch.dtype] = set()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.dtypes |= {x.dtype, self.net[1].running_mean.dtype, self.dtype}
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    module = Double()
+    trainer = quiet_trainer(
+        world, strategy, max_epochs=2, precision="64-true", gradient_clip_val=0.5
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return module.dtypes, final
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_precision_64_true_trains_in_fp64_as_ddp_does(stage):
+    ddp = run_world(_double, 2, "ddp")
+    ours = run_world(_double, 2, f"zero{stage}")
+    for (dtypes, final), (_, ddp_final) in zip(ours, ddp):
+        assert dtypes == {torch.float64}
+        for name, value in ddp_final.items():
+            assert final[name].dtype == torch.float64
+            # fp64 all the way: far closer than any fp32 step could land
+            torch.testing.assert_close(final[name], value, rtol=1e-8, atol=1e-10)

@@ -39,6 +39,7 @@ from .safetensors_io import SafetensorsFile
 
 FORMAT = "zero-strategy/1"
 INDEX = "index.json"
+MASTER_DTYPES = (torch.float32, torch.float64)  # masters: fp32, or fp64 by fp64 training
 CLIENT_STATE = "client_state.pt"
 
 
@@ -180,7 +181,10 @@ def save(
             state_keys.add(key)
         written[stored.name] = {
             "shape": list(stored.shape),
-            "dtype": str(slot.dtype).removeprefix("torch."),
+            # The model's dtype; fp64 when it trained in fp64 (its masters are fp64).
+            "dtype": str(
+                unit.master_dtype if unit.master_dtype == torch.float64 else slot.dtype
+            ).removeprefix("torch."),
             "aliases": [state.stored(unit, a, slot.shape).name for a in slot.aliases],
             "group": slot.group_index,
             "start": stored.offset + lo,
@@ -296,16 +300,25 @@ class CheckpointReader:
         return self._files[name]
 
     def read(
-        self, name: str, lo: int, hi: int, prefix: str = "", out: torch.Tensor | None = None
+        self,
+        name: str,
+        lo: int,
+        hi: int,
+        prefix: str = "",
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state), fp32,
-        read straight into the result (no mmap, no intermediate copy); into `out` (a
-        contiguous fp32 tensor of hi - lo elements) when given."""
+        """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state) in
+        `dtype`, read straight into the result (no mmap, no intermediate copy when the
+        stored dtype is the same); into `out` (a contiguous tensor of hi - lo elements)
+        when given. Masters are stored fp32, or fp64 by fp64 training."""
         entry = self.index["params"][name]
         if out is None:
-            out = torch.empty(hi - lo, dtype=torch.float32)
-        elif out.dtype != torch.float32 or out.numel() != hi - lo or not out.is_contiguous():
-            raise ValueError(f"read(out=...) needs a contiguous fp32 tensor of {hi - lo} elements.")
+            out = torch.empty(hi - lo, dtype=dtype)
+        elif out.dtype not in MASTER_DTYPES or out.numel() != hi - lo or not out.is_contiguous():
+            raise ValueError(
+                f"read(out=...) needs a contiguous fp32 or fp64 tensor of {hi - lo} elements."
+            )
         filled = 0
         for piece in entry["pieces"]:
             a, b = max(lo, piece["start"]), min(hi, piece["end"])
@@ -313,13 +326,17 @@ class CheckpointReader:
                 continue
             key = f"{prefix}{name}"
             handle = self._open(piece["rank"])
-            if key not in handle.tensors or handle.dtype(key) != torch.float32:
+            if key not in handle.tensors or handle.dtype(key) not in MASTER_DTYPES:
                 raise CheckpointError(
                     f"{rank_file(piece['rank'])} in {self.path} lacks fp32 '{key}' that "
                     f"{INDEX} says it holds; the index does not match the files."
                 )
+            target = out[a - lo : b - lo]
             try:
-                handle.read_range(key, a - piece["start"], b - piece["start"], out[a - lo : b - lo])
+                if handle.dtype(key) == out.dtype:
+                    handle.read_range(key, a - piece["start"], b - piece["start"], target)
+                else:
+                    target.copy_(handle.read_range(key, a - piece["start"], b - piece["start"]))
             except ValueError as e:
                 raise CheckpointError(f"{e}; the index does not match the files.") from e
             filled += b - a
@@ -382,7 +399,7 @@ def load(
             if lo < hi:
                 stored = state.stored(unit, slot.name, slot.shape)
                 at = stored.offset - slot.offset
-                values = reader.read(stored.name, at + lo, at + hi)
+                values = reader.read(stored.name, at + lo, at + hi, dtype=unit.master_dtype)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
     if load_optimizer_states:
         _load_optimizer_state(state, reader)
@@ -431,14 +448,15 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
                 else spec["value"]
             )
         for key in keys:
-            buf = torch.empty(view.hi - view.lo, dtype=torch.float32, device=state.device)
+            buf = torch.empty(view.hi - view.lo, dtype=unit.master_dtype, device=state.device)
             a, b = view.lo + unit.opt_start, view.hi + unit.opt_start  # unit-flat coordinates
             for slot in unit.layout.slots:
                 s, e = max(a, slot.offset), min(b, slot.end)
                 if s < e:
                     stored = state.stored(unit, slot.name, slot.shape)
                     at = stored.offset - slot.offset
-                    buf[s - a : e - a].copy_(reader.read(stored.name, at + s, at + e, f"{key}/"))
+                    values = reader.read(stored.name, at + s, at + e, f"{key}/", dtype=buf.dtype)
+                    buf[s - a : e - a].copy_(values)
             entry[key] = buf
         optimizer.state[view.param] = entry
 

@@ -17,6 +17,8 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
     "float16": torch.float16,
 }
 
@@ -30,14 +32,15 @@ def parse_dtype(value: str | torch.dtype | None, field_name: str) -> torch.dtype
     if value is None or isinstance(value, torch.dtype):
         if isinstance(value, torch.dtype) and value not in _DTYPES.values():
             raise ZeroConfigError(
-                f"{field_name}={value} is not supported; use one of 'fp32', 'bf16', 'fp16'."
+                f"{field_name}={value} is not supported; use one of 'fp32', 'bf16', 'fp16', 'fp64'."
             )
         return value
     try:
         return _DTYPES[str(value).lower()]
     except KeyError:
         raise ZeroConfigError(
-            f"{field_name}={value!r} is not a known dtype; use one of 'fp32', 'bf16', 'fp16'."
+            f"{field_name}={value!r} is not a known dtype; use one of 'fp32', 'bf16', 'fp16', "
+            "'fp64'."
         ) from None
 
 
@@ -192,6 +195,11 @@ class ZeroConfig:
     @property
     def compute_torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.compute_dtype, "compute_dtype")  # type: ignore[return-value]
+
+    @property
+    def master_torch_dtype(self) -> torch.dtype:
+        """The optimizer's masters and gradients: fp32, or fp64 for fp64 compute."""
+        return torch.float64 if self.compute_torch_dtype == torch.float64 else torch.float32
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:

@@ -34,7 +34,12 @@ from .checkpoint import CLIENT_STATE, CheckpointReader
 from .partition import FROZEN_GROUP
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ def _values(
     numel = 1
     for s in meta["shape"]:
         numel *= s
+    if entry.dtype == torch.float64:  # fp64 training's masters: never through fp32
+        return reader.read(entry.source, 0, numel, dtype=torch.float64).view(entry.shape)
     out = scratch.take(numel) if scratch is not None else None
     return reader.read(entry.source, 0, numel, out=out).view(entry.shape).to(entry.dtype)
 

@@ -324,7 +324,9 @@ class ZeroEngine:
         unit with several copies) the first copy's; one unit at a time at stage 3."""
 
         def flat_for(unit: FlatUnit) -> torch.Tensor:
-            return torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+            return torch.zeros(
+                unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device
+            )
 
         def point(unit: FlatUnit, flat: torch.Tensor) -> None:
             for slot, p in zip(unit.layout.slots, unit.params):
@@ -687,10 +689,13 @@ class ZeroEngine:
             if groups is None or seg.group_index in groups
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
-        if shards:
-            sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device, torch.float32)
+        master_dtype = self.config.master_torch_dtype
+        if not shards:
+            sq = torch.zeros(1, dtype=master_dtype, device=self.device)
+        elif master_dtype == torch.float64:  # fp64 training: the norm in fp64, as torch's
+            sq = torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().reshape(1)
         else:
-            sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+            sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
         self._world.control_all_reduce(sq)
         scale = 1.0 if self._grads_unscaled else self.scaler.scale
         norm = sq.sqrt()[0] / scale
@@ -738,7 +743,7 @@ class ZeroEngine:
     ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Per param group, in the group's order: (master view, gradient view, the slice of
         the compute-dtype copy it must be written to, or None when that is the master)."""
-        fp32 = self.config.compute_torch_dtype == torch.float32
+        fp32 = self.config.compute_torch_dtype == self.config.master_torch_dtype
         by_param = {}
         for view in self._opt_views:
             unit, lo, hi = view.unit, view.lo, view.hi
@@ -889,7 +894,7 @@ class ZeroEngine:
         """The unit's full fp32 values (padded), identical across its shard group."""
         if self.stage == 0:
             return unit.master
-        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+        full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device)
         unit.group.comm.all_gather(full, unit.master)
         return full
 

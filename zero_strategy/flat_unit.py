@@ -42,14 +42,16 @@ class FlatUnit:
         self.rank = group.rank if stage else 0  # this rank's slice of the layout
         self.device = device
         self.compute_dtype = compute_dtype
+        # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
+        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.opt_start, self.opt_end = (
             (0, layout.padded_numel) if stage == 0 else layout.shard_range(self.rank)
         )
         self.full: torch.Tensor | None = None  # compute dtype, padded_numel
         self.shard: torch.Tensor | None = None  # stage 3: compute dtype, shard_numel
-        self.master: torch.Tensor | None = None  # fp32 over [opt_start, opt_end)
+        self.master: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self.grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
-        self.grad_opt: torch.Tensor | None = None  # fp32 over [opt_start, opt_end)
+        self.grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self.persistent = stage < 3  # stage 3: set by the gather manager
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
@@ -59,10 +61,10 @@ class FlatUnit:
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:
-        """Take this unit's initial values (the full fp32 flat buffer, identical on every
-        rank) and build the persistent tensors from it."""
+        """Take this unit's initial values (the full flat buffer in the master dtype,
+        identical on every rank) and build the persistent tensors from it."""
         lay = self.layout
-        fp32 = self.compute_dtype == torch.float32
+        fp32 = self.compute_dtype == self.master_dtype  # the compute copy is the master
         if self.stage < 3:
             self.full = full_values.to(self.compute_dtype) if not fp32 else full_values
             my = self.full[self.opt_start : self.opt_end]
@@ -83,7 +85,7 @@ class FlatUnit:
                 self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
         if self.grad_opt is None and lay.trainable:
             self.grad_opt = torch.zeros(
-                self.opt_end - self.opt_start, dtype=torch.float32, device=self.device
+                self.opt_end - self.opt_start, dtype=self.master_dtype, device=self.device
             )
         if self.grad_full is not None:
             self.attach_param_grads()

@@ -133,7 +133,7 @@ class FullGrads:
         unit, slot = self.owner[id(param)]
         if not slot.trainable or unit.grad_opt is None:
             return None
-        full = self._gather(unit, torch.float32)
+        full = self._gather(unit, unit.master_dtype)
         value = full[slot.offset : slot.end].view(slot.shape).clone()
         return value / scale if scale != 1.0 else value
 
