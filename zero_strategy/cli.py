@@ -32,6 +32,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         exclude_frozen=args.exclude_frozen,
         show_progress=not args.quiet,
+        weights="ema" if args.ema else "model",
     )
     for f in files:
         print(f)
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         help="safetensors: split into Hugging Face shards past this size (e.g. 500MB)",
     )
     c.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
+    c.add_argument(
+        "--ema", action="store_true", help="write the EMA of the weights saved with them"
+    )
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_consolidate)
 

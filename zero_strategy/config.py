@@ -103,6 +103,9 @@ class ZeroConfig:
     # Costs DDP's gradient memory (the compute dtype, whole model) on every rank, and at
     # stage 3 also the full parameters, from the end of backward to the step.
     keep_full_grads: bool = False
+    # Update a sharded EMA of the weights after every step with this decay (0 = off); see
+    # engine.update_ema() / engine.ema_weights() to drive it yourself.
+    ema_decay: float = 0.0
     # Optimizers outside torch's elementwise set are refused unless this is True.
     allow_untested_optimizer: bool = False
     # MoE layers built with ep_size=None split their experts over this many contiguous
@@ -188,6 +191,8 @@ class ZeroConfig:
             or self.gradient_clipping != self.gradient_clipping
         ):
             fail("gradient_clipping", "use 0 (off) or a positive max norm such as 1.0.")
+        if not _is_number(self.ema_decay) or not 0.0 <= self.ema_decay < 1.0:
+            fail("ema_decay", "use 0 (off) or a decay in (0, 1) such as 0.999.")
         if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
             fail("collective_timeout", "use a positive number of seconds, e.g. 600.")
 

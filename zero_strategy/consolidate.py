@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CLIENT_STATE, CheckpointReader
+from .ema import EMA_KEY
 from .partition import FROZEN_GROUP
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,6 +49,7 @@ class Entry:
     source: str  # the parameter it is read from
     shape: tuple[int, ...]
     dtype: torch.dtype
+    state: str = ""  # "ema/": the parameter's EMA (optimizer state) instead of its value
 
     @property
     def nbytes(self) -> int:
@@ -57,15 +59,26 @@ class Entry:
         return n * torch.empty(0, dtype=self.dtype).element_size()
 
 
-def plan(reader: CheckpointReader, dtype: str | None, exclude_frozen: bool) -> list[Entry]:
-    """What the consolidated model holds, in checkpoint order."""
+def plan(
+    reader: CheckpointReader, dtype: str | None, exclude_frozen: bool, weights: str = "model"
+) -> list[Entry]:
+    """What the consolidated model holds, in checkpoint order: its weights, or (`weights`
+    "ema") their sharded EMA, frozen parameters as they are."""
+    if weights not in ("model", "ema"):
+        raise ValueError(f"Unknown weights {weights!r}; use 'model' or 'ema'.")
+    if weights == "ema" and EMA_KEY not in reader.index["optimizer"]["elementwise_state"]:
+        raise ValueError(
+            f"{reader.path} holds no EMA of the weights: train with ZeroConfig(ema_decay=...)"
+            " (or call engine.update_ema()) before saving, or consolidate weights='model'."
+        )
     out: list[Entry] = []
     for name, meta in reader.index["params"].items():
         if exclude_frozen and meta["group"] == FROZEN_GROUP:
             continue
         target = OUT_DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
+        state = f"{EMA_KEY}/" if weights == "ema" and meta["group"] != FROZEN_GROUP else ""
         for alias in [name, *meta["aliases"]]:
-            out.append(Entry(alias, name, tuple(meta["shape"]), target))
+            out.append(Entry(alias, name, tuple(meta["shape"]), target, state))
     for name in reader.index["buffers"]:
         out.append(Entry(name, "buffer/" + name, (), torch.float32))  # resolved when read
     return out
@@ -83,9 +96,11 @@ def _values(
     for s in meta["shape"]:
         numel *= s
     if entry.dtype == torch.float64:  # fp64 training's masters: never through fp32
-        return reader.read(entry.source, 0, numel, dtype=torch.float64).view(entry.shape)
+        values = reader.read(entry.source, 0, numel, entry.state, dtype=torch.float64)
+        return values.view(entry.shape)
     out = scratch.take(numel) if scratch is not None else None
-    return reader.read(entry.source, 0, numel, out=out).view(entry.shape).to(entry.dtype)
+    values = reader.read(entry.source, 0, numel, entry.state, out=out)
+    return values.view(entry.shape).to(entry.dtype)
 
 
 class _Scratch:
@@ -264,14 +279,16 @@ def consolidate(
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
     show_progress: bool = True,
+    weights: str = "model",
 ) -> list[Path]:
-    """Write the consolidated model; returns the files written."""
+    """Write the consolidated model (`weights="ema"`: its EMA); returns the files
+    written."""
     if fmt not in ("safetensors", "torch", "lightning"):
         raise ValueError(f"Unknown format {fmt!r}; use 'safetensors', 'torch' or 'lightning'.")
     if dtype is not None and dtype not in OUT_DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}.")
     reader = CheckpointReader(checkpoint)
-    entries = _resolve_buffers(reader, plan(reader, dtype, exclude_frozen))
+    entries = _resolve_buffers(reader, plan(reader, dtype, exclude_frozen, weights))
     progress = _progress(len(entries), show_progress)
     out = Path(out)
     written: list[Path] = []

@@ -29,6 +29,7 @@ from torch import nn
 
 from . import checkpoint, fused_step, meta_init
 from .config import ZeroConfig
+from .ema import ShardedEMA
 from .flat_unit import FlatUnit
 from .full_view import FullGrads, FullParameters
 from .gather import GatherManager, in_backward
@@ -153,6 +154,7 @@ class ZeroEngine:
         self._repoint_optimizer()
         self._handles = [o.register_step_pre_hook(self._guard_direct_step) for o in optimizers]
         self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
+        self._ema = ShardedEMA(self._opt_views, self._optimizer_set.state)
         self.fused_step = self._fused[0]
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
         # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
@@ -587,7 +589,39 @@ class ZeroEngine:
         self._grads_unscaled = False
         self._norms.clear()
         self.global_steps += 1
+        if self.config.ema_decay:
+            self._ema.update(self.config.ema_decay, groups)
         return True
+
+    # ================================================================ EMA
+    def update_ema(self, decay: float) -> None:
+        """Fold the current weights into the sharded EMA (the first call copies them):
+        `ema += (1 - decay) * (weights - ema)`, on this rank's shards only (local). Held
+        in the optimizer state, so checkpoints save it and load it at any world size."""
+        if self.global_steps == 0 and not self._ema.started:
+            raise RuntimeError(
+                "update_ema() before the first step: the EMA starts from trained weights "
+                "(and an optimizer's state is created by its first step). Call it after "
+                "engine.step()."
+            )
+        self._ema.update(decay)
+
+    def swap_ema(self) -> None:
+        """Exchange the weights and their EMA (a second call undoes it); the compute
+        copies follow. Collective at stages 1-3 (the parameters are re-gathered)."""
+        self.wait_for_parameters()
+        self._ema.swap()
+        self.refresh_from_masters()
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """The EMA weights in the model inside the block (validation, a sample), the
+        trained ones again after it."""
+        self.swap_ema()
+        try:
+            yield
+        finally:
+            self.swap_ema()
 
     def _chosen(self, optimizer) -> tuple[list[int], set[int] | None]:
         """Optimizer positions, and their param groups (None: every optimizer)."""
