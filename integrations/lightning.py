@@ -25,6 +25,7 @@ from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
+from .lightning_averaging import averaging_classes, refuse_stock_averaging
 from .lightning_summary import patch_model_summary_callback
 from .pairing import stand_in_optimizer
 from .strategy_config import (
@@ -75,6 +76,8 @@ def make_precision(root: str):
             skip = model.automatic_optimization and closure_result is None
             if not skip:
                 self._strategy.engine.step(optimizer)
+                if self._strategy.parameters_read_after_step:
+                    self._strategy.engine.wait_for_parameters()
             return closure_result
 
         def clip_grad_by_norm(self, optimizer, clip_val) -> None:
@@ -125,6 +128,9 @@ def make_strategy(root: str):
             self.engine: ZeroEngine | None = None
             self.engine_config = self._zero_base
             self._true_dtype: torch.dtype | None = None
+            # A stock averaging callback reads the parameters after each step (stages 1-2:
+            # the step's parameter gathers are finished first, not overlapped).
+            self.parameters_read_after_step = False
 
         # ------------------------------------------------------------ registry
         @classmethod
@@ -156,6 +162,13 @@ def make_strategy(root: str):
             compute_dtype = self.engine_config.compute_torch_dtype
             self._true_dtype = compute_dtype if flag.endswith("true") or flag == "64" else None
             model = self.lightning_module
+            stock = importlib.import_module(f"{root}.callbacks")
+            kinds = (stock.WeightAveraging, stock.StochasticWeightAveraging)
+            kinds += tuple(averaging_classes(root).values())
+            averaging = [c for c in trainer.callbacks if isinstance(c, kinds)]
+            if self.engine_config.stage == 3 and self.world_size > 1:
+                refuse_stock_averaging(averaging, root)
+            self.parameters_read_after_step = bool(averaging)
             existing = engine_of(model)
             if trainer.state.fn == "fit" and self._layer_sync and existing is None:
                 self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
@@ -321,4 +334,7 @@ def __getattr__(name: str):
     `lightning.pytorch` (use `register("pytorch_lightning")` for the other package)."""
     if name == "ZeroStrategy":
         return register("lightning.pytorch")
+    drop_ins = {f"Zero{stock}": stock for stock in averaging_classes("lightning.pytorch")}
+    if name in drop_ins:  # ZeroEMAWeightAveraging, ZeroWeightAveraging, ...
+        return averaging_classes("lightning.pytorch")[drop_ins[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

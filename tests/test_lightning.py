@@ -651,3 +651,62 @@ def test_precision_64_true_trains_in_fp64_as_ddp_does(stage):
             assert final[name].dtype == torch.float64
             # fp64 all the way: far closer than any fp32 step could land
             torch.testing.assert_close(final[name], value, rtol=1e-8, atol=1e-10)
+
+
+def _averaged(rank, world, strategy, kind):
+    import lightning as L
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    from zero_strategy.integrations.lightning import (
+        ZeroEMAWeightAveraging,
+        ZeroStochasticWeightAveraging,
+        ZeroWeightAveraging,
+    )
+
+    cb = L.pytorch.callbacks
+    callback = {
+        "stock-ema": lambda: cb.EMAWeightAveraging(decay=0.8, use_buffers=False),
+        "zero-ema": lambda: ZeroEMAWeightAveraging(decay=0.8),
+        "stock-mean": lambda: cb.WeightAveraging(use_buffers=False),
+        "zero-mean": lambda: ZeroWeightAveraging(use_buffers=False),
+        "stock-swa": lambda: cb.StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1),
+        "zero-swa": lambda: ZeroStochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1),
+    }[kind]()
+    module = lit_module_class()()
+    val_losses = []
+
+    class Record(L.pytorch.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    trainer = quiet_trainer(world, strategy, max_epochs=3, callbacks=[callback, Record()])
+    trainer.fit(module, loader(n_batches=4, world=world), loader(n_batches=2, world=world))
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return val_losses, final
+
+
+@pytest.mark.parametrize(
+    ("ours", "stock", "strategy"),
+    [
+        ("zero-ema", "stock-ema", "zero3"),
+        ("stock-ema", "stock-ema", "zero2"),  # the stock callback, as it is, at stages 1-2
+        ("zero-mean", "stock-mean", "zero3"),
+        ("zero-swa", "stock-swa", "zero3"),
+        ("stock-swa", "stock-swa", "zero1"),
+    ],
+)
+def test_weight_averaging_matches_ddp(ours, stock, strategy):
+    ddp = run_world(_averaged, 2, "ddp", stock)
+    zero = run_world(_averaged, 2, strategy, ours)
+    for (val, final), (ddp_val, ddp_final) in zip(zero, ddp):
+        assert len(val) == len(ddp_val) >= 3
+        torch.testing.assert_close(val, ddp_val, rtol=1e-5, atol=1e-6)  # validated averaged
+        for name, value in ddp_final.items():  # and left in the model at the end
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_stock_averaging_at_stage_3_names_the_drop_in():
+    for status, message in run_world(_averaged, 2, "zero3", "stock-ema", expect_errors=True):
+        assert status == "error" and "ZeroEMAWeightAveraging" in message

@@ -606,6 +606,11 @@ class ZeroEngine:
             )
         self._ema.update(decay)
 
+    @property
+    def ema_started(self) -> bool:
+        """Whether the sharded EMA holds an average yet (after its first update)."""
+        return self._ema.started
+
     def swap_ema(self) -> None:
         """Exchange the weights and their EMA (a second call undoes it); the compute
         copies follow. Collective at stages 1-3 (the parameters are re-gathered)."""

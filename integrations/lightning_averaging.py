@@ -1,0 +1,182 @@
+"""Weight averaging (EMA, SWA) for Lightning under the ZeRO strategy.
+
+Lightning's `WeightAveraging`, `EMAWeightAveraging` and `StochasticWeightAveraging` read
+and write `pl_module.parameters()` after each step. At stage 3 those are empty outside
+forward, so the stock callbacks cannot run there; the strategy refuses them at set-up,
+naming the drop-in to use (at stages 1-2 and on one process they work as they are):
+
+- `ZeroEMAWeightAveraging`: `EMAWeightAveraging`'s arguments and schedule, over the
+  engine's sharded EMA: 1/N of a copy per rank instead of a whole one, saved in the
+  sharded checkpoints, swapped in for validation and into the model when training ends.
+  Buffers (BatchNorm statistics) are not averaged: `use_buffers=False` in stock terms.
+- `ZeroWeightAveraging`: the stock callback, any `avg_fn`, with the full parameters
+  gathered wherever it reads or writes them. It keeps the stock's full averaged copy.
+- `ZeroStochasticWeightAveraging`: the stock SWA with the same gathering.
+
+The classes are built per Lightning package (`lightning.pytorch` or `pytorch_lightning`)
+by `averaging_classes(root)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+from .engine_of import engine_of
+
+_CLASSES: dict[str, dict[str, type]] = {}
+
+
+def _gathered(pl_module):
+    """The full parameters for a `with` block, written back on exit (every rank writes
+    the same values); nothing to do without an engine."""
+    engine = engine_of(pl_module)
+    return engine.gathered_parameters() if engine is not None else contextlib.nullcontext()
+
+
+def _with_full_parameters(base: type, hooks: tuple[str, ...]) -> type:
+    """`base` with each hook in `hooks` run inside `_gathered(pl_module)`."""
+
+    def wrap(name: str):
+        inner = getattr(base, name)
+
+        def hook(self, trainer, pl_module, *args, **kwargs):
+            with _gathered(pl_module):
+                return inner(self, trainer, pl_module, *args, **kwargs)
+
+        hook.__name__ = name
+        return hook
+
+    return type(f"Zero{base.__name__}", (base,), {name: wrap(name) for name in hooks})
+
+
+def averaging_classes(root: str) -> dict[str, type]:
+    """The drop-ins for Lightning package `root`, by the stock class name they replace."""
+    if root in _CLASSES:
+        return _CLASSES[root]
+    callbacks = importlib.import_module(f"{root}.callbacks")
+    stock_ema = callbacks.EMAWeightAveraging
+
+    class ZeroEMAWeightAveraging(callbacks.Callback):
+        """`EMAWeightAveraging(decay, update_every_n_steps, update_starting_at_step,
+        update_starting_at_epoch)` over the engine's sharded EMA (see the module)."""
+
+        def __init__(
+            self,
+            decay: float = 0.999,
+            update_every_n_steps: int = 1,
+            update_starting_at_step: int | None = None,
+            update_starting_at_epoch: int | None = None,
+        ):
+            if not 0.0 <= decay < 1.0:
+                raise ValueError(f"decay must be in [0, 1), got {decay}; 0.999 is usual.")
+            self.decay = decay
+            self.update_every_n_steps = update_every_n_steps
+            self.update_starting_at_step = update_starting_at_step
+            self.update_starting_at_epoch = update_starting_at_epoch
+            self._latest_update_step = 0
+            self._latest_update_epoch = -1
+            self._swapped = False
+
+        should_update = stock_ema.should_update  # the stock schedule, unchanged
+
+        def _engine(self, pl_module):
+            engine = engine_of(pl_module)
+            if engine is None:
+                raise RuntimeError(
+                    "ZeroEMAWeightAveraging needs the ZeRO strategy: use "
+                    "Trainer(strategy='zero1'|'zero2'|'zero3'), or EMAWeightAveraging "
+                    "with other strategies."
+                )
+            return engine
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step_idx = trainer.global_step - 1  # zero-based, as the stock callback
+            if trainer.global_step > self._latest_update_step and self.should_update(
+                step_idx=step_idx
+            ):
+                self._engine(pl_module).update_ema(self.decay)
+                self._latest_update_step = trainer.global_step
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            epoch = trainer.current_epoch
+            if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
+                self._engine(pl_module).update_ema(self.decay)
+                self._latest_update_epoch = epoch
+
+        def _swap(self, trainer, pl_module) -> None:
+            engine = self._engine(pl_module)
+            if engine.ema_started:
+                engine.swap_ema()
+                self._swapped = not self._swapped
+
+        def on_validation_epoch_start(self, trainer, pl_module) -> None:
+            if trainer.state.fn == "fit":
+                self._swap(trainer, pl_module)
+
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            if self._swapped:
+                self._swap(trainer, pl_module)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            """The averaged weights stay in the model, as the stock callback leaves them
+            (the trained ones are kept as the EMA state)."""
+            if not self._swapped:
+                self._swap(trainer, pl_module)
+            self._swapped = False
+
+        def state_dict(self) -> dict[str, Any]:
+            return {
+                "latest_update_step": self._latest_update_step,
+                "latest_update_epoch": self._latest_update_epoch,
+            }
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self._latest_update_step = state_dict["latest_update_step"]
+            self._latest_update_epoch = state_dict.get("latest_update_epoch", -1)
+
+    gathered_hooks = (
+        "setup",
+        "on_train_batch_end",
+        "on_train_epoch_end",
+        "on_train_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+    )
+    weight_averaging = _with_full_parameters(callbacks.WeightAveraging, gathered_hooks)
+    swa = _with_full_parameters(
+        callbacks.StochasticWeightAveraging,
+        ("setup", "on_train_epoch_start", "on_train_end"),
+    )
+    weight_averaging.__doc__ = "`WeightAveraging` with the full parameters gathered."
+    swa.__doc__ = "`StochasticWeightAveraging` with the full parameters gathered."
+    _CLASSES[root] = {
+        "EMAWeightAveraging": ZeroEMAWeightAveraging,
+        "WeightAveraging": weight_averaging,
+        "StochasticWeightAveraging": swa,
+    }
+    return _CLASSES[root]
+
+
+def refuse_stock_averaging(callbacks: list, root: str) -> None:
+    """Stage 3 over several ranks: a stock averaging callback would read empty parameters
+    after the first step. Refuse it now, naming the drop-in."""
+    ours = averaging_classes(root)
+    stock = importlib.import_module(f"{root}.callbacks")
+    for callback in callbacks:
+        if isinstance(callback, tuple(ours.values())):
+            continue
+        for name in ("EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging"):
+            if isinstance(callback, getattr(stock, name)):
+                raise RuntimeError(
+                    f"{type(callback).__name__} reads the model's parameters after each step, "
+                    "and at ZeRO stage 3 they are sharded (empty outside forward). Use "
+                    f"zero_strategy.integrations.lightning.Zero{name}(...) instead, with the "
+                    "same arguments"
+                    + (
+                        " (a sharded EMA: 1/N of a copy per rank)."
+                        if name == "EMAWeightAveraging"
+                        else "; it gathers the parameters where it reads them."
+                    )
+                )
