@@ -44,6 +44,7 @@ from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_dee
 
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
+from .engine_of import attach, engine_of
 from .pairing import model_of, one_optimizer_message
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
@@ -243,7 +244,7 @@ class ZeroAccelerator(Accelerator):
             raise ValueError(self._ONE_MODEL)
         place_buffers(model, self.device)
         self.engine = ZeroEngine(model, optimizer, self.zero_config, device=self.device)
-        model._zero_engine = self.engine
+        attach(model, self.engine)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
         wrapped = ZeroOptimizer(optimizer, self.engine)
@@ -262,8 +263,18 @@ class ZeroAccelerator(Accelerator):
         return super().free_memory(*objects)
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine | None:
-        inner = self.unwrap_model(model, keep_torch_compile=False)
-        return getattr(inner, "_zero_engine", None)
+        return engine_of(super().unwrap_model(model, keep_torch_compile=False))
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's module, as Accelerate's; at stage 3 with its full parameters
+        gathered (collective), so that reading them after training (a parity check, a
+        signature) sees what DDP shows. They stay gathered until the model's next forward
+        or step frees them."""
+        inner = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        engine = self._engine_of(model)
+        if engine is not None and not engine.in_step:  # not mid-step (a loss function's)
+            engine.unshard()
+        return inner
 
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

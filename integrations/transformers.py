@@ -51,6 +51,14 @@ class ZeroTrainer(Trainer):
         # consolidates on every rank.
         self.accelerator.project_configuration.save_on_each_node = self.args.save_on_each_node
 
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """The engine shards the model in place: there is nothing to wrap, and asking
+        `unwrap_model` whether it is wrapped would gather the whole model at stage 3."""
+        engine = self.zero_engine
+        if engine is not None and any(engine.manages(p) for p in model.parameters()):
+            return model
+        return super()._wrap_model(model, training, dataloader)
+
     @property
     def zero_engine(self):
         return getattr(self.accelerator, "engine", None)

@@ -266,3 +266,32 @@ def test_dynamo_backend_compiles_the_sharded_model():
     for ours, plain in zip(compiled, eager):
         assert ours["compiled"] and not plain["compiled"]
         assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+
+
+def _unwrapped_mid_training(rank, world, kind):
+    """A parity check reads unwrap_model(model) between steps; training then goes on."""
+    accelerator = _accelerator(kind, 3, accum=1)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    losses, snapshots = [], []
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world)
+        loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step in (1, 2):
+            unwrapped = accelerator.unwrap_model(model)
+            snapshots.append({n: p.detach().clone() for n, p in unwrapped.named_parameters()})
+    return losses, snapshots
+
+
+def test_unwrap_model_shows_the_full_parameters_and_training_goes_on():
+    ddp = run_world(_unwrapped_mid_training, 2, "ddp")
+    ours = run_world(_unwrapped_mid_training, 2, "zero")
+    for (losses, snaps), (ddp_losses, ddp_snaps) in zip(ours, ddp):
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ddp_losses))
+        for snap, ddp_snap in zip(snaps, ddp_snaps):  # after step 2 and after step 3
+            for name, value in ddp_snap.items():
+                torch.testing.assert_close(snap[name], value, rtol=1e-5, atol=1e-6)

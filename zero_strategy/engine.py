@@ -32,7 +32,7 @@ from .config import ZeroConfig
 from .ema import ShardedEMA
 from .flat_unit import FlatUnit
 from .full_view import FullGrads, FullParameters
-from .gather import GatherManager, in_backward
+from .gather import STATE_DICT, GatherManager, in_backward
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
@@ -207,6 +207,7 @@ class ZeroEngine:
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
+        self._backward_pending = False
         self._handles += [
             model.register_forward_pre_hook(lambda *_: self.before_forward()),
             model.register_forward_hook(lambda *_: self.after_forward()),
@@ -413,6 +414,7 @@ class ZeroEngine:
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
         self._expose_grads()
         self._grads_live = True
+        self._backward_pending = False
         if self.config.keep_full_grads and self.reducer.sync:
             self._full_grads.show()
 
@@ -436,6 +438,13 @@ class ZeroEngine:
         Evaluation and no_sync() forwards leave them as they are."""
         if not in_backward():
             self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync
+            self._backward_pending = torch.is_grad_enabled()
+
+    @property
+    def in_step(self) -> bool:
+        """A training forward ran and its backward has not yet: the caller is inside a
+        training step (so `unshard()` there would only hold memory backward needs)."""
+        return self._backward_pending
 
     def _sync_buffers(self) -> None:
         """DDP's broadcast_buffers: rank 0's buffers overwrite every rank's, one collective
@@ -499,6 +508,17 @@ class ZeroEngine:
         self._zero_if_cleared_elsewhere()
         self._full_grads.hide()
         return loss * self.scaler.scale if self.scaler.enabled else loss
+
+    def unshard(self) -> None:
+        """Stage 3: gather every unit and keep it gathered until the module's next use
+        frees it (its forward, the next step, or `reshard()`): the whole model readable
+        outside forward, as an unwrapped DDP model is, at the cost of holding all of it.
+        Collective. Writes to it are not kept; use `gathered_parameters()` to write."""
+        if self.gather is None:
+            self.wait_for_parameters()
+            return
+        for unit in self.units:
+            self.gather.ensure(unit, STATE_DICT)
 
     def reshard(self) -> None:
         """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
@@ -805,6 +825,7 @@ class ZeroEngine:
         if self.publisher is not None:
             self.publisher.launch()
         elif self.gather is not None:
+            self.gather.release_all()  # units left gathered (unshard()) hold old values
             self.gather.regather_persistent()
 
     def _guard_direct_step(self, optimizer, args, kwargs) -> None:
