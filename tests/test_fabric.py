@@ -227,3 +227,40 @@ def test_model_set_up_without_an_optimizer_saves_loads_and_then_trains(tmp_path)
         assert first == losses[0]  # the saved weights are the untrained ones
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ddp_losses))
         assert abs(first - ddp_first) <= 1e-6 * abs(ddp_first)
+
+
+def _ema(rank, world, strategy):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import zero_strategy  # noqa: F401
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    if strategy != "ddp":  # the sharded EMA, as any ZeroConfig field
+        strategy = ZeroFabricStrategy(stage=3, ema_decay=0.8)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model))
+    average = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    for step in range(4):
+        x, y = local_batch(step, 0, rank, world)
+        fabric.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if strategy == "ddp":
+            average.update_parameters(model.module)
+    if strategy == "ddp":
+        return {n: p.detach().clone() for n, p in average.module.named_parameters()}
+    engine = fabric.strategy.engine
+    with engine.ema_weights(), engine.gathered_parameters():
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_fabric_sharded_ema_matches_an_averaged_model_under_ddp():
+    import torch
+
+    for ours, ddp in zip(run_world(_ema, 2, "zero3"), run_world(_ema, 2, "ddp")):
+        for name, value in ddp.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6)

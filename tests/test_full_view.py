@@ -176,3 +176,28 @@ def test_world_size_one_keeps_parameters_and_gradients_in_place(stage):
     engine.step()
     for p, q in zip(engine.module.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _deep_copy(rank, world, stage):
+    import copy
+
+    engine = _engine(stage)
+    _one_step(engine, rank, world)
+    engine.wait_for_parameters()
+    clone = copy.deepcopy(engine.module)  # an EMA copy, an averaged model
+    engine.reset_comm_report()
+    x, y = local_batch(1, 0, rank, world)
+    with torch.no_grad():
+        copied = clone(x, y).item()
+    clone.zero_grad()  # the module's own, not the engine's
+    quiet = engine.comm_report() == {}
+    with torch.no_grad():
+        original = engine(x, y).item()
+    engine.close()
+    return copied, original, quiet
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_deep_copy_of_the_model_is_a_plain_module(stage):
+    for copied, original, quiet in run_world(_deep_copy, 2, stage):
+        assert copied == original and quiet

@@ -36,6 +36,7 @@ from .gather import STATE_DICT, GatherManager, in_backward
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
+from .module_hooks import EngineHook
 from .module_state import ModuleStateHooks
 from .moe.placement import (
     ExpertNames,
@@ -59,6 +60,7 @@ from .placement import PlacementFn, ShardSpec, placed_modules, placed_path_of_na
 from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
+from .routed_zero_grad import route_zero_grad
 from .topology import ProcessGroups
 
 
@@ -161,13 +163,15 @@ class ZeroEngine:
         # buffers: at stages 2-3 the parameters hold no .grad for them to clear. Each
         # optimizer clears its own parameters' gradients, the model all of them.
         for opt in optimizers:
-            opt.zero_grad = functools.partial(self.zero_grad, optimizer=opt)
-        model.zero_grad = self.zero_grad
+            route_zero_grad(opt, functools.partial(self.zero_grad, optimizer=opt))
+        route_zero_grad(model, self.zero_grad)
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
         if len(optimizers) > 1:
             owners = {id(p) for u in self.units for s, p in zip(u.layout.slots, u.params)}
             self._handles += [
-                module.register_forward_pre_hook(lambda *_: self._follow_requires_grad())
+                module.register_forward_pre_hook(
+                    EngineHook(lambda *_: self._follow_requires_grad())
+                )
                 for module in model.modules()
                 if any(id(p) in owners for p in module.parameters(recurse=False))
             ]
@@ -209,8 +213,8 @@ class ZeroEngine:
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
         self._backward_pending = False
         self._handles += [
-            model.register_forward_pre_hook(lambda *_: self.before_forward()),
-            model.register_forward_hook(lambda *_: self.after_forward()),
+            model.register_forward_pre_hook(EngineHook(lambda *_: self.before_forward())),
+            model.register_forward_hook(EngineHook(lambda *_: self.after_forward())),
         ]
         self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's, by groups
         self.global_steps = 0

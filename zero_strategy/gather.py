@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from .comm import Communicator
 from .flat_unit import FlatUnit
+from .module_hooks import EngineHook
 from .storage_pool import StoragePool
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
@@ -80,9 +81,13 @@ class GatherManager:
         for unit in self.units[1:]:
             module = model.get_submodule(unit.layout.module_path)
             self.handles.append(
-                module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    EngineHook(self._make_pre_forward(unit)), with_kwargs=True
+                )
             )
-            self.handles.append(module.register_forward_hook(self._make_post_forward(unit)))
+            self.handles.append(
+                module.register_forward_hook(EngineHook(self._make_post_forward(unit)))
+            )
         # The root unit is needed from the first module that owns one of its parameters
         # (or from the root forward itself) until the end of backward.
         owners = {""}
@@ -95,8 +100,8 @@ class GatherManager:
 
         for path in sorted(owners):
             module = model.get_submodule(path)
-            self.handles.append(module.register_forward_pre_hook(gather_root))
-        self.handles.append(model.register_forward_hook(self._root_post_forward))
+            self.handles.append(module.register_forward_pre_hook(EngineHook(gather_root)))
+        self.handles.append(model.register_forward_hook(EngineHook(self._root_post_forward)))
 
     def _make_pre_forward(self, unit: FlatUnit):
         has_frozen = any(not slot.trainable for slot in unit.layout.slots)

@@ -26,6 +26,7 @@ from torch import nn
 
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
+from .module_hooks import EngineHook
 from .partition import ParamSlot
 
 
@@ -58,10 +59,10 @@ class ModuleStateHooks:
             if not own:
                 continue
             self.handles += [
-                module.register_state_dict_pre_hook(self._make_pre(own)),
-                module.register_state_dict_post_hook(self._make_save()),
-                module.register_load_state_dict_pre_hook(self._make_load_pre(own)),
-                module.register_load_state_dict_post_hook(self._make_load_post()),
+                module.register_state_dict_pre_hook(EngineHook(self._make_pre(own))),
+                module.register_state_dict_post_hook(EngineHook(self._make_save())),
+                module.register_load_state_dict_pre_hook(EngineHook(self._make_load_pre(own))),
+                module.register_load_state_dict_post_hook(EngineHook(self._make_load_post())),
             ]
 
     def _own_units(self, module: nn.Module) -> list[FlatUnit]:

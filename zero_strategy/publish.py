@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .module_hooks import EngineHook
 
 
 class ParameterPublisher:
@@ -32,7 +33,9 @@ class ParameterPublisher:
                 }
             )
             if mine:
-                self.handles.append(module.register_forward_pre_hook(self._make_hook(mine)))
+                self.handles.append(
+                    module.register_forward_pre_hook(EngineHook(self._make_hook(mine)))
+                )
 
     def _make_hook(self, indices: list[int]):
         def hook(module, args):
