@@ -133,13 +133,14 @@ def plan(
     else:
         c = _DTYPE_BYTES[compute_dtype]
         mixed = c != 4
-        opt_range = psi if stage == 0 else shard  # what this rank's optimizer steps
+        ran = stage if world_size > 1 else 0  # one process keeps everything in place
+        opt_range = psi if ran == 0 else shard  # what this rank's optimizer steps
         memory = {
-            "parameters": c * (shard if stage == 3 else psi),
+            "parameters": c * (shard if ran == 3 else psi),
             "master_params": 4 * opt_range if mixed else 0.0,
             # stages 0-1 keep full gradients in the compute dtype (plus an fp32 slice
             # when mixed); stages 2-3 keep only the fp32 slice
-            "gradients": (c * psi + (4 * opt_range if mixed else 0)) if stage < 2 else 4 * shard,
+            "gradients": (c * psi + (4 * opt_range if mixed else 0)) if ran < 2 else 4 * shard,
             "optimizer_state": opt * opt_range,
         }
     if activations:
