@@ -710,3 +710,44 @@ def test_weight_averaging_matches_ddp(ours, stock, strategy):
 def test_stock_averaging_at_stage_3_names_the_drop_in():
     for status, message in run_world(_averaged, 2, "zero3", "stock-ema", expect_errors=True):
         assert status == "error" and "ZeroEMAWeightAveraging" in message
+
+
+def _fit_after_exception(rank, world, strategy, ckpt_dir):
+    import lightning as L
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    class Flaky(lit_module_class()):
+        fail_at: int | None = 3
+
+        def training_step(self, batch, batch_idx):
+            if self.fail_at is not None and self.global_step == self.fail_at:
+                raise RuntimeError("a node went away")
+            return super().training_step(batch, batch_idx)
+
+    module = Flaky()
+    on_exception = L.pytorch.callbacks.OnExceptionCheckpoint(dirpath=ckpt_dir, filename="crash")
+    trainer = quiet_trainer(
+        world, strategy, max_steps=6, callbacks=[on_exception], enable_checkpointing=True
+    )
+    try:
+        trainer.fit(module, loader(n_batches=6, world=world))
+    except RuntimeError as e:
+        assert "a node went away" in str(e)
+    saved = os.path.join(ckpt_dir, "crash.ckpt")
+    module.fail_at = None
+    resumed = quiet_trainer(world, strategy, max_steps=6)  # the same module, again
+    resumed.fit(module, loader(n_batches=6, world=world), ckpt_path=saved)
+    engine = getattr(resumed.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return module.losses, final
+
+
+def test_fit_again_after_an_exception_resumes_from_its_checkpoint_as_ddp(tmp_path):
+    ddp = run_world(_fit_after_exception, 2, "ddp", str(tmp_path / "ddp"))
+    ours = run_world(_fit_after_exception, 2, "zero3", str(tmp_path / "zero3"))
+    for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
+        assert len(losses) == 6  # 3 before the crash, 3 after the resume
+        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
+        for name, value in ddp_final.items():
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
