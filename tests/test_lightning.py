@@ -223,9 +223,7 @@ def _gan(rank, world, strategy):
     module = GAN()
     trainer = quiet_trainer(world, strategy, max_epochs=1)
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=4))
-    engine = getattr(trainer.strategy, "engine", None)
-    with engine.gathered_parameters() if engine else contextlib.nullcontext():
-        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    final = final_parameters(trainer, module)
     return module.losses, final
 
 
@@ -233,11 +231,7 @@ def _gan(rank, world, strategy):
 def test_two_optimizers_with_manual_optimization_match_ddp(stage):
     ddp = run_world(_gan, 2, "ddp_find_unused_parameters_true")
     ours = run_world(_gan, 2, f"zero{stage}")
-    for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
-        assert len(losses) == 6
-        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
-        for name, value in ddp_final.items():
-            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+    assert_matches_ddp(ours, ddp, n_losses=6)
 
 
 def _fit_twice(rank, world, strategy):
@@ -247,9 +241,7 @@ def _fit_twice(rank, world, strategy):
     for steps in (3, 6):  # a new Trainer: 6 more steps, with new optimizers
         trainer = quiet_trainer(world, strategy, max_steps=steps)
         trainer.fit(module, loader(n_batches=6, world=world))
-    engine = getattr(trainer.strategy, "engine", None)
-    with engine.gathered_parameters() if engine else contextlib.nullcontext():
-        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    final = final_parameters(trainer, module)
     return module.losses, final
 
 
@@ -257,11 +249,7 @@ def _fit_twice(rank, world, strategy):
 def test_fit_twice_on_the_same_module_matches_ddp(stage):
     ddp = run_world(_fit_twice, 2, "ddp")
     ours = run_world(_fit_twice, 2, f"zero{stage}")
-    for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
-        assert len(losses) == 9
-        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
-        for name, value in ddp_final.items():
-            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+    assert_matches_ddp(ours, ddp, n_losses=9)
 
 
 def _manual(rank, world, strategy):
@@ -409,13 +397,7 @@ def _batchnorm_fit(rank, world, strategy):
     class BatchNormNet(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(8, 16),
-                torch.nn.BatchNorm1d(16),
-                torch.nn.ReLU(),
-                torch.nn.Linear(16, 1),
-            )
+            self.net = batchnorm_net()
             self.val_losses = []
 
         def training_step(self, batch, batch_idx):
@@ -612,13 +594,7 @@ def _double(rank, world, strategy):
     class Double(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(8, 16),
-                torch.nn.BatchNorm1d(16),
-                torch.nn.ReLU(),
-                torch.nn.Linear(16, 1),
-            )
+            self.net = batchnorm_net()
             self.dtypes: set[torch.dtype] = set()
 
         def training_step(self, batch, batch_idx):
@@ -635,9 +611,7 @@ def _double(rank, world, strategy):
         world, strategy, max_epochs=2, precision="64-true", gradient_clip_val=0.5
     )
     trainer.fit(module, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
-    engine = getattr(trainer.strategy, "engine", None)
-    with engine.gathered_parameters() if engine else contextlib.nullcontext():
-        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    final = final_parameters(trainer, module)
     return module.dtypes, final
 
 
@@ -681,9 +655,7 @@ def _averaged(rank, world, strategy, kind):
 
     trainer = quiet_trainer(world, strategy, max_epochs=3, callbacks=[callback, Record()])
     trainer.fit(module, loader(n_batches=4, world=world), loader(n_batches=2, world=world))
-    engine = getattr(trainer.strategy, "engine", None)
-    with engine.gathered_parameters() if engine else contextlib.nullcontext():
-        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    final = final_parameters(trainer, module)
     return val_losses, final
 
 
@@ -737,17 +709,35 @@ def _fit_after_exception(rank, world, strategy, ckpt_dir):
     module.fail_at = None
     resumed = quiet_trainer(world, strategy, max_steps=6)  # the same module, again
     resumed.fit(module, loader(n_batches=6, world=world), ckpt_path=saved)
-    engine = getattr(resumed.strategy, "engine", None)
-    with engine.gathered_parameters() if engine else contextlib.nullcontext():
-        final = {n: p.detach().clone() for n, p in module.named_parameters()}
+    final = final_parameters(resumed, module)
     return module.losses, final
 
 
 def test_fit_again_after_an_exception_resumes_from_its_checkpoint_as_ddp(tmp_path):
     ddp = run_world(_fit_after_exception, 2, "ddp", str(tmp_path / "ddp"))
     ours = run_world(_fit_after_exception, 2, "zero3", str(tmp_path / "zero3"))
+    assert_matches_ddp(ours, ddp, n_losses=6)
+
+
+def final_parameters(trainer, module) -> dict[str, torch.Tensor]:
+    """The module's full parameters after fit, as DDP holds them (gathered at stage 3)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.gathered_parameters() if engine else contextlib.nullcontext():
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def assert_matches_ddp(ours, ddp, n_losses: int) -> None:
+    """Each rank's (losses, final parameters) against DDP's."""
     for (losses, final), (ddp_losses, ddp_final) in zip(ours, ddp):
-        assert len(losses) == 6  # 3 before the crash, 3 after the resume
+        assert len(losses) == n_losses
         torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
         for name, value in ddp_final.items():
             torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+
+
+def batchnorm_net() -> torch.nn.Sequential:
+    """A small net with BatchNorm statistics (buffers), seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    )
