@@ -118,6 +118,8 @@ def _clipped_grads_zero(rank, world, stage, clip):
     engine.clip_grad_norm_(clip)
     shown = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
     asked = {n: engine.full_grad(p) for n, p in engine.module.named_parameters()}
+    per_module = engine.full_grads(engine.module.blocks[1])  # one gather per unit
+    asked.update({f"blocks.1.{n}": g for n, g in per_module.items()})
     engine.step()
     engine.zero_grad()
     cleared = all(p.grad is None for p in engine.module.parameters()) or stage < 2

@@ -701,6 +701,13 @@ class ZeroEngine:
         scale = 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
         return self._full_grads.grad(param, scale)
 
+    def full_grads(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The full reduced gradients of `module`'s trainable parameters (the whole model
+        when None), by name, each unit gathered once. Collective (every rank)."""
+        self.reducer.wait()
+        scale = 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
+        return self._full_grads.grads_of(module if module is not None else self.module, scale)
+
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2) before reading the full
         parameters outside the module's forward."""

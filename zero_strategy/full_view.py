@@ -137,6 +137,21 @@ class FullGrads:
         value = full[slot.offset : slot.end].view(slot.shape).clone()
         return value / scale if scale != 1.0 else value
 
+    def grads_of(self, module: nn.Module, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's full reduced gradient in `module`, by its name in
+        the module; one gather per unit (collective over each unit's shard group)."""
+        fulls: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, param in module.named_parameters():
+            unit, slot = self.owner[id(param)]
+            if not slot.trainable or unit.grad_opt is None:
+                continue
+            if unit.layout.index not in fulls:
+                fulls[unit.layout.index] = self._gather(unit, unit.master_dtype)
+            value = fulls[unit.layout.index][slot.offset : slot.end].view(slot.shape).clone()
+            out[name] = value / scale if scale != 1.0 else value
+        return out
+
     def _gather(self, unit: FlatUnit, dtype: torch.dtype) -> torch.Tensor:
         if self.stage < 2:
             return unit.grad_full.to(dtype)
