@@ -4,6 +4,8 @@ keeping everything in place."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -203,3 +205,40 @@ def _deep_copy(rank, world, stage):
 def test_a_deep_copy_of_the_model_is_a_plain_module(stage):
     for copied, original, quiet in run_world(_deep_copy, 2, stage):
         assert copied == original and quiet
+
+
+def _accumulated_ddp(rank, world):
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    seen = []
+    for micro in range(2):
+        x, y = local_batch(0, micro, rank, world)
+        with model.no_sync() if micro == 0 else contextlib.nullcontext():
+            model(x, y).backward()
+        seen.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
+    return seen
+
+
+def _accumulated_zero(rank, world, stage):
+    engine = _engine(stage, keep_full_grads=True)
+    seen = []
+    for micro in range(2):
+        x, y = local_batch(0, micro, rank, world)
+        with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+            engine.backward(engine(x, y))
+        seen.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_kept_gradients_are_local_under_no_sync_and_reduced_after_as_ddp(stage):
+    """DDP's .grad after a no_sync backward is each rank's own sum (they differ across
+    ranks), and after the synchronised one the global mean: the same here."""
+    ddp = run_world(_accumulated_ddp, 2)
+    zero = run_world(_accumulated_zero, 2, stage)
+    assert not torch.equal(ddp[0][0]["blocks.0.fc.weight"], ddp[1][0]["blocks.0.fc.weight"])
+    for ours, reference in zip(zero, ddp):
+        for got, want in zip(ours, reference):
+            assert got.keys() == want.keys()
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7)

@@ -421,6 +421,8 @@ class ZeroEngine:
         self._backward_pending = False
         if self.config.keep_full_grads and self.reducer.sync:
             self._full_grads.show()
+        elif self.config.keep_full_grads:
+            self._full_grads.show_local(self.reducer.local_sums)
 
     def _expose_grads(self) -> None:
         for view in self._opt_views:

@@ -188,6 +188,21 @@ class FullGrads:
             if seg.group_index in groups
         ]
 
+    def show_local(self, local_sums: Callable[[FlatUnit], list[int]]) -> None:
+        """After a `no_sync()` backward (stages 2-3): `.grad` is this rank's own
+        accumulated gradient, as DDP shows it before synchronising, a view of the full
+        buffer that holds it (`local_sums(unit)`: its slots written so far)."""
+        for unit in self.units:
+            slots = local_sums(unit)
+            if not slots:
+                continue
+            if self.gather is not None and self.gather.ensure(unit, STATE_DICT):
+                self._held.append(unit)
+            self._shown[unit.layout.index] = unit.grad_full
+            for i in slots:
+                slot = unit.layout.slots[i]
+                unit.params[i].grad = unit.grad_full[slot.offset : slot.end].view(slot.shape)
+
     def scale(self, factor: float, groups: set[int] | None = None) -> None:
         for grad in self._parts(groups):
             grad.mul_(factor)

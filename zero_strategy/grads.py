@@ -236,6 +236,13 @@ class GradReducer:
             self._land(job)
         self.in_flight.clear()
 
+    def local_sums(self, unit: FlatUnit) -> list[int]:
+        """Stages 2-3 under `no_sync()`: the slots of `unit` whose local (unreduced)
+        gradient sums its full buffer holds so far."""
+        if self.stage < 2 or unit.grad_full is None:
+            return []
+        return sorted(self._written.get(unit.layout.index, ()))
+
     def comm_buffers(self) -> list[torch.Tensor]:
         """Full-size gradient buffers held for communication: in flight, and pooled."""
         return [job.sent for job in self.in_flight] + self.pool.tensors()
