@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+from zero_strategy.checkpoint import client_state_of
+from zero_strategy.consolidate import iter_tensors
 
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
@@ -178,6 +181,16 @@ class ZeroFabricStrategy(DDPStrategy):
                 self._shard(module, stand_in_optimizer(module), for_evaluation=True)
                 return
 
+    def _never_set_up(self, state: Any) -> nn.Module | None:
+        """The module in `state` if this strategy never saw it (not set up with Fabric):
+        saved and loaded whole, as under DDP."""
+        values = state.values() if isinstance(state, Mapping) else [state]
+        modules = [m for m in values if isinstance(m, nn.Module)]
+        sharded = self.engine.module if self.engine is not None else None
+        if modules and not any(m in self._pending or m is sharded for m in modules):
+            return modules[0]
+        return None
+
     def _require_engine(self, call: str) -> ZeroEngine:
         if self.engine is None:
             raise RuntimeError(
@@ -225,6 +238,10 @@ class ZeroFabricStrategy(DDPStrategy):
                 "The ZeRO strategy writes sharded directories: storage_options and filter are not supported."
             )
         client = client_state(state, drop_types=(nn.Module, torch.optim.Optimizer))
+        plain = self._never_set_up(state)
+        if plain is not None:
+            _save_unsharded(plain, path, client, self._config(), self.root_device)
+            return
         self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
         engine.save_checkpoint(str(path), client_state=client)
@@ -243,21 +260,41 @@ class ZeroFabricStrategy(DDPStrategy):
         with_optimizer = not state or any(
             isinstance(v, torch.optim.Optimizer) for v in state.values()
         )
+        plain = self._never_set_up(state or {})
+        if plain is not None:  # a module Fabric never set up: the full model, as DDP loads
+            plain.load_state_dict(dict(iter_tensors(path)), strict=strict)
+            return _restore_client(path, state, client_state_of(path), strict)
         self._shard_for_evaluation(state or {})
         client = self._require_engine("fabric.load()").load_checkpoint(str(path), with_optimizer)
-        client = client or {}
-        if not state:
-            return client
-        for name in list(state):
-            if isinstance(state[name], (nn.Module, torch.optim.Optimizer)):
-                continue  # restored, sharded, by the engine
-            if name in client:
-                state[name] = client.pop(name)
-            elif strict:
-                raise KeyError(
-                    f"'{name}' is not in the checkpoint at {path}; pass strict=False to skip it."
-                )
+        return _restore_client(path, state, client, strict)
+
+
+def _restore_client(path, state: dict | None, client: dict | None, strict: bool) -> dict:
+    """Fill `state`'s non-model entries from the saved client state; returns the rest."""
+    client = client or {}
+    if not state:
         return client
+    for name in list(state):
+        if isinstance(state[name], (nn.Module, torch.optim.Optimizer)):
+            continue  # restored by the engine (or loaded whole)
+        if name in client:
+            state[name] = client.pop(name)
+        elif strict:
+            raise KeyError(
+                f"'{name}' is not in the checkpoint at {path}; pass strict=False to skip it."
+            )
+    return client
+
+
+def _save_unsharded(module: nn.Module, path, client, config, device) -> None:
+    """`fabric.save` of a module never set up: the same sharded directory a set-up one
+    writes (it loads at any world size), from a throwaway engine over a copy of it."""
+    copy = deepcopy(module)
+    engine = ZeroEngine(copy, stand_in_optimizer(copy), config, device=device)
+    try:
+        engine.save_checkpoint(str(path), client_state=client)
+    finally:
+        engine.close()
 
 
 def register() -> None:

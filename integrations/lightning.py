@@ -50,6 +50,7 @@ def make_precision(root: str):
             self.precision = precision
             self._strategy = strategy
             self._autocast = PRECISIONS[precision][1]
+            self.device = strategy.root_device.type  # as Lightning's MixedPrecision has it
 
         def forward_context(self):
             if self._autocast is None:

@@ -264,3 +264,53 @@ def test_fabric_sharded_ema_matches_an_averaged_model_under_ddp():
     for ours, ddp in zip(run_world(_ema, 2, "zero3"), run_world(_ema, 2, "ddp")):
         for name, value in ddp.items():
             torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _save_load_around_setup(rank, world, strategy, tmp):
+    """Lightning's own Fabric DDP save/load test: a model saved before and after
+    setup (no optimizer), loaded into a plain model and into a set-up one."""
+    import contextlib
+    from copy import deepcopy
+    from pathlib import Path
+
+    import torch
+
+    import zero_strategy  # noqa: F401
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(0)
+    tmp = Path(tmp)
+    model = make_model(seed=4)
+    before = {n: p.detach().clone() for n, p in deepcopy(model).named_parameters()}
+    fabric.save(tmp / "before_setup", {"model": model})
+    wrapped = fabric.setup(model)
+    fabric.save(tmp / "after_setup", {"model": wrapped})
+
+    def same(module) -> bool:
+        engine = getattr(fabric.strategy, "engine", None)
+        managed = engine is not None and engine.manages(next(module.parameters()))
+        with engine.gathered_parameters() if managed else contextlib.nullcontext():
+            return all(torch.equal(before[n], p.detach()) for n, p in module.named_parameters())
+
+    results = []
+    plain = make_model(seed=5)
+    for name in ("before_setup", "after_setup"):
+        fabric.load(tmp / name, {"model": plain})
+        results.append(same(plain))
+    other = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    other.launch()
+    set_up = other.setup(make_model(seed=6))
+    fabric = other
+    for name in ("before_setup", "after_setup"):
+        other.load(tmp / name, {"model": set_up})
+        results.append(same(set_up.module))
+    return results
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_fabric_save_and_load_before_and_after_setup(tmp_path, strategy):
+    for results in run_world(_save_load_around_setup, 2, strategy, str(tmp_path)):
+        assert results == [True, True, True, True]

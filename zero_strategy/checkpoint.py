@@ -405,10 +405,12 @@ def load(
         _load_optimizer_state(state, reader)
     for name, buf in persistent_buffers(state.module):
         buf.data.copy_(reader.buffer(name))
-    return LoadedCheckpoint(int(index["step"]), index["loss_scaler"], _client_state(Path(path)))
+    return LoadedCheckpoint(int(index["step"]), index["loss_scaler"], client_state_of(path))
 
 
-def _client_state(path: Path) -> dict | None:
+def client_state_of(path: str | os.PathLike) -> dict | None:
+    """The client state saved with a checkpoint (loaded with weights_only=True), or None."""
+    path = Path(path)
     client = path / CLIENT_STATE
     if not client.exists():
         return None

@@ -294,13 +294,8 @@ class ZeroEngine:
                 "No parameter of the model is both trainable and in the optimizer. Build the "
                 "optimizer over the model's parameters that require grad."
             )
-        world = self.world_size
-        if self.stage > 0 and trainable < world:
-            raise ValueError(
-                f"The model has {trainable} trainable element(s) but the world size is {world}: "
-                "some ranks would own no part of the model. Use fewer processes, or stage 0 "
-                "(plain data parallelism) for a model this small."
-            )
+        # A model with fewer elements than ranks is fine: a rank whose shard is padding
+        # alone steps nothing (its optimizer holds empty views) and trains as DDP does.
 
     def _check_same_model_on_all_ranks(self, params, group_of, placed) -> None:
         """A different model (or placement) on some rank would pair mismatched collectives,
