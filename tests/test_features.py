@@ -302,3 +302,30 @@ def test_frozen_layers_a_unit_uses_first_are_there_for_backward(config):
     for (losses, gathered), (want, _) in zip(ours, ddp):
         assert losses == want
         assert gathered == [0] * len(gathered)  # nothing is left gathered after backward
+
+
+def _tied_across_units(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(4, 4)
+    model.tied_layer = torch.nn.Linear(4, 4)
+    model.tied_layer.weight = model.layer.weight  # one weight, two sibling modules
+    model.forward = lambda x: model.tied_layer(model.layer(x))
+    engine = ZeroEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        ZeroConfig(stage=3, unit_module_classes=["Linear"]),
+    )
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    with engine.gathered_parameters():
+        same = torch.equal(model.layer.weight, model.tied_layer.weight)
+        shape = tuple(model.layer.weight.shape)
+    engine.close()
+    return same, shape
+
+
+def test_a_weight_tied_across_two_units_lives_in_the_root_unit():
+    """Lightning's memory-sharing test model: a weight shared by two sibling units is
+    gathered with the unit that holds both (the root), and stays one tensor."""
+    assert run_world(_tied_across_units, 2) == [(True, (4, 4))] * 2

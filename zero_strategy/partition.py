@@ -254,8 +254,8 @@ def module_layouts(
         return best
 
     def common_unit(homes: set[str]) -> str:
-        candidates = [
-            p for p in ["", *unit_paths] if all(h == p or h.startswith(p + ".") for h in homes)
+        candidates = [""] + [  # the root holds every module
+            p for p in unit_paths if all(h == p or h.startswith(p + ".") for h in homes)
         ]
         return max(candidates, key=lambda p: len(p) if p else -1)
 
