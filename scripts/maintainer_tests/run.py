@@ -56,6 +56,10 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
 
 
+def _command() -> str:
+    return shlex.join([sys.executable.replace(str(REPO) + "/", ""), *sys.argv])
+
+
 @dataclass
 class Entry:
     kind: str  # "pytest", "standalone" or "script"
@@ -79,6 +83,7 @@ class SuiteRun:
     results: list[Result] = field(default_factory=list)
     wall: float = 0.0
     notes: list[str] = field(default_factory=list)
+    command: str = field(default_factory=_command)
 
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(OUTCOMES, 0)
@@ -281,16 +286,18 @@ def run_pytest_suite(
     return run
 
 
+CODE = ("zero_strategy", "integrations", "kernels")
+
+
 def _code_state() -> str:
-    """The commit under test, as the code changes while the suites run for hours."""
+    """The last commit of the code under test (it may change while the suites run for an
+    hour), and whether the work tree has uncommitted changes to it."""
     git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "zero_strategy", "integrations", "kernels"],
-        capture_output=True,
-        text=True,
-    )
-    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+    last = [*git, "log", "-1", "--format=%h", "--", *CODE]
+    commit = subprocess.run(last, capture_output=True, text=True).stdout.strip()
+    status = [*git, "status", "--porcelain", "--", *CODE]
+    dirty = subprocess.run(status, capture_output=True, text=True).stdout.strip()
+    return commit + (" + uncommitted changes" if dirty else "")
 
 
 def run_script(entry: Entry, strategy: str, env: dict, work: Path, args) -> list[Result]:
@@ -373,7 +380,7 @@ def report(runs: dict[tuple[str, str], SuiteRun], baseline_note: dict, args) -> 
     out = [
         f"# Maintainers' DDP tests with zero-strategy in DDP's place ({date})",
         "",
-        f"Command: `{shlex.join([sys.executable.replace(str(REPO) + '/', ''), *sys.argv])}`",
+        f"Command: `{' ; '.join(dict.fromkeys(r.command for r in runs.values()))}`",
         "",
         "Each ZeRO run is the same selection (scripts/maintainer_tests/selection.txt) with "
         "every DDP strategy name, `DDPStrategy` instance and `Accelerator` resolved to "
@@ -386,7 +393,8 @@ def report(runs: dict[tuple[str, str], SuiteRun], baseline_note: dict, args) -> 
         out += ["", f"## {suite}", "", f"Source: {baseline_note[suite]}", ""]
         out += _table(suite_runs)
         for run in suite_runs:
-            out += [f"- {run.strategy}: {note}" for note in run.notes if not note.startswith("log")]
+            notes = [note for note in run.notes if not note.startswith("log")]
+            out.append(f"- {run.strategy}: {'; '.join(notes)}")
         base = runs.get((suite, "ddp"))
         if base is None:
             continue
@@ -435,7 +443,8 @@ def _load(suite: str, strategy: str) -> SuiteRun | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    run = SuiteRun(suite, strategy, [Result(**r) for r in data["results"]], data["wall"])
+    results = [Result(**r) for r in data["results"]]
+    run = SuiteRun(suite, strategy, results, data["wall"], command=data.get("command", ""))
     run.notes = [*data["notes"], f"results of the run of {data['date']}"]
     return run
 
