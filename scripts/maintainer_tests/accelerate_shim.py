@@ -116,4 +116,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a gloo group alive at interpreter exit can abort the process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
