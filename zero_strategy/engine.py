@@ -207,7 +207,7 @@ class ZeroEngine:
             model, self.units, self.gather, self.wait_for_parameters
         )
         self._full_parameters = FullParameters(self.units, self.gather, self.wait_for_parameters)
-        self._full_grads = FullGrads(self.units, self.stage, self.gather)
+        self._full_grads = FullGrads(self.units, self.stage, self.gather, self._module_state.owner)
         self._grads_unscaled = False
         self._grads_live = False
         self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
@@ -695,15 +695,18 @@ class ZeroEngine:
         """`param`'s full reduced (and clipped, unscaled) gradient in fp32, or None if it
         is frozen. Collective over the ranks sharding its unit at stages 2-3."""
         self.reducer.wait()
-        scale = 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
-        return self._full_grads.grad(param, scale)
+        return self._full_grads.grad(param, self._scale_left_in_grads())
 
     def full_grads(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The full reduced gradients of `module`'s trainable parameters (the whole model
         when None), by name, each unit gathered once. Collective (every rank)."""
         self.reducer.wait()
-        scale = 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
-        return self._full_grads.grads_of(module if module is not None else self.module, scale)
+        module = module if module is not None else self.module
+        return self._full_grads.grads_of(module, self._scale_left_in_grads())
+
+    def _scale_left_in_grads(self) -> float:
+        """The fp16 loss scale the gradients still carry (1 once unscaled, or without one)."""
+        return 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
 
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2) before reading the full

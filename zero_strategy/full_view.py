@@ -27,6 +27,7 @@ from torch import nn
 
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
+from .partition import ParamSlot
 
 
 def units_of(
@@ -113,13 +114,20 @@ class FullGrads:
     from the shards into a full buffer per unit (the compute dtype: DDP's gradient
     memory), and at stage 3 also keep the parameters gathered while it is shown."""
 
-    def __init__(self, units: list[FlatUnit], stage: int, gather: GatherManager | None):
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        stage: int,
+        gather: GatherManager | None,
+        owner: dict[int, tuple[FlatUnit, ParamSlot]],
+    ):
+        """`owner`: id(parameter) -> (its unit, its slot), the engine's map."""
         self.units = units
         self.stage = stage
         self.gather = gather
         self._shown: dict[int, torch.Tensor] = {}  # unit index -> full gradient buffer
         self._held: list[FlatUnit] = []  # stage 3: units gathered to carry .grad
-        self.owner = {id(p): (u, s) for u in units for s, p in zip(u.layout.slots, u.params)}
+        self.owner = owner
 
     def grad(self, param: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
         """`param`'s full reduced gradient in fp32 (None for a frozen parameter), divided
