@@ -157,7 +157,15 @@ def test_accelerate_does_not_set_up_deepspeed(monkeypatch):
     env = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_GRADIENT_CLIPPING": "0.5"}
     for name, value in {**DEEPSPEED_ENV, **env}.items():
         monkeypatch.setenv(name, value)
-    assert Accelerator().distributed_type == DistributedType.DEEPSPEED  # the control
+    # The control: the stock Accelerator takes the DeepSpeed path (and, without DeepSpeed
+    # installed, stops there asking for it).
+    from accelerate.utils import is_deepspeed_available
+
+    if is_deepspeed_available():
+        assert Accelerator().distributed_type == DistributedType.DEEPSPEED
+    else:
+        with pytest.raises(ImportError, match="DeepSpeed is not installed"):
+            Accelerator()
     AcceleratorState._reset_state(reset_partial_state=True)
     for _ in range(2):
         accelerator = ZeroAccelerator()
