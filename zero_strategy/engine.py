@@ -40,9 +40,9 @@ from .module_hooks import EngineHook
 from .module_state import ModuleStateHooks
 from .moe.placement import (
     ExpertNames,
+    expert_layers,
     expert_parallel_partition,
     expert_placements,
-    moe_layers,
     settle_expert_parallel,
 )
 from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
@@ -116,7 +116,7 @@ class ZeroEngine:
         for p in params:
             if not p.param.requires_grad:
                 group_of.pop(id(p.param), None)
-        layers = moe_layers(model)
+        layers = expert_layers(model)
         placed = placed_modules(model, placement, self.world_size)
         placed.update(expert_placements(layers, self.world_size))
         self._expert_names = ExpertNames(layers)

@@ -16,6 +16,7 @@ padding to the busiest one.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..kernels import permute, unpermute
+from ..partition import Stored
 from . import capacity, dispatch
 from .experts import Experts
 from .router import Router
@@ -123,14 +125,16 @@ class MoE(nn.Module):
         self._comm = comm
         self.experts.assign(comm.rank * self.num_local)
 
-    def global_expert_name(self, local_name: str, ep_rank: int) -> str:
-        """`local.<i>.<rest>` (a name under `self.experts`) for expert-parallel rank
-        `ep_rank` -> `local.<global id>.<rest>`: checkpoints store experts by global id.
-        Batched weights keep their name (the stored tensor holds every expert's rows)."""
+    def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
+        """Where expert-parallel rank `ep_rank`'s parameter `local_name` (a name under
+        `self.experts`) is stored: `local.<i>.<rest>` as `local.<global id>.<rest>`, so
+        checkpoints hold experts by global id; a batched weight `[num_local, ...]` as
+        its rows of one `[num_experts, ...]` tensor."""
         if self.experts.batched:
-            return local_name
+            rows = math.prod(shape)
+            return Stored(local_name, (self.num_experts, *shape[1:]), ep_rank * rows)
         head, index, rest = local_name.split(".", 2)
-        return f"{head}.{ep_rank * self.num_local + int(index)}.{rest}"
+        return Stored(f"{head}.{ep_rank * self.num_local + int(index)}.{rest}", tuple(shape))
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,25 +12,49 @@ groups, where their experts are sharded, and the names experts are stored under.
 
 from __future__ import annotations
 
-import math
+from typing import Protocol
 
 from torch import nn
 
+from ..comm import Communicator
 from ..partition import Stored
 from ..placement import ShardSpec
+from . import transformers_experts
 from .layer import MoE
 
 
-def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    return {path: m for path, m in model.named_modules() if isinstance(m, MoE)}
+class ExpertLayer(Protocol):
+    """What the engine needs of an expert-parallel layer (a `MoE`, or a Transformers
+    experts module converted by `transformers_experts`)."""
+
+    ep_size: int | None
+    num_experts: int
+    num_local: int
+
+    def bind(self, comm: Communicator) -> None: ...
+
+    def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored: ...
+
+
+def expert_layers(model: nn.Module) -> dict[str, ExpertLayer]:
+    """By the path of the module holding the experts' parameters."""
+    layers: dict[str, ExpertLayer] = {
+        (f"{path}.experts" if path else "experts"): m
+        for path, m in model.named_modules()
+        if isinstance(m, MoE)
+    }
+    layers.update(transformers_experts.converted(model))
+    return layers
 
 
 def settle_expert_parallel(
     model: nn.Module, ep_size: int, rank: int, world_size: int
 ) -> dict[int, nn.Parameter | None]:
-    """Give layers built with ep_size=None the configured size (1 unless the world is
-    split), keeping this rank's experts; returns, by id of each parameter that left the
-    model, its replacement (a batched weight's slice) or None."""
+    """Split the experts the configured size decides over `ep_size` ranks (MoE layers
+    built with ep_size=None; Transformers experts modules when it is above 1), keeping
+    this rank's; returns, by id of each parameter that left the model, its replacement
+    (this rank's slice) or None. With `ep_size` above 1, a model with experts in a layout
+    that cannot be split is refused by name, never left replicated."""
     if world_size % ep_size:
         raise ValueError(
             f"ZeroConfig.expert_parallel_size={ep_size} does not divide the world size "
@@ -38,12 +62,28 @@ def settle_expert_parallel(
             f"divisor of {world_size}."
         )
     replaced: dict[int, nn.Parameter | None] = {}
-    for layer in moe_layers(model).values():
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
         replaced.update(layer.settle_ep_size(ep_size, rank % ep_size))
+    if ep_size == 1:
+        return replaced
+    for path, module in transformers_experts.convertible(model).items():
+        replaced.update(transformers_experts.convert(path, module, ep_size, rank % ep_size))
+    known = list(expert_layers(model))
+    unknown = transformers_experts.unconvertible(model, known)
+    if unknown or not known:
+        found = f"its expert modules {unknown[:5]}" if unknown else "no expert layers in it"
+        raise ValueError(
+            f"ZeroConfig.expert_parallel_size={ep_size}, but {type(model).__name__} has "
+            f"{found} that can be split: expert parallelism takes zero_strategy.moe.MoE "
+            "layers and Transformers experts modules with 3-D weights "
+            "(@use_experts_implementation). Use expert_parallel_size=1, which shards every "
+            "weight, experts included, with ZeRO."
+        )
     return replaced
 
 
-def _check(path: str, layer: MoE, world_size: int) -> None:
+def _check(path: str, layer: ExpertLayer, world_size: int) -> None:
     if world_size % layer.ep_size:
         raise ValueError(
             f"MoE layer '{path}' has ep_size={layer.ep_size}, which does not divide the "
@@ -56,36 +96,29 @@ def expert_parallel_partition(ep_size: int, world_size: int) -> tuple[tuple[int,
     return ShardSpec.contiguous(world_size, ep_size).groups
 
 
-def expert_placements(layers: dict[str, MoE], world_size: int) -> dict[str, ShardSpec]:
-    """`<layer>.experts` -> its expert-data-parallel spec, for layers with ep_size > 1 (with
-    one expert-parallel rank the experts are ordinary parameters)."""
+def expert_placements(layers: dict[str, ExpertLayer], world_size: int) -> dict[str, ShardSpec]:
+    """Each experts module -> its expert-data-parallel spec, for layers with ep_size > 1
+    (with one expert-parallel rank the experts are ordinary parameters)."""
     out = {}
     for path, layer in layers.items():
         _check(path, layer, world_size)
         if layer.ep_size > 1:
-            spec = ShardSpec.strided(world_size, world_size // layer.ep_size, replicated=False)
-            out[f"{path}.experts" if path else "experts"] = spec
+            out[path] = ShardSpec.strided(world_size, world_size // layer.ep_size, replicated=False)
     return out
 
 
 class ExpertNames:
-    """How expert parameters are stored: the local `<layer>.experts.local.<i>.<rest>` of
-    expert-parallel rank j as `<layer>.experts.local.<j * num_local + i>.<rest>`; a batched
-    weight `[num_local, ...]` as rows `j * num_local ...` of one `[num_experts, ...]`."""
+    """How expert parameters are stored: by global expert id, whichever expert-parallel
+    rank holds them (`ExpertLayer.stored_expert`)."""
 
-    def __init__(self, layers: dict[str, MoE]):
+    def __init__(self, layers: dict[str, ExpertLayer]):
         self.prefixes = {
-            (f"{path}.experts." if path else "experts."): layer
-            for path, layer in layers.items()
-            if layer.ep_size > 1
+            (f"{path}." if path else ""): layer for path, layer in layers.items() if layer.ep_size > 1
         }
 
     def stored(self, name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
         for prefix, layer in self.prefixes.items():
             if name.startswith(prefix):
-                stored = prefix + layer.global_expert_name(name[len(prefix) :], ep_rank)
-                if not layer.experts.batched:
-                    return Stored(stored, tuple(shape))
-                rows = math.prod(shape)
-                return Stored(stored, (layer.num_experts, *shape[1:]), ep_rank * rows)
+                local = layer.stored_expert(name[len(prefix) :], ep_rank, tuple(shape))
+                return Stored(prefix + local.name, local.shape, local.offset)
         return Stored(name, tuple(shape))
