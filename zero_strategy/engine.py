@@ -143,10 +143,13 @@ class ZeroEngine:
             for lay in layouts
         ]
         on_meta = meta_init.has_meta_params(model)
+        recompute: list[tuple[str, nn.Module]] = []
         if on_meta:
             meta_init.detach_from_meta([p.param for p in params], self.device)
+            recompute = meta_init.detach_meta_buffers(model, self.device, param_init_fn)
         self._materialize(model, on_meta, param_init_fn)
         if on_meta:
+            meta_init.run_init(model, recompute, param_init_fn)
             meta_init.check_no_meta_buffers(model)
         self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
 

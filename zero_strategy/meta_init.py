@@ -88,6 +88,26 @@ def run_init(
             )
 
 
+def detach_meta_buffers(
+    model: nn.Module, device: torch.device, init_fn: InitFn | None
+) -> list[tuple[str, nn.Module]]:
+    """Where the model's initialisation can recompute buffers (`init_fn`, or a Hugging
+    Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
+    make its meta buffers real (empty) ones; returns the modules owning them that own no
+    parameter, for `run_init` after the parameters (owners of both are initialised with
+    their parameters)."""
+    if init_fn is None and not callable(getattr(model, "_init_weights", None)):
+        return []
+    owners = []
+    for path, module in model.named_modules():
+        meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for name in meta:
+            setattr(module, name, torch.empty_like(getattr(module, name), device=device))
+        if meta and next(module.parameters(recurse=False), None) is None:
+            owners.append((path, module))
+    return owners
+
+
 def check_no_meta_buffers(model: nn.Module) -> None:
     meta = [name for name, b in model.named_buffers() if b.is_meta]
     if meta:

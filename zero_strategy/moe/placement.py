@@ -113,7 +113,9 @@ class ExpertNames:
 
     def __init__(self, layers: dict[str, ExpertLayer]):
         self.prefixes = {
-            (f"{path}." if path else ""): layer for path, layer in layers.items() if layer.ep_size > 1
+            (f"{path}." if path else ""): layer
+            for path, layer in layers.items()
+            if layer.ep_size > 1
         }
 
     def stored(self, name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:

@@ -208,14 +208,12 @@ def convert(
 
 
 def unconvertible(model: nn.Module, known: list[str]) -> list[str]:
-    """Modules that look like mixtures of experts ("Expert" in the class name, or an
-    `experts` child) with parameters and no known expert layer (`known`: their paths)
+    """Modules that look like experts ("Expert" in the class name, or named `experts`)
+    with parameters and no known expert layer (`known`: their paths)
     inside them or around them: the outermost of each."""
     found: list[str] = []
     for path, module in model.named_modules():
-        looks = "expert" in type(module).__name__.lower() or any(
-            name == "experts" for name, _ in module.named_children()
-        )
+        looks = "expert" in type(module).__name__.lower() or path.rsplit(".", 1)[-1] == "experts"
         if not path or not looks or any(_inside(path, f) for f in found):
             continue
         if any(_inside(k, path) or _inside(path, k) for k in known):

@@ -1,0 +1,299 @@
+"""Hugging Face MoE models (Mixtral, Qwen3-MoE, OLMoE) train expert-parallel with one
+option, `expert_parallel_size`, and no change to their code: each rank holds its share of
+the experts, the losses (each model's own auxiliary loss included) are those of the
+unconverted model trained in one process, and what is saved loads with `from_pretrained`
+in the model's own layout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+T = pytest.importorskip("transformers")
+
+VOCAB, SEQ, PER_RANK, STEPS = 64, 8, 2, 3
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
+)
+ARCHS = {
+    "mixtral": lambda: T.MixtralForCausalLM(
+        T.MixtralConfig(intermediate_size=24, num_local_experts=4, **COMMON)
+    ),
+    "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
+        T.Qwen3MoeConfig(
+            intermediate_size=32,
+            moe_intermediate_size=24,
+            num_experts=4,
+            head_dim=8,
+            decoder_sparse_step=1,
+            **COMMON,
+        )
+    ),
+    "olmoe": lambda: T.OlmoeForCausalLM(
+        T.OlmoeConfig(intermediate_size=24, num_experts=4, **COMMON)
+    ),
+}
+
+
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ARCHS[arch]()
+
+
+def expert_modules(model) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if type(m).__name__.endswith("Experts")}
+
+
+def global_batches(world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def one_process(arch: str, world: int = 2) -> list[tuple[float, float]]:
+    """The unconverted model in one process, each step's batch split as the ranks split
+    it (the auxiliary loss is computed over each rank's tokens): mean loss, mean aux."""
+    model = build(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for batch in global_batches(world):
+        parts = [model(input_ids=x, labels=x) for x in batch.split(PER_RANK)]
+        loss = sum(p.loss for p in parts) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), float(sum(p.aux_loss.detach() for p in parts) / world)))
+    return out
+
+
+def _train(rank, world, arch, stage, ep_size, save=None):
+    model = build(arch)
+    experts_total = sum(p.numel() for m in expert_modules(model).values() for p in m.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, expert_parallel_size=ep_size))
+    held = {n: m.num_experts for n, m in expert_modules(model).items()}
+    report = engine.memory_report()
+    out = []
+    for batch in global_batches(world):
+        x = batch.split(PER_RANK)[rank]
+        result = model(input_ids=x, labels=x)
+        engine.backward(result.loss)
+        engine.step()
+        engine.zero_grad()
+        pair = torch.stack([result.loss.detach(), result.aux_loss.detach()])
+        torch.distributed.all_reduce(pair)
+        out.append(tuple((pair / world).tolist()))
+    logits = None
+    if save is not None:
+        engine.save_checkpoint(save)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=global_batches(world)[0]).logits
+    return out, held, report, experts_total, logits
+
+
+def assert_close(ours, want):
+    assert len(ours) == len(want)
+    for (loss, aux), (want_loss, want_aux) in zip(ours, want):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        assert aux == pytest.approx(want_aux, rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_expert_parallel_matches_the_unconverted_model_in_one_process(arch, stage):
+    want = one_process(arch)
+    results = run_world(_train, 2, arch, stage, 2)
+    for losses, held, report, experts_total, _ in results:
+        assert_close(losses, want)
+        assert set(held.values()) == {2}  # of 4 experts, in every layer
+        # Before ZeRO shards anything further (the expert-data-parallel group is one rank
+        # here), each rank holds exactly half of the expert parameters, in fp32.
+        assert report["expert_parameters"] == 4 * experts_total // 2
+
+
+def test_expert_parallel_1_keeps_every_expert_and_matches_too():
+    want = one_process("mixtral")
+    for losses, held, report, _, _ in run_world(_train, 2, "mixtral", 3, 1):
+        assert_close(losses, want)
+        assert set(held.values()) == {4}
+        assert "expert_parameters" not in report  # experts are ordinary sharded weights
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_consolidated_model_loads_with_from_pretrained_and_gives_the_same_logits(arch, tmp_path):
+    from zero_strategy.consolidate import consolidate
+
+    checkpoint = tmp_path / "checkpoint"
+    results = run_world(_train, 2, arch, 3, 2, str(checkpoint))
+    out = tmp_path / "model"
+    consolidate(checkpoint, out, show_progress=False)
+    build(arch).config.save_pretrained(out)
+    loaded = type(build(arch)).from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=global_batches(2)[0]).logits
+    live = results[0][4]
+    torch.testing.assert_close(logits, live, rtol=1e-5, atol=1e-6)
+    assert torch.equal(live, results[1][4])
+    # The experts sit in the model's own 3-D layout, every expert present.
+    state = loaded.state_dict()
+    (name,) = [n for n in state if n.endswith("layers.0.mlp.experts.gate_up_proj")]
+    assert state[name].shape[0] == 4
+
+
+def _built_on_meta(rank, world, source):
+    from zero_strategy import init_on_meta
+
+    with init_on_meta():
+        model = T.MixtralForCausalLM(build("mixtral").config)
+    assert all(p.is_meta for p in model.parameters())
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        ZeroConfig(stage=3, expert_parallel_size=2),
+    )
+    read = engine.load_pretrained(source)["elements_read"]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=global_batches(world)[0]).logits
+    return read, logits
+
+
+def test_built_on_meta_each_rank_reads_only_its_experts_from_pretrained(tmp_path):
+    from safetensors.torch import save_file
+
+    reference = build("mixtral").eval()
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    total = sum(v.numel() for v in state.values())
+    experts = sum(v.numel() for k, v in state.items() if ".experts." in k)
+    results = run_world(_built_on_meta, 2, str(tmp_path))
+    with torch.no_grad():
+        want = reference(input_ids=global_batches(2)[0]).logits
+    # Dense weights are halved by ZeRO-3 over both ranks, experts by expert parallelism
+    # (one holder each): together every element is read exactly once.
+    assert sum(read for read, _ in results) == total
+    for read, logits in results:
+        assert read < total - experts // 2 + 1
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
+
+
+def _refused(rank, world, which):
+    if which == "dbrx":  # experts as [num_experts * ffn, hidden] matrices
+        model = T.DbrxForCausalLM(
+            T.DbrxConfig(
+                d_model=16,
+                n_heads=2,
+                n_layers=1,
+                max_seq_len=SEQ,
+                vocab_size=VOCAB,
+                attn_config={"rope_theta": 10000.0},
+                ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2},
+            )
+        )
+    else:  # a dense model
+        model = T.LlamaForCausalLM(
+            T.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+            )
+        )
+    try:
+        ZeroEngine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {"stage": 3, "expert_parallel_size": 2},
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("which", "named"),
+    [
+        ("dbrx", "'transformer.blocks.0.ffn.experts'"),
+        ("llama", "no expert layers"),
+    ],
+)
+def test_experts_that_cannot_be_split_are_refused_by_name(which, named):
+    for message in run_world(_refused, 2, which):
+        assert message is not None and named in message
+        assert "expert_parallel_size=1" in message
+
+
+def test_experts_module_with_a_shared_weight_is_refused():
+    """A weight that is not per expert (a norm shared by all) cannot be split by rows."""
+    from zero_strategy.moe import transformers_experts
+
+    model = build("mixtral")
+    path, experts = next(iter(expert_modules(model).items()))
+    experts.shared_scale = torch.nn.Parameter(torch.ones(16))
+    with pytest.raises(ValueError, match=r"\['shared_scale'\] are not per-expert weights"):
+        transformers_experts.convert(path, experts, 2, 0)
+
+
+def _trainer(rank, world, kind, out):
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+
+    class Tokens(Dataset):
+        ids = torch.randint(VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    model = build("mixtral")
+    args = TrainingArguments(
+        out,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
+    if kind == "ddp":
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    else:
+        from zero_strategy.integrations.accelerate import ZeroPlugin
+        from zero_strategy.integrations.transformers import ZeroTrainer
+
+        plugin = ZeroPlugin(stage=3, options={"expert_parallel_size": 2})
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=Tokens(), zero_plugin=plugin)
+    trainer.train()
+    held = {m.num_experts for m in expert_modules(trainer.model).values()}
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], held
+
+
+def test_zero_trainer_with_expert_parallel_matches_the_stock_trainer(tmp_path):
+    stock = run_world(_trainer, 2, "ddp", str(tmp_path / "ddp"))
+    ours = run_world(_trainer, 2, "zero", str(tmp_path / "zero"))
+    for (losses, held), (want, want_held) in zip(ours, stock):
+        assert (held, want_held) == ({2}, {4})
+        assert len(losses) == len(want) == 4
+        assert losses == pytest.approx(want, rel=1e-5)
