@@ -8,6 +8,9 @@ Implementations (all expert-parallel over the 2 ranks, ep_size 2):
   is what DeepSpeed refuses with its MoE layers).
 Both layers use the same experts (the example GPT's MLP), top-2 routing, capacity factor
 1.0 with min capacity 4, and the same balancing-loss coefficient, on the same batches.
+- `mixtral-ep2`, `mixtral-ep1`: a small Hugging Face Mixtral (`MIXTRAL`, its own code and
+  auxiliary loss) under stage 3, with `expert_parallel_size` 2 (each rank holds 4 of the
+  8 experts of every layer) or 1 (every expert sharded by ZeRO-3 over both ranks).
 """
 
 from __future__ import annotations
@@ -42,6 +45,19 @@ CFG = GPTConfig(
     moe_capacity_factor=1.0,
 )
 LR, CLIP = 1e-4, 1.0
+# ~27M parameters, 8 experts of 0.4M in each of 4 layers (most of the model), seq 128.
+MIXTRAL = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=CFG.block_size,
+    output_router_logits=True,
+)
 
 
 class DeepSpeedMoE(nn.Module):
@@ -106,12 +122,21 @@ def build(impl: str):
     from zero_strategy import ZeroConfig, ZeroEngine
 
     torch.manual_seed(0)
-    model = GPT(CFG)  # its forward adds the MoE balancing losses
-    engine = ZeroEngine(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=LR),
-        ZeroConfig(stage=int(impl[4]), gradient_clipping=CLIP),
-    )
+    if impl.startswith("mixtral"):
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(**MIXTRAL))
+        config = ZeroConfig(stage=3, gradient_clipping=CLIP, expert_parallel_size=int(impl[-1]))
+    else:
+        model = GPT(CFG)  # its forward adds the MoE balancing losses
+        config = ZeroConfig(stage=int(impl[4]), gradient_clipping=CLIP)
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
+    if impl.startswith("mixtral"):
+
+        def forward(x, y):  # the model shifts the labels and adds its auxiliary loss
+            return model(input_ids=x, labels=x).loss
+
+        return forward, engine.backward, lambda: (engine.step(), engine.zero_grad())
 
     def step():
         engine.step()

@@ -170,12 +170,20 @@ def _built_on_meta(rank, world, source):
     return read, logits
 
 
-def test_built_on_meta_each_rank_reads_only_its_experts_from_pretrained(tmp_path):
+@pytest.mark.parametrize("layout", ["model", "checkpoint"])
+def test_built_on_meta_each_rank_reads_only_its_experts_from_pretrained(layout, tmp_path):
+    """From the model's own layout (3-D experts, as consolidated), or from the layout
+    `save_pretrained` writes and the Hub holds (one matrix per expert, other names),
+    converted by the model's own mapping, expert by expert."""
     from safetensors.torch import save_file
 
     reference = build("mixtral").eval()
     state = {k: v.contiguous() for k, v in reference.state_dict().items()}
-    save_file(state, str(tmp_path / "model.safetensors"))
+    if layout == "model":
+        save_file(state, str(tmp_path / "model.safetensors"))
+    else:
+        reference.save_pretrained(tmp_path)
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in _keys(tmp_path)
     total = sum(v.numel() for v in state.values())
     experts = sum(v.numel() for k, v in state.items() if ".experts." in k)
     results = run_world(_built_on_meta, 2, str(tmp_path))
@@ -187,6 +195,13 @@ def test_built_on_meta_each_rank_reads_only_its_experts_from_pretrained(tmp_path
     for read, logits in results:
         assert read < total - experts // 2 + 1
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
+
+
+def _keys(directory) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return list(f.keys())
 
 
 def _refused(rank, world, which):
@@ -297,3 +312,62 @@ def test_zero_trainer_with_expert_parallel_matches_the_stock_trainer(tmp_path):
         assert (held, want_held) == ({2}, {4})
         assert len(losses) == len(want) == 4
         assert losses == pytest.approx(want, rel=1e-5)
+
+
+def _lightning_fit(rank, world):
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    class LitMixtral(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build("mixtral")
+            self.record = []
+
+        def training_step(self, batch, batch_idx):
+            x = global_batches(world)[batch_idx].split(PER_RANK)[self.global_rank]
+            out = self.model(input_ids=x, labels=x)
+            self.record.append((out.loss.item(), out.aux_loss.item()))
+            return out.loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    trainer = quiet_trainer(world, ZeroStrategy(stage=3, expert_parallel_size=2), max_steps=STEPS)
+    module = LitMixtral()
+    trainer.fit(module, torch.utils.data.DataLoader(torch.zeros(STEPS * world, 1)))
+    return module.record, {m.num_experts for m in expert_modules(module.model).values()}
+
+
+def _fabric_fit(rank, world):
+    import lightning as L
+
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29543")
+    strategy = ZeroFabricStrategy(stage=2, expert_parallel_size=2)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = build("mixtral")
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    record = []
+    for batch in global_batches(world):
+        x = batch.split(PER_RANK)[rank]
+        out = model(input_ids=x, labels=x)
+        fabric.backward(out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        record.append((out.loss.item(), out.aux_loss.item()))
+    return record, {m.num_experts for m in expert_modules(model).values()}
+
+
+@pytest.mark.parametrize("door", ["lightning", "fabric"])
+def test_lightning_and_fabric_take_the_option(door):
+    want = one_process("mixtral")
+    ranks = run_world(_lightning_fit if door == "lightning" else _fabric_fit, 2)
+    assert all(held == {2} for _, held in ranks)
+    mean = [tuple(sum(v) / 2 for v in zip(*steps)) for steps in zip(*(r for r, _ in ranks))]
+    assert_close(mean, want)

@@ -50,15 +50,9 @@ def load_pretrained(
     compute copies after. `stored` says where a parameter sits in the files (by default
     under its own name and shape: experts pass their global names or batched rows)."""
     stored = stored or (lambda unit, name, shape: Stored(name, tuple(shape)))
-    located = _locate(Path(path))
-    handles: dict[Path, SafetensorsFile] = {}
-
-    def handle_for(name: str) -> SafetensorsFile:
-        file = located[name]
-        if file not in handles:
-            handles[file] = SafetensorsFile(file)
-        return handles[file]
-
+    files = _Files(_locate(Path(path)))
+    tensors = _by_model_names(module, files)
+    available = set(tensors.keys())
     wanted: set[str] = set()
     missing: list[str] = []
     shape_errors: list[str] = []
@@ -66,26 +60,25 @@ def load_pretrained(
     for unit in units:
         for slot in unit.layout.slots:
             places = [stored(unit, n, slot.shape) for n in (slot.name, *slot.aliases)]
-            place = next((p for p in places if p.name in located), None)
+            place = next((p for p in places if p.name in available), None)
             if place is None:
                 missing.append(places[0].name)
                 continue
             source = place.name
-            wanted.update({p.name for p in places} & located.keys())
-            handle = handle_for(source)
-            if handle.shape(source) != tuple(place.shape):
+            wanted.update({p.name for p in places} & available)
+            if tensors.shape(source) != tuple(place.shape):
                 shape_errors.append(
-                    f"{source}: file {handle.shape(source)} vs model {tuple(place.shape)}"
+                    f"{source}: file {tensors.shape(source)} vs model {tuple(place.shape)}"
                 )
                 continue
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
                 at = place.offset - slot.offset
-                values = handle.read_range(source, at + lo, at + hi)
+                values = tensors.read_range(source, at + lo, at + hi)
                 unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                 read += hi - lo
     buffers = dict(module.named_buffers())
-    unexpected = sorted(set(located) - wanted - set(buffers))
+    unexpected = sorted(available - wanted - set(buffers))
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(
             f"Pretrained weights at {path} do not match the model: missing {missing[:10]}; "
@@ -93,8 +86,49 @@ def load_pretrained(
             + ("Pass strict=False to load the matching tensors only." if not shape_errors else "")
         )
     for name, buf in buffers.items():
-        if name in located:
-            buf.data.copy_(handle_for(name).read(name))
-    for h in handles.values():
-        h.close()
+        if name in available:
+            buf.data.copy_(tensors.read(name))
+    files.close()
     return {"elements_read": read}
+
+
+class _Files:
+    """The checkpoint's tensors by their stored names, each file opened once."""
+
+    def __init__(self, located: dict[str, Path]):
+        self.located = located
+        self.handles: dict[Path, SafetensorsFile] = {}
+
+    def handle_for(self, name: str) -> SafetensorsFile:
+        file = self.located[name]
+        if file not in self.handles:
+            self.handles[file] = SafetensorsFile(file)
+        return self.handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self.located)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.handle_for(name).shape(name)
+
+    def read_range(self, name: str, lo: int, hi: int):
+        return self.handle_for(name).read_range(name, lo, hi)
+
+    def read(self, name: str):
+        return self.handle_for(name).read(name)
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+
+
+def _by_model_names(module: nn.Module, files: _Files):
+    """The files as they are, or, for a Transformers model whose checkpoint is in its
+    original layout (names the model does not have), converted to the model's names."""
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in module.named_buffers()}
+    if set(files.keys()) <= names or not hasattr(module, "base_model_prefix"):
+        return files
+    from .transformers_layout import TransformersLayout
+
+    return TransformersLayout(module, files.keys(), files.handle_for)
