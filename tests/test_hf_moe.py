@@ -1,4 +1,4 @@
-"""Hugging Face MoE models (Mixtral, Qwen3-MoE, OLMoE) train expert-parallel with one
+"""Hugging Face MoE models (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3) train expert-parallel with one
 option, `expert_parallel_size`, and no change to their code: each rank holds its share of
 the experts, the losses (each model's own auxiliary loss included) are those of the
 unconverted model trained in one process, and what is saved loads with `from_pretrained`
@@ -44,6 +44,35 @@ ARCHS = {
     "olmoe": lambda: T.OlmoeForCausalLM(
         T.OlmoeConfig(intermediate_size=24, num_experts=4, **COMMON)
     ),
+    # Transposed expert weights with biases.
+    "gpt_oss": lambda: T.GptOssForCausalLM(
+        T.GptOssConfig(
+            intermediate_size=24,
+            num_local_experts=4,
+            head_dim=8,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            **COMMON,
+        )
+    ),
+    # Shared experts beside the routed ones, grouped routing, no auxiliary loss.
+    "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(
+        T.DeepseekV3Config(
+            intermediate_size=32,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            q_lora_rank=None,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **COMMON,
+        )
+    ),
 }
 
 
@@ -54,6 +83,12 @@ def build(arch: str) -> torch.nn.Module:
 
 def expert_modules(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if type(m).__name__.endswith("Experts")}
+
+
+def aux(output) -> torch.Tensor:
+    """The model's auxiliary loss (zero for a model without one, as DeepSeek-V3)."""
+    value = getattr(output, "aux_loss", None)
+    return torch.zeros(()) if value is None else value.detach()
 
 
 def global_batches(world: int) -> list[torch.Tensor]:
@@ -73,7 +108,7 @@ def one_process(arch: str, world: int = 2) -> list[tuple[float, float]]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        out.append((loss.item(), float(sum(p.aux_loss.detach() for p in parts) / world)))
+        out.append((loss.item(), float(sum(aux(p) for p in parts) / world)))
     return out
 
 
@@ -91,7 +126,7 @@ def _train(rank, world, arch, stage, ep_size, save=None):
         engine.backward(result.loss)
         engine.step()
         engine.zero_grad()
-        pair = torch.stack([result.loss.detach(), result.aux_loss.detach()])
+        pair = torch.stack([result.loss.detach(), aux(result)])
         torch.distributed.all_reduce(pair)
         out.append(tuple((pair / world).tolist()))
     logits = None
@@ -329,7 +364,7 @@ def _lightning_fit(rank, world):
         def training_step(self, batch, batch_idx):
             x = global_batches(world)[batch_idx].split(PER_RANK)[self.global_rank]
             out = self.model(input_ids=x, labels=x)
-            self.record.append((out.loss.item(), out.aux_loss.item()))
+            self.record.append((out.loss.item(), aux(out).item()))
             return out.loss
 
         def configure_optimizers(self):
@@ -360,7 +395,7 @@ def _fabric_fit(rank, world):
         fabric.backward(out.loss)
         optimizer.step()
         optimizer.zero_grad()
-        record.append((out.loss.item(), out.aux_loss.item()))
+        record.append((out.loss.item(), aux(out).item()))
     return record, {m.num_experts for m in expert_modules(model).values()}
 
 
