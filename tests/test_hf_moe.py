@@ -406,3 +406,52 @@ def test_lightning_and_fabric_take_the_option(door):
     assert all(held == {2} for _, held in ranks)
     mean = [tuple(sum(v) / 2 for v in zip(*steps)) for steps in zip(*(r for r, _ in ranks))]
     assert_close(mean, want)
+
+
+def _to_first_two_experts(module, inputs, output):
+    """A router hook: every token goes to experts 0 and 1 (expert-parallel rank 0's)."""
+    logits, weights, index = output
+    return logits, weights, torch.stack([torch.zeros_like(index[:, 0]), index[:, 0] * 0 + 1], 1)
+
+
+def skewed(implementation: str) -> torch.nn.Module:
+    model = build("mixtral")
+    model.set_experts_implementation(implementation)
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(_to_first_two_experts)
+    return model
+
+
+def _skewed_train(rank, world, stage, implementation):
+    model = skewed(implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, expert_parallel_size=2))
+    losses = []
+    for batch in global_batches(world):
+        x = batch.split(PER_RANK)[rank]
+        loss = model(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_rank_whose_experts_get_no_token_trains_on(stage, implementation):
+    """Rank 1's experts receive nothing (and, with the eager implementation, take no part
+    in autograd): nothing hangs, and training is the one-process model's."""
+    model = skewed(implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want = []
+    for batch in global_batches(2):
+        parts = [model(input_ids=x, labels=x).loss for x in batch.split(PER_RANK)]
+        loss = sum(parts) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append([p.item() for p in parts])
+    ranks = run_world(_skewed_train, 2, stage, implementation)
+    for rank, losses in enumerate(ranks):
+        assert losses == pytest.approx([w[rank] for w in want], rel=1e-5)

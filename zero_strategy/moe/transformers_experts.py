@@ -20,6 +20,7 @@ be split here and is refused by name rather than left replicated (`unconvertible
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -70,10 +71,7 @@ class TransformersExperts:
     def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
         """Rows `ep_rank * num_local ...` of the whole `[num_experts, ...]` weight, under
         the module's own name: checkpoints hold the model's original layout."""
-        rows = 1
-        for n in shape:
-            rows *= n
-        return Stored(local_name, (self.num_experts, *shape[1:]), ep_rank * rows)
+        return Stored(local_name, (self.num_experts, *shape[1:]), ep_rank * math.prod(shape))
 
     def forward(
         self,
@@ -107,6 +105,11 @@ class TransformersExperts:
         )
         run = ALL_EXPERTS_FUNCTIONS.get_interface(self.inner, self._original_forward)
         out = run(module, grouped, local_ids[:, None], unit_weights)  # each row its expert's
+        if grouped.shape[0] == 0 and torch.is_grad_enabled():
+            # No row came here: an implementation may return a constant (eager returns
+            # zeros_like), which would skip this rank's all-to-all backwards while the
+            # other ranks wait in theirs. Keep the (empty) path to the rows in the graph.
+            out = out + grouped * 0
         back = out.index_select(0, _inverse(regrouped))
         sent_back = dispatch.combine(back, self.comm, out_splits, in_splits)
         per_slot = sent_back.index_select(0, _inverse(order))
