@@ -91,9 +91,9 @@ def aux(output) -> torch.Tensor:
     return torch.zeros(()) if value is None else value.detach()
 
 
-def global_batches(world: int) -> list[torch.Tensor]:
+def global_batches(world: int, steps: int = STEPS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(steps)]
 
 
 def one_process(arch: str, world: int = 2) -> list[tuple[float, float]]:
@@ -337,16 +337,58 @@ def _trainer(rank, world, kind, out):
         trainer = ZeroTrainer(model=model, args=args, train_dataset=Tokens(), zero_plugin=plugin)
     trainer.train()
     held = {m.num_experts for m in expert_modules(trainer.model).values()}
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], held
+    trainer.save_model()
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=Tokens.ids[:2]).logits
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], held, logits
 
 
 def test_zero_trainer_with_expert_parallel_matches_the_stock_trainer(tmp_path):
+    """Same losses as the stock Trainer (DDP, every expert on every rank); save_model
+    writes what from_pretrained loads, giving the trained model's logits."""
     stock = run_world(_trainer, 2, "ddp", str(tmp_path / "ddp"))
     ours = run_world(_trainer, 2, "zero", str(tmp_path / "zero"))
-    for (losses, held), (want, want_held) in zip(ours, stock):
+    for (losses, held, _), (want, want_held, _) in zip(ours, stock):
         assert (held, want_held) == ({2}, {4})
         assert len(losses) == len(want) == 4
         assert losses == pytest.approx(want, rel=1e-5)
+    loaded = T.MixtralForCausalLM.from_pretrained(tmp_path / "zero").eval()
+    ids = torch.randint(VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))[:2]
+    with torch.no_grad():
+        logits = loaded(input_ids=ids).logits
+    torch.testing.assert_close(logits, ours[0][2], rtol=1e-5, atol=1e-6)
+
+
+def _resumable(rank, world, ep_size, stage, steps, checkpoint, load, save):
+    model = build("mixtral")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, expert_parallel_size=ep_size))
+    if load:
+        engine.load_checkpoint(checkpoint)
+    losses = []
+    for step in steps:
+        x = global_batches(world, 4)[step].split(PER_RANK)[rank]
+        loss = model(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    if save:
+        engine.save_checkpoint(checkpoint)
+    return losses
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [((2, 3), (1, 1)), ((1, 2), (2, 3))])
+def test_checkpoint_continues_at_another_expert_parallel_size(saved, loaded, tmp_path):
+    """Experts are stored by global id in the model's layout: a checkpoint written at one
+    (expert_parallel_size, stage) continues at another exactly as without the break."""
+    checkpoint = str(tmp_path / "checkpoint")
+    full = run_world(_resumable, 2, *saved, range(4), checkpoint, False, False)
+    run_world(_resumable, 2, *saved, range(2), checkpoint, False, True)
+    resumed = run_world(_resumable, 2, *loaded, range(2, 4), checkpoint, True, False)
+    for got, want in zip(resumed, full):
+        assert got == pytest.approx(want[2:], rel=1e-5)
 
 
 def _lightning_fit(rank, world):
