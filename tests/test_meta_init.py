@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 
 from distributed import run_world
@@ -86,3 +87,36 @@ def test_meta_init_never_allocates_the_full_model():
 def test_eager_construction_does_hold_the_full_model_for_contrast():
     r = run_world(_build, 2, False, timeout=300)[0]
     assert r["peak"] >= r["full"]
+
+
+class _WithBuffers(torch.nn.Module):
+    """A model with its own `_init_weights`, as Hugging Face models have, that recomputes
+    one of its two parameter-free buffers (as they recompute rotary frequencies)."""
+
+    def __init__(self, fill_both: bool):
+        super().__init__()
+        self.fill_both = fill_both
+        self.linear = torch.nn.Linear(4, 4)
+        self.rotary = torch.nn.Module()
+        self.rotary.register_buffer("inv_freq", torch.arange(4.0))
+        self.rotary.register_buffer("steps", torch.arange(4))
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+        if module is self.rotary:
+            module.inv_freq.copy_(torch.arange(4.0))
+            if self.fill_both:
+                module.steps.copy_(torch.arange(4))
+
+
+def test_meta_buffers_are_recomputed_by_the_models_init_or_named():
+    with init_on_meta():
+        model = _WithBuffers(fill_both=True)
+    ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(model.rotary.inv_freq, torch.arange(4.0))
+    assert torch.equal(model.rotary.steps, torch.arange(4))
+    with init_on_meta():
+        model = _WithBuffers(fill_both=False)
+    with pytest.raises(ValueError, match=r"\['rotary.steps'\].*did not fill them"):
+        ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))

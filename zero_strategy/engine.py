@@ -143,14 +143,15 @@ class ZeroEngine:
             for lay in layouts
         ]
         on_meta = meta_init.has_meta_params(model)
-        recompute: list[tuple[str, nn.Module]] = []
+        recomputed: list[str] = []
         if on_meta:
             meta_init.detach_from_meta([p.param for p in params], self.device)
-            recompute = meta_init.detach_meta_buffers(model, self.device, param_init_fn)
+            recomputed = meta_init.detach_meta_buffers(model, self.device, param_init_fn)
         self._materialize(model, on_meta, param_init_fn)
         if on_meta:
-            meta_init.run_init(model, recompute, param_init_fn)
-            meta_init.check_no_meta_buffers(model)
+            owners = meta_init.buffer_owners(model, recomputed)
+            meta_init.run_init(model, owners, param_init_fn)
+            meta_init.check_no_meta_buffers(model, recomputed)
         self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
 
         self.optimizers = optimizers

@@ -13,7 +13,7 @@ Rank 0's values are broadcast, so every rank starts from the same model whatever
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -90,29 +90,51 @@ def run_init(
 
 def detach_meta_buffers(
     model: nn.Module, device: torch.device, init_fn: InitFn | None
-) -> list[tuple[str, nn.Module]]:
+) -> list[str]:
     """Where the model's initialisation can recompute buffers (`init_fn`, or a Hugging
     Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
-    make its meta buffers real (empty) ones; returns the modules owning them that own no
-    parameter, for `run_init` after the parameters (owners of both are initialised with
-    their parameters)."""
+    make its meta buffers real ones holding a sentinel (NaN, or the lowest integer), so
+    that `check_no_meta_buffers` can tell any it leaves unfilled; returns their names."""
     if init_fn is None and not callable(getattr(model, "_init_weights", None)):
         return []
-    owners = []
+    names = []
     for path, module in model.named_modules():
-        meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
-        for name in meta:
-            setattr(module, name, torch.empty_like(getattr(module, name), device=device))
-        if meta and next(module.parameters(recurse=False), None) is None:
-            owners.append((path, module))
-    return owners
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is None or not buf.is_meta or buf.dtype == torch.bool:
+                continue
+            real = torch.empty_like(buf, device=device).fill_(_sentinel(buf.dtype))
+            setattr(module, name, real)
+            names.append(f"{path}.{name}" if path else name)
+    return names
 
 
-def check_no_meta_buffers(model: nn.Module) -> None:
-    meta = [name for name, b in model.named_buffers() if b.is_meta]
-    if meta:
+def buffer_owners(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules owning these buffers and no parameter (owners of both are initialised
+    with their parameters), for `run_init` after the parameters."""
+    paths = dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n in names)
+    modules = [(path, model.get_submodule(path)) for path in paths]
+    return [(p, m) for p, m in modules if next(m.parameters(recurse=False), None) is None]
+
+
+def _sentinel(dtype: torch.dtype) -> float | int:
+    return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
+
+
+def check_no_meta_buffers(model: nn.Module, recomputed: Sequence[str] = ()) -> None:
+    """Every buffer is real, and those `detach_meta_buffers` made real were filled."""
+    buffers = dict(model.named_buffers())
+    meta = [name for name, b in buffers.items() if b.is_meta]
+    unfilled = [
+        name
+        for name in recomputed
+        if bool((buffers[name] == _sentinel(buffers[name].dtype)).any())
+        or bool(buffers[name].isnan().any())
+    ]
+    if meta or unfilled:
         raise ValueError(
-            f"Buffers {meta[:5]} are still on the meta device: buffers are not sharded and "
-            "cannot be recomputed after construction. Create them on the real device (e.g. "
-            "register them after the meta context) or recreate them in param_init_fn."
+            f"Buffers {(meta + unfilled)[:5]} were built on the meta device and "
+            + ("the model's initialisation did not fill them: " if unfilled else "")
+            + "buffers are not sharded and cannot be recomputed after construction. Create "
+            "them on the real device (e.g. register them after the meta context) or "
+            "recreate them in param_init_fn."
         )
