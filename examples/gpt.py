@@ -1,12 +1,15 @@
 """A small GPT-2-style language model (tied embeddings), used by the examples, the tests
 and the benchmarks. With `n_experts` > 0 every block's MLP is a mixture of experts
-(`zero_strategy.moe.MoE`), split over `ep_size` expert-parallel ranks."""
+(`zero_strategy.moe.MoE`), split over `ep_size` expert-parallel ranks. `generate()` decodes
+with a KV cache, greedy or sampled, batch > 1; under expert parallelism or stage 3 every
+rank runs the same number of forwards (the longest request's), as their collectives need."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,6 +38,30 @@ class GPTConfig:
         return self.n_experts[layer] if isinstance(self.n_experts, list) else self.n_experts
 
 
+@dataclass
+class LayerCache:
+    """One layer's keys and values of the tokens seen so far ([batch, heads, tokens, d])."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
+        self.keys, self.values = k, v
+        return k, v
+
+
+@dataclass
+class KVCache:
+    layers: list[LayerCache] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        first = self.layers[0].keys if self.layers else None
+        return 0 if first is None else first.shape[2]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -42,11 +69,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new token i sees the past and new tokens up to i
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -89,8 +123,8 @@ class Block(nn.Module):
             self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
             self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         if hasattr(self, "moe"):
             return x + self.moe(self.ln2(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -114,11 +148,19 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ):
+        past = 0 if cache is None else cache.length
+        pos = torch.arange(past, past + idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        if cache is not None and not cache.layers:
+            cache.layers.extend(LayerCache() for _ in self.blocks)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layers[i])
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
@@ -126,6 +168,58 @@ class GPT(nn.Module):
         if self.training and any(hasattr(b, "moe") for b in self.blocks):
             loss = loss + moe_losses(self)
         return loss
+
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """`idx` [batch, prompt] followed by `max_new_tokens` tokens: the most likely each
+        time, or sampled (`temperature`, `top_k`, from `generator`). The prompt is run once,
+        then one token at a time against the KV cache. When the model's forward is collective
+        (expert parallelism, stage 3), ranks asking for fewer tokens run extra forwards on
+        their last token until the longest request is done."""
+        if idx.shape[1] + max_new_tokens > self.cfg.block_size:
+            raise ValueError(
+                f"A prompt of {idx.shape[1]} tokens plus max_new_tokens={max_new_tokens} "
+                f"exceeds block_size={self.cfg.block_size}; shorten one of them."
+            )
+        steps = _longest_request(max_new_tokens, idx.device)
+        cache = KVCache()
+        logits = self(idx, cache=cache)
+        out = [idx]
+        for step in range(steps):
+            if step < max_new_tokens:
+                out.append(_pick(logits[:, -1].float(), do_sample, temperature, top_k, generator))
+            if step + 1 < steps:  # past this rank's request: the same token again, discarded
+                logits = self(out[-1], cache=cache if step + 1 < max_new_tokens else None)
+        return torch.cat(out, 1)
+
+
+def _pick(logits, do_sample, temperature, top_k, generator) -> torch.Tensor:
+    if not do_sample:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+def _longest_request(max_new_tokens: int, device: torch.device) -> int:
+    """The most tokens any rank generates: every rank runs that many forwards."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return max_new_tokens
+    steps = torch.tensor([max_new_tokens], device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return int(steps.item())
 
 
 def decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:

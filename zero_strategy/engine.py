@@ -33,6 +33,7 @@ from .ema import ShardedEMA
 from .flat_unit import FlatUnit
 from .full_view import FullGrads, FullParameters
 from .gather import STATE_DICT, GatherManager, in_backward
+from .generation_sync import keep_generation_in_step
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
 from .memory import memory_report
@@ -129,6 +130,8 @@ class ZeroEngine:
             if layer.ep_size > 1:
                 partition = expert_parallel_partition(layer.ep_size, self.world_size)
                 layer.bind(self.groups.communicator(partition))
+        if self.stage == 3 or any(layer.ep_size > 1 for layer in layers.values()):
+            keep_generation_in_step(model)  # every forward is a collective
 
         layouts = self._layouts(model, params, group_of, placed)
         self.units = [
