@@ -169,7 +169,6 @@ class GPT(nn.Module):
             loss = loss + moe_losses(self)
         return loss
 
-
     @torch.no_grad()
     def generate(
         self,
