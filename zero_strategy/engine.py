@@ -53,6 +53,7 @@ from .partition import (
     Stored,
     UnitLayout,
     bucket_layouts,
+    frozen_leftover_modules,
     module_layouts,
     select_unit_modules,
     unique_parameters,
@@ -244,6 +245,7 @@ class ZeroEngine:
             select_unit_modules(model, cfg.unit_module_classes)
         if self.stage == 3:
             chosen = set(select_unit_modules(model, cfg.unit_module_classes)) | set(placed)
+            chosen |= set(frozen_leftover_modules(model, chosen))
             unit_paths = [path for path, _ in model.named_modules() if path and path in chosen]
 
             def spec_of_unit(path: str) -> ShardSpec:

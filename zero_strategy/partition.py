@@ -230,6 +230,36 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
     return chosen
 
 
+def frozen_leftover_modules(model: nn.Module, unit_paths: Iterable[str]) -> list[str]:
+    """Stage 3: the outermost modules outside every unit whose parameters are all frozen,
+    when the root unit (the parameters of no unit) would otherwise mix them with trainable
+    ones: a distillation teacher's embeddings beside the student's, frozen embeddings under
+    LoRA. As units of their own they stay out of the root's gradient buffer, reduction and
+    optimizer shard boundaries."""
+    units = list(unit_paths)
+
+    def in_unit(path: str) -> bool:
+        return any(path == u or path.startswith(u + ".") for u in units)
+
+    leftovers = [
+        (path, p)
+        for path, module in model.named_modules()
+        if not in_unit(path)
+        for p in module.parameters(recurse=False)
+    ]
+    if not any(p.requires_grad for _, p in leftovers) or all(p.requires_grad for _, p in leftovers):
+        return []
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not path or in_unit(path) or any(path.startswith(f + ".") for f in found):
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            continue
+        if any(owner == path or owner.startswith(path + ".") for owner, _ in leftovers):
+            found.append(path)
+    return found
+
+
 def module_layouts(
     model: nn.Module,
     params: Sequence[_Param],
