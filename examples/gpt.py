@@ -33,9 +33,48 @@ class GPTConfig:
     moe_capacity_factor: float | None = None  # None: dropless
     moe_residual: bool = False  # Residual-MoE: a dense MLP beside the experts
     moe_batched: bool = False  # experts as batched [n_experts, ...] weights (BatchedMLP)
+    # PR-MoE's per-layer spec, which replaces n_experts and moe_residual when given: one
+    # word per layer, "dense", "moe:E" or "residual:E" (E experts; residual: a dense MLP
+    # beside them), e.g. "dense dense moe:4 residual:8"; "2*dense 2*residual:8" repeats.
+    layers: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            kinds = parse_layers(self.layers)
+            if len(kinds) != self.n_layer:
+                raise ValueError(
+                    f"GPTConfig.layers describes {len(kinds)} layers but n_layer={self.n_layer}; "
+                    "give one word per layer."
+                )
 
     def experts_of(self, layer: int) -> int:
+        if self.layers is not None:
+            return parse_layers(self.layers)[layer][0]
         return self.n_experts[layer] if isinstance(self.n_experts, list) else self.n_experts
+
+    def residual_of(self, layer: int) -> bool:
+        if self.layers is not None:
+            return parse_layers(self.layers)[layer][1]
+        return self.moe_residual
+
+
+def parse_layers(spec: str) -> list[tuple[int, bool]]:
+    """ "dense moe:4 2*residual:8" -> [(0, False), (4, False), (8, True), (8, True)]."""
+    out: list[tuple[int, bool]] = []
+    for word in spec.replace(",", " ").split():
+        count, _, kind = word.rpartition("*")
+        name, _, experts = kind.partition(":")
+        if name == "dense" and not experts:
+            layer = (0, False)
+        elif name in ("moe", "residual") and experts.isdigit() and int(experts) > 0:
+            layer = (int(experts), name == "residual")
+        else:
+            raise ValueError(
+                f"Layer spec {word!r} is not 'dense', 'moe:E' or 'residual:E' (E > 0 experts), "
+                "optionally repeated as 'N*...'."
+            )
+        out.extend([layer] * (int(count) if count else 1))
+    return out
 
 
 @dataclass
@@ -101,7 +140,7 @@ class MLP(nn.Sequential):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, n_experts: int = 0):
+    def __init__(self, cfg: GPTConfig, n_experts: int = 0, residual: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
@@ -116,7 +155,7 @@ class Block(nn.Module):
                 cfg.moe_k,
                 aux_loss_coef=cfg.moe_aux_loss_coef,
                 capacity_factor=cfg.moe_capacity_factor,
-                use_residual=cfg.moe_residual,
+                use_residual=residual,
                 expert_init=init_weights,
             )
         else:
@@ -136,7 +175,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.experts_of(i)) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(cfg, cfg.experts_of(i), cfg.residual_of(i)) for i in range(cfg.n_layer)
+        )
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
