@@ -233,3 +233,38 @@ def test_plain_engine_distillation_matches_one_process():
     want = one_process(stop_step=STEPS // 2)
     mean = [sum(v) / 2 for v in zip(*run_world(_engine, 2))]
     assert mean == pytest.approx(want, rel=1e-5)
+
+
+def _fabric(rank, world):
+    import os
+
+    import lightning as L
+
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29547")
+    strategy = ZeroFabricStrategy(stage=3, expert_parallel_size=2)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    student, teacher = models()
+    model = Distillation(student, teacher, WEIGHT, TEMPERATURE, stop_step=STEPS // 2)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        teacher_logits = model.teacher_logits(x) if model.active(step) else None
+        logits = model(x)
+        loss = step_loss(student, logits, y, model.loss(logits, teacher_logits, step))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fabric_distillation_matches_one_process():
+    want = one_process(stop_step=STEPS // 2)
+    mean = [sum(v) / 2 for v in zip(*run_world(_fabric, 2))]
+    assert mean == pytest.approx(want, rel=1e-5)

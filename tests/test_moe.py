@@ -266,7 +266,15 @@ def test_capacity_drops_exactly_the_assignments_past_it():
     routed to expert 0 the first three are kept and the next three dropped (output zero,
     so the block's residual stream carries them); expert 1's two tokens are kept."""
     torch.manual_seed(0)
-    moe = MoE(8, torch.nn.Linear(8, 8), num_experts=2, k=1, capacity_factor=0.75, min_capacity=1)
+    moe = MoE(
+        8,
+        torch.nn.Linear(8, 8),
+        num_experts=2,
+        k=1,
+        capacity_factor=0.75,
+        min_capacity=1,
+        normalize=True,  # each kept token's weight is 1: its output is its expert's
+    )
     with torch.no_grad():
         moe.router.gate.weight.zero_()
         moe.router.gate.weight[0, 0], moe.router.gate.weight[1, 0] = 1.0, -1.0
@@ -534,3 +542,20 @@ def test_placement_specs_are_checked_for_positions_and_copies():
     assert ShardSpec(((3, 2), (1, 0))).groups == ((0, 1), (2, 3))
     with pytest.raises(ValueError, match="must rise from copy to copy"):
         ShardSpec(((0, 3), (1, 2))).check(4, "placement('x')")
+
+
+def test_top1_routing_trains_the_router_from_the_task_loss():
+    """Top-1 keeps the chosen expert's probability as its weight (Switch, DeepSpeed-MoE):
+    renormalised it would be 1, and the task loss would never reach the router."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    norms = {}
+    for normalize in (None, True):
+        torch.manual_seed(1)
+        moe = MoE(
+            8, torch.nn.Linear(8, 8), num_experts=4, k=1, aux_loss_coef=0.0, normalize=normalize
+        )
+        moe(x).pow(2).sum().backward()
+        norms[normalize] = moe.router.gate.weight.grad.norm().item()
+    assert norms[None] > 1e-2
+    assert norms[True] < 1e-5 * norms[None]  # p / p: rounding noise only

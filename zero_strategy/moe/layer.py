@@ -40,7 +40,7 @@ class MoE(nn.Module):
         k: int = 1,
         *,
         score: str = "softmax",
-        normalize: bool = True,
+        normalize: bool | None = None,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,

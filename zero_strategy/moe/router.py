@@ -27,7 +27,10 @@ class Router(nn.Module):
     """Token-choice top-k routing over `num_experts` experts.
 
     - `score`: "softmax" (GShard, Mixtral) or "sigmoid" (DeepSeek-V3); weights of the
-      chosen experts are renormalised to sum to 1 when `normalize`.
+      chosen experts are renormalised to sum to 1 when `normalize`. None (the default)
+      renormalises top-k for k > 1 (GShard, Mixtral) and keeps top-1's own probability
+      (Switch, DeepSpeed-MoE): renormalised, a single weight is always 1 and the task loss
+      would never reach the router.
     - `aux_loss_coef`: Switch/GShard load balancing, E * sum_e(f_e * P_e), with f_e the
       fraction of assignments routed to expert e and P_e its mean router probability.
     - `z_loss_coef`: ST-MoE's router z-loss, mean(logsumexp(logits)^2).
@@ -40,7 +43,7 @@ class Router(nn.Module):
         num_experts: int,
         k: int,
         score: str = "softmax",
-        normalize: bool = True,
+        normalize: bool | None = None,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
@@ -53,6 +56,7 @@ class Router(nn.Module):
                 f"MoE k={k} must be between 1 and num_experts={num_experts}: each token goes "
                 "to k distinct experts."
             )
+        normalize = k > 1 if normalize is None else normalize
         self.num_experts, self.k, self.score, self.normalize = num_experts, k, score, normalize
         self.aux_loss_coef, self.z_loss_coef, self.jitter = aux_loss_coef, z_loss_coef, jitter
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
