@@ -77,7 +77,7 @@ def test_the_spec_builds_each_kind_of_layer_and_refuses_typos():
         replace(SPEC, layers="dense moe:2")
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_pr_moe_trains_as_one_process(stage):
     want, want_state = one_process(2)
     (losses, state, held), _ = run_world(_train, 2, stage, range(STEPS))
@@ -93,6 +93,17 @@ def test_pr_moe_checkpoint_continues_at_another_expert_parallel_size(tmp_path):
     cfg = replace(SPEC, moe_aux_loss_coef=0.0)
     checkpoint = str(tmp_path / "checkpoint")
     full = run_world(_train, 2, 3, range(STEPS), cfg=cfg)[0][0]
-    run_world(_train, 2, 3, range(2), checkpoint, False, True, cfg=cfg)
+    saved = run_world(_train, 2, 3, range(2), checkpoint, False, True, cfg=cfg)[0][1]
     resumed = run_world(_train, 2, 1, range(2, STEPS), checkpoint, True, False, 1, cfg)[0][0]
     assert resumed == pytest.approx(full[2:], rel=1e-5)
+    # Consolidated: every expert of every layer under its global id, the one-process
+    # model's names, the saved values.
+    from safetensors.torch import load_file
+
+    from zero_strategy.consolidate import consolidate
+
+    consolidate(checkpoint, tmp_path / "model", show_progress=False)
+    state = load_file(str(tmp_path / "model" / "model.safetensors"))
+    missing, unexpected = model(1, cfg).load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to wte
+    assert all(torch.equal(state[k], saved[k]) for k in state)
