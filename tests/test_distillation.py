@@ -206,6 +206,20 @@ def test_lightning_mixture_of_students_matches_one_process_and_stops():
     assert teacher_bytes <= added <= teacher_bytes + 4 * 7
 
 
+def distil(model, student, rank, backward, step) -> list[float]:
+    """The staged distillation loop a plain-engine or Fabric user writes."""
+    losses = []
+    for i in range(STEPS):
+        x, y = batch(i, rank)
+        teacher_logits = model.teacher_logits(x) if model.active(i) else None
+        logits = model(x)
+        loss = step_loss(student, logits, y, model.loss(logits, teacher_logits, i))
+        backward(loss)
+        step()
+        losses.append(loss.item())
+    return losses
+
+
 def _engine(rank, world):
     from zero_strategy import ZeroConfig, ZeroEngine
 
@@ -216,17 +230,9 @@ def _engine(rank, world):
         torch.optim.AdamW(student.parameters(), lr=1e-2),
         ZeroConfig(stage=3, expert_parallel_size=2),
     )
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        teacher_logits = model.teacher_logits(x) if model.active(step) else None
-        logits = model(x)
-        loss = step_loss(student, logits, y, model.loss(logits, teacher_logits, step))
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return distil(
+        model, student, rank, engine.backward, lambda: (engine.step(), engine.zero_grad())
+    )
 
 
 def test_plain_engine_distillation_matches_one_process():
@@ -251,17 +257,8 @@ def _fabric(rank, world):
     model = Distillation(student, teacher, WEIGHT, TEMPERATURE, stop_step=STEPS // 2)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        teacher_logits = model.teacher_logits(x) if model.active(step) else None
-        logits = model(x)
-        loss = step_loss(student, logits, y, model.loss(logits, teacher_logits, step))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
+    return distil(model, student, rank, fabric.backward, step)
 
 
 def test_fabric_distillation_matches_one_process():
