@@ -218,3 +218,26 @@ def test_fp64_training_resumes_bit_for_bit_and_consolidates_in_fp64(tmp_path):
     (written,) = consolidate(ckpt, str(tmp_path / "model.safetensors"), show_progress=False)
     consolidated = SafetensorsFile(written)
     assert torch.equal(consolidated.read("wte.weight"), saved["wte.weight"])
+
+
+@pytest.mark.parametrize(
+    "files", [["../../rank00000.safetensors"], ["/etc/passwd"], ["rank00000.safetensors", "x"]]
+)
+def test_an_index_naming_other_files_is_refused(files, tmp_path):
+    path, _ = _save_single(tmp_path)
+    index_path = Path(path, "index.json")
+    index = json.loads(index_path.read_text())
+    index["files"] = files
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"names files .* Refusing it"):
+        _fresh_engine().load_checkpoint(path)
+
+
+def test_a_rank_file_that_links_out_of_the_directory_is_refused(tmp_path):
+    path, _ = _save_single(tmp_path)
+    outside = tmp_path / "elsewhere.safetensors"
+    shard = Path(path, "rank00000.safetensors")
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    with pytest.raises(CheckpointError, match="leads out of the checkpoint directory"):
+        _fresh_engine().load_checkpoint(path)

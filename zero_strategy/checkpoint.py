@@ -369,6 +369,7 @@ def read_index(path: Path) -> dict[str, Any]:
         ) from e
     if index.get("format") != FORMAT or not index.get("complete"):
         raise CheckpointError(f"{index_path} is not a complete '{FORMAT}' index.")
+    _check_file_names(path, index)
     missing = [f for f in index["files"] if not (path / f).exists()]
     if missing:
         raise CheckpointError(
@@ -376,6 +377,31 @@ def read_index(path: Path) -> dict[str, Any]:
             f"{[index['files'].index(f) for f in missing]} of {index['world_size']})."
         )
     return index
+
+
+def _check_file_names(path: Path, index: dict[str, Any]) -> None:
+    """A checkpoint is untrusted input: its index may name only the rank files of its own
+    world size, and none of them may lead out of the directory (through `..`, an absolute
+    path, or a symlink)."""
+    world = index.get("world_size")
+    files = index.get("files")
+    if not isinstance(world, int) or world < 1 or not isinstance(files, list):
+        raise CheckpointError(f"{path / INDEX} has no valid world_size and files list.")
+    expected = [rank_file(r) for r in range(world)]
+    if files != expected:
+        odd = [f for f in files if f not in expected] or files
+        raise CheckpointError(
+            f"{path / INDEX} names files {odd[:3]}; a checkpoint of {world} ranks holds exactly "
+            f"{expected[:3]}{'...' if world > 3 else ''} in its own directory. Refusing it."
+        )
+    root = path.resolve()
+    for name in files:
+        target = (path / name).resolve()
+        if target.parent != root:
+            raise CheckpointError(
+                f"{path / name} leads out of the checkpoint directory (to {target}); a "
+                "checkpoint's files must be in its own directory. Refusing it."
+            )
 
 
 def load(
