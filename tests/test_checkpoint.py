@@ -241,3 +241,30 @@ def test_a_rank_file_that_links_out_of_the_directory_is_refused(tmp_path):
     shard.symlink_to(outside)
     with pytest.raises(CheckpointError, match="leads out of the checkpoint directory"):
         _fresh_engine().load_checkpoint(path)
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_by_its_checksum(tmp_path):
+    """The index records a CRC-32 of every chunk of every tensor; a load (and so a
+    consolidation) verifies each chunk it reads."""
+    from zero_strategy.consolidate import consolidate
+
+    path, _ = _save_single(tmp_path)
+    shard = Path(path, "rank00000.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # the last tensor's data, past the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"rank00000.safetensors: tensor .* fails its checksum"
+    ):
+        _fresh_engine().load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        consolidate(path, tmp_path / "out", show_progress=False)
+
+
+def test_a_checkpoint_from_before_checksums_still_loads(tmp_path):
+    path, _ = _save_single(tmp_path)
+    index_path = Path(path, "index.json")
+    index = json.loads(index_path.read_text())
+    del index["checksums"]
+    index_path.write_text(json.dumps(index))
+    _fresh_engine().load_checkpoint(path)

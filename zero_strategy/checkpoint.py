@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
 from .comm import Communicator
 from .flat_unit import FlatUnit
 from .optimizer import OptimizerView
@@ -194,12 +195,19 @@ def save(
         for name, buf in persistent_buffers(state.module):
             tensors[f"buffer/{name}"] = buf
     # Slices of one master buffer share storage, which safetensors refuses: copy them.
-    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp / rank_file(rank))
+    tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+    crcs = {k: chunk_crcs(v) for k, v in tensors.items()}
+    save_file(tensors, tmp / rank_file(rank))
     del tensors
     # The index is built from what each rank reports it wrote (a rank may also own no
     # trainable range of some group: the state keys are the union over ranks).
     everyone = world.control_all_gather_json(
-        {"wrote": written, "keys": sorted(state_keys), "scalars": _scalar_state(state.optimizer)},
+        {
+            "wrote": written,
+            "keys": sorted(state_keys),
+            "scalars": _scalar_state(state.optimizer),
+            "crc32": crcs,
+        },
         state.device,
     )
     world.barrier()
@@ -255,6 +263,11 @@ def _index(
         "step": step,
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "files": [rank_file(r) for r in range(len(reports))],
+        # CRC-32 of every CHUNK_BYTES of every tensor, by file: loads verify what they read.
+        "checksums": {
+            "chunk_bytes": CHUNK_BYTES,
+            "crc32": {rank_file(r): report["crc32"] for r, report in enumerate(reports)},
+        },
         # Each unit's shard groups (global ranks); the pieces above need none of it to load.
         "units": [
             {
@@ -332,11 +345,16 @@ class CheckpointReader:
                     f"{INDEX} says it holds; the index does not match the files."
                 )
             target = out[a - lo : b - lo]
+            crcs = self._crcs(piece["rank"], key)
             try:
-                if handle.dtype(key) == out.dtype:
+                if crcs is not None:
+                    verified_read(handle, key, a - piece["start"], b - piece["start"], crcs, target)
+                elif handle.dtype(key) == out.dtype:
                     handle.read_range(key, a - piece["start"], b - piece["start"], target)
                 else:
                     target.copy_(handle.read_range(key, a - piece["start"], b - piece["start"]))
+            except ChecksumMismatch as e:
+                raise self._corrupt(piece["rank"], e) from e
             except ValueError as e:
                 raise CheckpointError(f"{e}; the index does not match the files.") from e
             filled += b - a
@@ -348,7 +366,38 @@ class CheckpointReader:
         return out
 
     def buffer(self, name: str) -> torch.Tensor:
-        return self._open(0).read(f"buffer/{name}")
+        key, handle = f"buffer/{name}", self._open(0)
+        crcs = self._crcs(0, key)
+        if crcs is None:  # a checkpoint from before checksums
+            return handle.read(key)
+        numel = 1
+        for n in handle.shape(key):
+            numel *= n
+        out = torch.empty(numel, dtype=handle.dtype(key))
+        try:
+            return verified_read(handle, key, 0, numel, crcs, out).view(handle.shape(key))
+        except ChecksumMismatch as e:
+            raise self._corrupt(0, e) from e
+
+    def _crcs(self, rank: int, key: str) -> list[int] | None:
+        checksums = self.index.get("checksums")
+        if checksums is None:  # a checkpoint from before checksums
+            return None
+        if checksums.get("chunk_bytes") != CHUNK_BYTES:
+            raise CheckpointError(f"{self.path / INDEX} records checksums of another chunk size.")
+        crcs = checksums["crc32"].get(rank_file(rank), {}).get(key)
+        if crcs is None:
+            raise CheckpointError(
+                f"{self.path / INDEX} records no checksum for '{key}' in {rank_file(rank)}; "
+                "the index does not match the files."
+            )
+        return crcs
+
+    def _corrupt(self, rank: int, error: ChecksumMismatch) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path / rank_file(rank)}: {error}. The file is corrupt; restore it or load "
+            "an earlier checkpoint."
+        )
 
 
 def read_index(path: Path) -> dict[str, Any]:
