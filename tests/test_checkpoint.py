@@ -268,3 +268,15 @@ def test_a_checkpoint_from_before_checksums_still_loads(tmp_path):
     del index["checksums"]
     index_path.write_text(json.dumps(index))
     _fresh_engine().load_checkpoint(path)
+
+
+def test_a_header_claiming_terabytes_is_refused_without_reading_it(tmp_path):
+    import struct
+
+    path, _ = _save_single(tmp_path)
+    shard = Path(path, "rank00000.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 5 << 40)  # a 5 TiB header in a file of kilobytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="header of 5497558138880 bytes exceeds the file"):
+        _fresh_engine().load_checkpoint(path)
