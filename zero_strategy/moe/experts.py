@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+
+from ..partition import Stored
+
+
+def batched_rows(name: str, shape: tuple[int, ...], num_experts: int, ep_rank: int) -> Stored:
+    """Where expert-parallel rank `ep_rank`'s batched weight `name` ([num_local, ...], all
+    ranks holding as many) is stored: its rows of one [num_experts, ...] tensor under the
+    same name, so checkpoints hold every expert by global id in one tensor."""
+    return Stored(name, (num_experts, *shape[1:]), ep_rank * math.prod(shape))
 
 
 class Experts(nn.Module):

@@ -16,7 +16,6 @@ padding to the busiest one.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from ..comm import Communicator
 from ..kernels import permute, unpermute
 from ..partition import Stored
 from . import capacity, dispatch
-from .experts import Experts
+from .experts import Experts, batched_rows
 from .router import Router
 
 
@@ -131,8 +130,7 @@ class MoE(nn.Module):
         checkpoints hold experts by global id; a batched weight `[num_local, ...]` as
         its rows of one `[num_experts, ...]` tensor."""
         if self.experts.batched:
-            rows = math.prod(shape)
-            return Stored(local_name, (self.num_experts, *shape[1:]), ep_rank * rows)
+            return batched_rows(local_name, shape, self.num_experts, ep_rank)
         head, index, rest = local_name.split(".", 2)
         return Stored(f"{head}.{ep_rank * self.num_local + int(index)}.{rest}", tuple(shape))
 

@@ -20,7 +20,6 @@ be split here and is refused by name rather than left replicated (`unconvertible
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from torch import nn
 from ..comm import Communicator
 from ..partition import Stored
 from . import dispatch
+from .experts import batched_rows
 
 IMPLEMENTATION = "zero_expert_parallel"
 _ATTRIBUTE = "zero_expert_parallel"  # the TransformersExperts of a converted module
@@ -48,8 +48,6 @@ def is_convertible(module: nn.Module) -> bool:
 class TransformersExperts:
     """One converted experts module, as the engine sees it: `ep_size` ranks each hold
     `num_local` of its `num_experts` experts; `bind` gives it its expert-parallel group."""
-
-    batched = True  # every weight's rows are experts: stored as rows of the whole tensor
 
     def __init__(self, module: nn.Module, num_experts: int, ep_size: int, inner: str):
         self.module_type = type(module).__name__
@@ -71,7 +69,7 @@ class TransformersExperts:
     def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
         """Rows `ep_rank * num_local ...` of the whole `[num_experts, ...]` weight, under
         the module's own name: checkpoints hold the model's original layout."""
-        return Stored(local_name, (self.num_experts, *shape[1:]), ep_rank * math.prod(shape))
+        return batched_rows(local_name, shape, self.num_experts, ep_rank)
 
     def forward(
         self,
