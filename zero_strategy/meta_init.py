@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .partition import ParamSlot
+from .placement import within
 
 InitFn = Callable[[nn.Module], None]
 
@@ -67,7 +68,7 @@ def run_init(
     }
     done: set[str] = set()
     for path, module in modules:
-        owner = next((o for o in owners if path == o or path.startswith(o + ".") or o == ""), None)
+        owner = next((o for o in owners if within(path, o)), None)
         if owner is not None:
             if owner not in done:
                 owners[owner].zero_initialise()

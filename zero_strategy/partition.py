@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .placement import ShardSpec, owner_of
+from .placement import ShardSpec, owner_of, within
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
 
@@ -204,7 +204,7 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
     chosen: list[str] = []
 
     def covered(path: str) -> bool:
-        return any(path == c or path.startswith(c + ".") for c in chosen)
+        return any(within(path, c) for c in chosen)
 
     for path, module in model.named_modules():
         if path == "" or covered(path):
@@ -236,10 +236,10 @@ def frozen_leftover_modules(model: nn.Module, unit_paths: Iterable[str]) -> list
     ones: a distillation teacher's embeddings beside the student's, frozen embeddings under
     LoRA. As units of their own they stay out of the root's gradient buffer, reduction and
     optimizer shard boundaries."""
-    units = list(unit_paths)
+    units = [u for u in unit_paths if u]  # the root is never a unit of its own here
 
     def in_unit(path: str) -> bool:
-        return any(path == u or path.startswith(u + ".") for u in units)
+        return any(within(path, u) for u in units)
 
     leftovers = [
         (path, p)
@@ -251,11 +251,11 @@ def frozen_leftover_modules(model: nn.Module, unit_paths: Iterable[str]) -> list
         return []
     found: list[str] = []
     for path, module in model.named_modules():
-        if not path or in_unit(path) or any(path.startswith(f + ".") for f in found):
+        if not path or in_unit(path) or any(within(path, f) for f in found):
             continue
         if any(p.requires_grad for p in module.parameters()):
             continue
-        if any(owner == path or owner.startswith(path + ".") for owner, _ in leftovers):
+        if any(within(owner, path) for owner, _ in leftovers):
             found.append(path)
     return found
 
@@ -277,15 +277,13 @@ def module_layouts(
     def unit_of(module_path: str) -> str:
         best = ""
         for path in unit_paths:
-            if (module_path == path or module_path.startswith(path + ".")) and len(path) > len(
-                best
-            ):
+            if within(module_path, path) and len(path) > len(best):
                 best = path
         return best
 
     def common_unit(homes: set[str]) -> str:
         candidates = [""] + [  # the root holds every module
-            p for p in unit_paths if all(h == p or h.startswith(p + ".") for h in homes)
+            p for p in unit_paths if all(within(h, p) for h in homes)
         ]
         return max(candidates, key=lambda p: len(p) if p else -1)
 

@@ -142,15 +142,18 @@ def spec_of_owner(owner_path: str, placed: dict[str, ShardSpec]) -> str | None:
     """The placed module (deepest) whose spec governs parameters owned by `owner_path`."""
     best = None
     for path in placed:
-        if (path == "" or owner_path == path or owner_path.startswith(path + ".")) and (
-            best is None or len(path) > len(best)
-        ):
+        if within(owner_path, path) and (best is None or len(path) > len(best)):
             best = path
     return best
 
 
 def owner_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def within(path: str, ancestor: str) -> bool:
+    """Whether module `path` is `ancestor` or inside it (the root, "", holds every one)."""
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
 
 
 def placed_path_of_names(names: Sequence[str], placed: dict[str, ShardSpec]) -> str | None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..partition import Stored
+from ..placement import within
 from . import dispatch
 from .experts import batched_rows
 
@@ -215,14 +216,10 @@ def unconvertible(model: nn.Module, known: list[str]) -> list[str]:
     found: list[str] = []
     for path, module in model.named_modules():
         looks = "expert" in type(module).__name__.lower() or path.rsplit(".", 1)[-1] == "experts"
-        if not path or not looks or any(_inside(path, f) for f in found):
+        if not path or not looks or any(within(path, f) for f in found):
             continue
-        if any(_inside(k, path) or _inside(path, k) for k in known):
+        if any(within(k, path) or within(path, k) for k in known):
             continue
         if next(module.parameters(), None) is not None:
             found.append(path)
     return found
-
-
-def _inside(path: str, ancestor: str) -> bool:
-    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
