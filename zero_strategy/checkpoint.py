@@ -18,6 +18,7 @@ complete; an interrupted save leaves the previous checkpoint as it was.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -370,12 +371,10 @@ class CheckpointReader:
         crcs = self._crcs(0, key)
         if crcs is None:  # a checkpoint from before checksums
             return handle.read(key)
-        numel = 1
-        for n in handle.shape(key):
-            numel *= n
-        out = torch.empty(numel, dtype=handle.dtype(key))
+        shape = handle.shape(key)
+        out = torch.empty(math.prod(shape), dtype=handle.dtype(key))
         try:
-            return verified_read(handle, key, 0, numel, crcs, out).view(handle.shape(key))
+            return verified_read(handle, key, 0, out.numel(), crcs, out).view(shape)
         except ChecksumMismatch as e:
             raise self._corrupt(0, e) from e
 

@@ -5,6 +5,7 @@ different model, and a load that reads a slice of a tensor verifies only that sl
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -34,9 +35,7 @@ def verified_read(
     chunk they touch: one chunk is read at a time, so the check costs at most one chunk
     of memory whatever the range."""
     per_chunk = CHUNK_BYTES // handle.dtype(key).itemsize
-    numel = 1
-    for n in handle.shape(key):
-        numel *= n
+    numel = math.prod(handle.shape(key))
     for chunk in range(lo // per_chunk, (hi - 1) // per_chunk + 1 if hi > lo else 0):
         start, end = chunk * per_chunk, min((chunk + 1) * per_chunk, numel)
         data = handle.read_range(key, start, end)

@@ -86,7 +86,6 @@ class Distillation(nn.Module):
     def active(self, step: int) -> bool:
         return self.schedule.active(step)
 
-    @torch.no_grad()
     def teacher_logits(self, *args, **kwargs) -> torch.Tensor:
         return teacher_forward(self.teacher, *args, **kwargs)
 

@@ -62,6 +62,7 @@ class TransformersLayout:
         self._open = open_file
         self._plain: dict[str, str] = {}  # model name -> checkpoint key
         self._converted: dict[str, _Converted] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # converted tensors' shapes
         for key in checkpoint_keys:
             target, pattern = rename_source_key(key, renamings, converters, prefix, names)
             if pattern is None:
@@ -86,9 +87,11 @@ class TransformersLayout:
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._plain:
             return self._open(self._plain[name]).shape(self._plain[name])
-        entry = self._converted[name]
-        experts = len(next(iter(entry.keys.values())))
-        return (experts, *self._build(entry, 0, 1).shape[1:])
+        if name not in self._shapes:  # one expert built once, not at every read
+            entry = self._converted[name]
+            experts = len(next(iter(entry.keys.values())))
+            self._shapes[name] = (experts, *self._build(entry, 0, 1).shape[1:])
+        return self._shapes[name]
 
     def read_range(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened model tensor `name`."""
