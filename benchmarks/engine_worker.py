@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -209,6 +208,14 @@ def init_ranks(impl: str) -> int:
     return dist.get_rank()
 
 
+def finish_rank(out: str, impl: str, rank: int, result: dict) -> None:
+    """Write this rank's figures where `launch.run_ranks` reads them, then leave the
+    process group cleanly (every rank together)."""
+    Path(out, f"{impl}.rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     args = worker_arguments(("--size", {"default": "bench", "choices": sorted(SIZES)}))
     rank = init_ranks(args.impl)
@@ -254,9 +261,7 @@ def main() -> None:
         "model_state_mib": model_state / 2**20,
         "losses": losses,
     }
-    with open(os.path.join(args.out, f"{args.impl}.rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    finish_rank(args.out, args.impl, rank, result)
 
 
 if __name__ == "__main__":

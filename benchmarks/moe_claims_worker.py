@@ -13,7 +13,6 @@ expert parallelism over both ranks for the MoE models:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_worker import PeakRSS, init_ranks, worker_arguments
+from benchmarks.engine_worker import PeakRSS, finish_rank, init_ranks, worker_arguments
 from examples.corpus import byte_tokens
 from examples.gpt import GPT, GPTConfig
 from zero_strategy import ZeroConfig, ZeroEngine
@@ -171,9 +170,7 @@ def main() -> None:
         "peak_rss_mib": rss.peak / 2**20,
         "latency_ms_per_token": latency,
     }
-    Path(args.out, f"{args.impl}.rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(args.out, args.impl, rank, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Both layers use the same experts (the example GPT's MLP), top-2 routing, capacit
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_worker import PeakRSS, init_ranks, worker_arguments
+from benchmarks.engine_worker import PeakRSS, finish_rank, init_ranks, worker_arguments
 from examples.gpt import GPT, MLP, GPTConfig
 
 # ~40M parameters, 8 experts of 1.6M in each of 4 layers, seq 128.
@@ -173,9 +172,7 @@ def main() -> None:
         "peak_rss_mib": rss.peak / 2**20,
         "losses": losses,
     }
-    Path(args.out, f"{args.impl}.rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(args.out, args.impl, rank, result)
 
 
 if __name__ == "__main__":
