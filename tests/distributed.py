@@ -90,3 +90,49 @@ def run_world(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(
+    argv: list[str], world_size: int, timeout: float, env: dict[str, str] | None = None
+) -> list[tuple[int | None, str, float]]:
+    """Launch `argv` as `world_size` plain processes of one gloo job (no supervisor that
+    would kill the survivors of a failed rank): each rank's (exit code, output, seconds
+    it ran); the exit code is None for a rank still running at `timeout` (then killed)."""
+    import subprocess
+
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    base.update(env or {}, WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world_size)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, start + timeout - time.monotonic()))
+            results.append((p.returncode, out, time.monotonic() - start))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            out, _ = p.communicate()
+            results.append((None, out, time.monotonic() - start))
+    for p in procs:  # a stopped (SIGSTOP) rank is still alive: end it
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+    return results

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -172,16 +174,56 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path, monkey
     import zero_strategy.checkpoint as ckpt_module
 
     def crash(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(ckpt_module, "save_file", crash)
     x = torch.randint(64, (2, 17))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
     engine.step()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"ckpt\.tmp failed \(Input/output error\)"):
         engine.save_checkpoint(path)
     assert json.loads(Path(path, "index.json").read_text()) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the half-written directory is gone
     _fresh_engine().load_checkpoint(path)  # still loads
+
+
+def test_a_full_disk_names_the_directory_and_the_bytes_needed(tmp_path, monkeypatch):
+    """ENOSPC from the writer: the error names the directory and the bytes the rank
+    needed; the previous checkpoint is untouched, and the next save succeeds."""
+    path, engine = _save_single(tmp_path)
+    before = Path(path, "rank00000.safetensors").read_bytes()
+    import zero_strategy.checkpoint as ckpt_module
+
+    real_save_file = ckpt_module.save_file
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_module, "save_file", full)
+    with pytest.raises(CheckpointError) as err:
+        engine.save_checkpoint(path)
+    message = str(err.value)
+    assert f"no space left on the device of {tmp_path / 'ckpt.tmp'}" in message
+    assert re.search(r"this rank's file needs [\d,]+ bytes", message)
+    assert f"the previous checkpoint at {path} is intact" in message
+    assert Path(path, "rank00000.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    _fresh_engine().load_checkpoint(path)
+    monkeypatch.setattr(ckpt_module, "save_file", real_save_file)
+    engine.save_checkpoint(path)
+    _fresh_engine().load_checkpoint(path)
+
+
+def test_a_save_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+
+    path, engine = _save_single(tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(CheckpointError, match=r"bytes are needed and 1,000 are free"):
+        engine.save_checkpoint(path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    _fresh_engine().load_checkpoint(path)
 
 
 def test_model_only_load_takes_another_optimizer(tmp_path):
@@ -280,3 +322,62 @@ def test_a_header_claiming_terabytes_is_refused_without_reading_it(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="header of 5497558138880 bytes exceeds the file"):
         _fresh_engine().load_checkpoint(path)
+
+
+def _flip_last_byte(path: str) -> None:
+    shard = Path(path, "rank00000.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(path: str) -> None:
+    shard = Path(path, "rank00000.safetensors")
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def _offsets_past_the_file(path: str) -> None:
+    index_path = Path(path, "index.json")
+    index = json.loads(index_path.read_text())
+    piece = index["params"]["ln_f.bias"]["pieces"][0]
+    piece["start"], piece["end"] = piece["start"] + 10**9, piece["end"] + 10**9
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "problem"),
+    [
+        (_flip_last_byte, "fails its checksum"),
+        (_truncate, "truncated"),
+        (_offsets_past_the_file, "index does not match the files"),
+    ],
+)
+def test_a_refused_checkpoint_leaves_the_model_as_it_was(corrupt, problem, tmp_path):
+    """Every rank verifies all it will read before anything is written into the model:
+    a corrupt checkpoint is refused with the model, its optimizer state and its buffers
+    untouched (here the flipped byte is in the last tensor a load reads)."""
+    path, _ = _save_single(tmp_path)
+    corrupt(path)
+    engine = _fresh_engine(seed=1)
+    x = torch.randint(64, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    state = {
+        (i, k): v.clone()
+        for i, s in enumerate(engine.optimizer.state.values())
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+    with pytest.raises(CheckpointError, match=problem):
+        engine.load_checkpoint(path)
+    for n, p in engine.module.named_parameters():
+        assert torch.equal(p, params[n]), n
+    after = {
+        (i, k): v
+        for i, s in enumerate(engine.optimizer.state.values())
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+    assert after.keys() == state.keys()
+    assert all(torch.equal(after[k], state[k]) for k in state)

@@ -5,6 +5,8 @@
 """
 
 from . import torch_floor  # noqa: F401  (first: an older torch fails here, naming the fix)
+from .checkpoint import CheckpointError
+from .comm import PeerLostError
 from .config import ZeroConfig, ZeroConfigError
 from .deepspeed_config import from_deepspeed_config
 from .engine import ZeroEngine
@@ -14,7 +16,9 @@ from .optimizer import UnsupportedOptimizerError
 from .placement import ShardSpec
 
 __all__ = [
+    "CheckpointError",
     "ModulePathDivergenceError",
+    "PeerLostError",
     "ShardSpec",
     "UnsupportedOptimizerError",
     "ZeroConfig",

@@ -17,11 +17,13 @@ complete; an interrupted save leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from . import atomic_dir
 from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
 from .comm import Communicator
 from .flat_unit import FlatUnit
@@ -164,11 +167,9 @@ def save(
     world = state.world
     rank = world.rank
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = atomic_dir.staging_dir(final)
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        atomic_dir.prepare(final)
     world.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
@@ -198,38 +199,76 @@ def save(
     # Slices of one master buffer share storage, which safetensors refuses: copy them.
     tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
     crcs = {k: chunk_crcs(v) for k, v in tensors.items()}
-    save_file(tensors, tmp / rank_file(rank))
+    error = _write_rank_file(tensors, tmp / rank_file(rank), final)
     del tensors
     # The index is built from what each rank reports it wrote (a rank may also own no
-    # trainable range of some group: the state keys are the union over ranks).
+    # trainable range of some group: the state keys are the union over ranks). A rank
+    # whose write failed says so here, and every rank raises the same error.
     everyone = world.control_all_gather_json(
         {
             "wrote": written,
             "keys": sorted(state_keys),
             "scalars": _scalar_state(state.optimizer),
             "crc32": crcs,
+            "error": error,
         },
         state.device,
     )
-    world.barrier()
+    _raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
 
+    error = None
     if rank == 0:
-        if client_state is not None:
-            torch.save(client_state, tmp / CLIENT_STATE)
-        index = _index(state, everyone, step, compute_dtype, loss_scaler)
-        with open(tmp / INDEX, "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-    world.barrier()
+        try:
+            if client_state is not None:
+                torch.save(client_state, tmp / CLIENT_STATE)
+            index = _index(state, everyone, step, compute_dtype, loss_scaler)
+            with open(tmp / INDEX, "w") as f:
+                json.dump(index, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            atomic_dir.publish(tmp, final)
+        except OSError as e:
+            error = _write_failure(e, tmp, final)
+    _raise_agreed(
+        world.control_all_gather_json(error, state.device), final, tmp if rank == 0 else None
+    )
+
+
+def _write_rank_file(tensors: dict[str, torch.Tensor], target: Path, final: Path) -> str | None:
+    """Write (and fsync) one rank's file; the failure as a message, for every rank to see."""
+    header = 8 + 128 * (len(tensors) + 1)  # a generous bound on the JSON header
+    needed = header + sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
+        atomic_dir.check_free_space(target.parent, needed)
+        save_file(tensors, target)
+        atomic_dir.fsync_file(target)
+    except OSError as e:
+        return _write_failure(e, target.parent, final, needed)
+    return None
+
+
+def _write_failure(error: OSError, directory: Path, final: Path, needed: int | None = None) -> str:
+    cause = error.strerror or str(error)
+    if error.errno == errno.ENOSPC:
+        cause = f"no space left on the device of {directory}: {cause}"
+        if needed is not None and "needed" not in cause:
+            cause += f"; this rank's file needs {needed:,} bytes"
+    return (
+        f"writing {directory} failed ({cause}). Free space or save elsewhere; the previous "
+        f"checkpoint at {final} is intact."
+    )
+
+
+def _raise_agreed(errors: list[str | None], final: Path, tmp: Path | None) -> None:
+    """Every rank raises the first rank's failure (so none waits in a later collective),
+    after the half-written staging directory is removed."""
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    r, message = failed[0]
+    raise CheckpointError(f"Saving {final}: rank {r}: {message}")
 
 
 def _index(
@@ -297,7 +336,7 @@ class CheckpointReader:
     rank file once and only when a range in it is needed."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = located(path)
         self.index = read_index(self.path)
         self._files: dict[str, Any] = {}
 
@@ -366,6 +405,17 @@ class CheckpointReader:
             )
         return out
 
+    def verify(
+        self, name: str, lo: int, hi: int, prefix: str = "", dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Read and check [lo, hi) as `read` would, a bounded piece at a time, keeping
+        nothing: a load verifies all it will read before it changes the model."""
+        step = max(1, CHUNK_BYTES // 4) * 16
+        scratch = torch.empty(min(step, max(hi - lo, 0)), dtype=dtype)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            self.read(name, a, b, prefix, out=scratch[: b - a], dtype=dtype)
+
     def buffer(self, name: str) -> torch.Tensor:
         key, handle = f"buffer/{name}", self._open(0)
         crcs = self._crcs(0, key)
@@ -397,6 +447,21 @@ class CheckpointReader:
             f"{self.path / rank_file(rank)}: {error}. The file is corrupt; restore it or load "
             "an earlier checkpoint."
         )
+
+
+def located(path: str | os.PathLike) -> Path:
+    """The checkpoint at `path`; the previous one when the save that was replacing it was
+    killed between its two renames (platforms without an atomic directory swap)."""
+    path = Path(path)
+    found = atomic_dir.resolve(path)
+    if found != path:
+        warnings.warn(
+            f"{path} is missing and {found.name} beside it is whole: the save that was "
+            "replacing it was interrupted. Loading the previous checkpoint; the next save "
+            "to this path clears it.",
+            stacklevel=3,
+        )
+    return found
 
 
 def read_index(path: Path) -> dict[str, Any]:
@@ -457,34 +522,81 @@ def load(
 ) -> LoadedCheckpoint:
     """Fill `state`'s fp32 masters (and optimizer state, and buffers) from `path`, whatever
     world size, stage and groups wrote it; the caller refreshes its compute copies after.
-    Without the optimizer states, only the parameters and buffers are read."""
-    reader = CheckpointReader(path)
-    index = reader.index
-    _check_same_model(state, index)
-    opt_index = index["optimizer"]
-    if load_optimizer_states and opt_index["class"] != state.optimizer.name:
-        raise CheckpointError(
-            f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
-            f"{state.optimizer.name}; build the same optimizer to resume."
-        )
+    Without the optimizer states, only the parameters and buffers are read.
+
+    A checkpoint is untrusted input: every rank first reads and verifies all it will load,
+    and only when every rank found its part whole is anything written into the model, so
+    a refused checkpoint leaves the model as it was, on every rank (collective)."""
+    error, reader, client = None, None, None
+    try:
+        reader = CheckpointReader(path)
+        _check_same_model(state, reader.index)
+        opt_index = reader.index["optimizer"]
+        if load_optimizer_states and opt_index["class"] != state.optimizer.name:
+            raise CheckpointError(
+                f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
+                f"{state.optimizer.name}; build the same optimizer to resume."
+            )
+        _verify(state, reader, load_optimizer_states)
+        client = client_state_of(path)
+    except CheckpointError as e:
+        error = str(e)
+    errors = state.world.control_all_gather_json(error, state.device)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, message = failed[0]
+        raise CheckpointError(message if r == state.world.rank else f"rank {r}: {message}")
+    assert reader is not None
+    for unit, name, lo, hi, at in _master_ranges(state):
+        values = reader.read(name, lo, hi, dtype=unit.master_dtype)
+        unit.master[at : at + hi - lo].copy_(values)
+    if load_optimizer_states:
+        _load_optimizer_state(state, reader)
+    for name, buf in persistent_buffers(state.module):
+        buf.data.copy_(reader.buffer(name))
+    return LoadedCheckpoint(int(reader.index["step"]), reader.index["loss_scaler"], client)
+
+
+def _master_ranges(state: ShardedState) -> Iterator[tuple[FlatUnit, str, int, int, int]]:
+    """(unit, stored name, lo, hi, offset in the unit's master) for every parameter range
+    this rank's fp32 master holds."""
     for unit in state.units:
         for slot in unit.layout.slots:
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
                 stored = state.stored(unit, slot.name, slot.shape)
                 at = stored.offset - slot.offset
-                values = reader.read(stored.name, at + lo, at + hi, dtype=unit.master_dtype)
-                unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
-    if load_optimizer_states:
-        _load_optimizer_state(state, reader)
-    for name, buf in persistent_buffers(state.module):
-        buf.data.copy_(reader.buffer(name))
-    return LoadedCheckpoint(int(index["step"]), index["loss_scaler"], client_state_of(path))
+                yield unit, stored.name, at + lo, at + hi, lo - unit.opt_start
+
+
+def _state_ranges(state: ShardedState, view: OptimizerView) -> Iterator[tuple[str, int, int, int]]:
+    """(stored name, lo, hi, offset in the view) for every parameter range of `view`."""
+    unit = view.unit
+    a, b = view.lo + unit.opt_start, view.hi + unit.opt_start  # unit-flat coordinates
+    for slot in unit.layout.slots:
+        s, e = max(a, slot.offset), min(b, slot.end)
+        if s < e:
+            stored = state.stored(unit, slot.name, slot.shape)
+            at = stored.offset - slot.offset
+            yield stored.name, at + s, at + e, s - a
+
+
+def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: bool) -> None:
+    """Read (in bounded pieces) and check everything a load will take from the files."""
+    for unit, name, lo, hi, _ in _master_ranges(state):
+        reader.verify(name, lo, hi, dtype=unit.master_dtype)
+    keys = reader.index["optimizer"]["elementwise_state"] if optimizer_states else []
+    for view in state.views:
+        for key in keys:
+            for name, lo, hi, _ in _state_ranges(state, view):
+                reader.verify(name, lo, hi, f"{key}/", dtype=view.unit.master_dtype)
+    for name, _ in persistent_buffers(state.module):
+        reader.buffer(name)
 
 
 def client_state_of(path: str | os.PathLike) -> dict | None:
     """The client state saved with a checkpoint (loaded with weights_only=True), or None."""
-    path = Path(path)
+    path = atomic_dir.resolve(Path(path))
     client = path / CLIENT_STATE
     if not client.exists():
         return None
@@ -513,7 +625,6 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
     scalars = opt_index["scalar_state"]
     optimizer.state.clear()
     for view in state.views:
-        unit = view.unit
         if not keys and not scalars[view.group_index]:
             continue
         entry: dict[str, Any] = {}
@@ -524,15 +635,10 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
                 else spec["value"]
             )
         for key in keys:
-            buf = torch.empty(view.hi - view.lo, dtype=unit.master_dtype, device=state.device)
-            a, b = view.lo + unit.opt_start, view.hi + unit.opt_start  # unit-flat coordinates
-            for slot in unit.layout.slots:
-                s, e = max(a, slot.offset), min(b, slot.end)
-                if s < e:
-                    stored = state.stored(unit, slot.name, slot.shape)
-                    at = stored.offset - slot.offset
-                    values = reader.read(stored.name, at + s, at + e, f"{key}/", dtype=buf.dtype)
-                    buf[s - a : e - a].copy_(values)
+            dtype = view.unit.master_dtype
+            buf = torch.empty(view.hi - view.lo, dtype=dtype, device=state.device)
+            for name, lo, hi, at in _state_ranges(state, view):
+                buf[at : at + hi - lo].copy_(reader.read(name, lo, hi, f"{key}/", dtype=dtype))
             entry[key] = buf
         optimizer.state[view.param] = entry
 

@@ -12,6 +12,7 @@ one broadcast per rank (same bytes, counted under "all_reduce" and "broadcast").
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,62 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from .topology import CommGroup
+
+
+# What gloo and NCCL say when a peer died (its sockets closed) or stopped answering (the
+# group's timeout ran out): the two ways a job loses a rank mid-collective.
+_PEER_LOST_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "watchdog",
+    "nccl communicator was aborted",
+)
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because another rank died or stopped answering. The job cannot
+    continue from here: every rank's state is mid-step. Restart it from the last
+    checkpoint (torchrun's `--max-restarts` does that automatically)."""
+
+
+def peer_lost(kind: str, group: CommGroup, error: BaseException) -> BaseException:
+    """`error` as a `PeerLostError` naming the collective and the group when it is a lost
+    peer; any other error (a shape mismatch, a programming error) unchanged."""
+    text = str(error)
+    if isinstance(error, PeerLostError) or not any(s in text.lower() for s in _PEER_LOST_SIGNS):
+        return error
+    others = [r for i, r in enumerate(group.ranks) if i != group.rank]
+    # gloo's text: "[<source file>:<line>] Read error ...: Connection reset by peer. This is
+    # typically caused by ...": keep the cause, drop the source location and the advice.
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". ")[0]
+    return PeerLostError(
+        f"A peer stopped answering during {kind} on the engine's group of ranks "
+        f"{list(group.ranks)} (this is rank {group.ranks[group.rank]}; the peers are "
+        f"{others}): {cause[:300]}. Another rank died, was killed or hangs; its log "
+        "says why. Restart the job from the last checkpoint (torchrun --max-restarts does "
+        "this), and raise ZeroConfig.collective_timeout if a rank was only slow."
+    )
+
+
+class _GuardedWork:
+    """An asynchronous collective whose wait() names a lost peer."""
+
+    def __init__(self, work, kind: str, group: CommGroup) -> None:
+        self.work, self.kind, self.group = work, kind, group
+
+    def wait(self) -> bool:
+        if self.work is None:
+            return True
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise peer_lost(self.kind, self.group, e) from e
+        finally:
+            self.work = None  # a finished work object holds its tensors and group
+        return True
 
 
 class _DoneWork:
@@ -78,6 +135,15 @@ class Communicator:
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
 
+    def _issue(self, kind: str, call: Callable[[], Any], async_op: bool = False):
+        """Run one torch.distributed call; a lost peer becomes a `PeerLostError`, here or
+        at the returned work's wait()."""
+        try:
+            work = call()
+        except Exception as e:
+            raise peer_lost(kind, self.group, e) from e
+        return _GuardedWork(work, kind, self.group) if async_op else None
+
     def report(self) -> dict[str, dict[str, int]]:
         return {k: {"bytes": self.bytes[k], "calls": self.calls[k]} for k in sorted(self.bytes)}
 
@@ -98,7 +164,13 @@ class Communicator:
             return _DoneWork() if async_op else None
         if not self.all_gather_via_broadcast:
             self._count("all_gather", output)
-            return dist.all_gather_single(output, shard, group=self.group.group, async_op=async_op)
+            return self._issue(
+                "all_gather",
+                lambda: dist.all_gather_single(
+                    output, shard, group=self.group.group, async_op=async_op
+                ),
+                async_op,
+            )
         self._count("broadcast", output)
         n = shard.numel()
         mine = output[self.group.rank * n : (self.group.rank + 1) * n]
@@ -106,8 +178,15 @@ class Communicator:
             mine.copy_(shard)
         works = _Works(
             [
-                dist.broadcast(
-                    output[r * n : (r + 1) * n], group=self.group.group, group_src=r, async_op=True
+                self._issue(
+                    "all_gather (one broadcast per rank)",
+                    lambda r=r: dist.broadcast(
+                        output[r * n : (r + 1) * n],
+                        group=self.group.group,
+                        group_src=r,
+                        async_op=True,
+                    ),
+                    async_op=True,
                 )
                 for r in range(self.group.size)
             ]
@@ -132,17 +211,29 @@ class Communicator:
             return _DoneWork() if async_op else None
         if self.reduce_scatter_via_all_reduce:
             self._count("all_reduce", full)
-            return dist.all_reduce(full, group=self.group.group, async_op=async_op)
+            return self._issue(
+                "reduce_scatter (as all_reduce)",
+                lambda: dist.all_reduce(full, group=self.group.group, async_op=async_op),
+                async_op,
+            )
         self._count("reduce_scatter", full)
-        return dist.reduce_scatter_single(
-            shard_out, full, group=self.group.group, async_op=async_op
+        return self._issue(
+            "reduce_scatter",
+            lambda: dist.reduce_scatter_single(
+                shard_out, full, group=self.group.group, async_op=async_op
+            ),
+            async_op,
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         self._count("all_reduce", tensor)
         if not self.group.distributed:
             return _DoneWork() if async_op else None
-        return dist.all_reduce(tensor, group=self.group.group, async_op=async_op)
+        return self._issue(
+            "all_reduce",
+            lambda: dist.all_reduce(tensor, group=self.group.group, async_op=async_op),
+            async_op,
+        )
 
     def all_to_all(
         self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
@@ -154,8 +245,11 @@ class Communicator:
         self._count("all_to_all", tensor)
         if not self.group.distributed:
             return out.copy_(tensor)
-        dist.all_to_all_single(
-            out, tensor.contiguous(), output_splits, input_splits, group=self.group.group
+        self._issue(
+            "all_to_all (expert dispatch)",
+            lambda: dist.all_to_all_single(
+                out, tensor.contiguous(), output_splits, input_splits, group=self.group.group
+            ),
         )
         return out
 
@@ -163,14 +257,17 @@ class Communicator:
         """`tensor` <- its value on the group's `src`-th rank (a position in the group)."""
         self._count(kind, tensor)
         if self.group.distributed:
-            dist.broadcast(tensor, group=self.group.group, group_src=src)
+            self._issue(kind, lambda: dist.broadcast(tensor, group=self.group.group, group_src=src))
 
     # ----------------------------------------------------- small control messages
     def control_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Scalars (norms, overflow flags): counted apart from the payload collectives."""
         self._count("control", tensor)
         if self.group.distributed:
-            dist.all_reduce(tensor, op=op, group=self.group.group)
+            self._issue(
+                "all_reduce (control)",
+                lambda: dist.all_reduce(tensor, op=op, group=self.group.group),
+            )
         return tensor
 
     def control_all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -179,7 +276,10 @@ class Communicator:
         out = torch.empty(self.group.size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
         self._count("control", out)
         if self.group.distributed:
-            dist.all_gather_single(out, flat, group=self.group.group)
+            self._issue(
+                "all_gather (control)",
+                lambda: dist.all_gather_single(out, flat, group=self.group.group),
+            )
         else:
             out.copy_(flat)
         return out.view(self.group.size, *tensor.shape)
@@ -200,4 +300,4 @@ class Communicator:
     def barrier(self) -> None:
         if self.group.distributed:
             self._count("control", torch.empty(0))
-            dist.barrier(group=self.group.group)
+            self._issue("barrier", lambda: dist.barrier(group=self.group.group))

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import elastic_store
 from .comm import Communicator
 from .placement import ShardSpec
 
@@ -126,6 +127,7 @@ class ProcessGroups:
                     "'cpu:gloo,cuda:nccl')."
                 )
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            elastic_store.warn_if_restarts_share_a_store()
         on_gloo = self.backend == "gloo"
         self._rs_via_ar = (
             on_gloo if reduce_scatter_via_all_reduce is None else reduce_scatter_via_all_reduce
@@ -170,6 +172,12 @@ class ProcessGroups:
         return comm_group
 
     def _new_group(self, partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+        try:
+            return self._new_group_unchecked(partition)
+        except RuntimeError as e:
+            raise elastic_store.explain_group_failure(e) from e
+
+    def _new_group_unchecked(self, partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
         if len(partition) == 1:
             return dist.new_group(
                 ranks=list(partition[0]), timeout=self.timeout, backend=self.backend
