@@ -252,6 +252,14 @@ class ZeroAccelerator(Accelerator):
         self._optimizers.append(wrapped)
         return prepared, wrapped
 
+    def end_training(self) -> None:
+        """As Accelerate's (trackers finished, the default group destroyed), with the
+        engine's work finished and its groups destroyed first, so that the process exits
+        cleanly."""
+        if self.engine is not None:
+            self.engine.close()
+        super().end_training()
+
     def free_memory(self, *objects: Any):
         """As Accelerate's, and the next prepare() may shard a new model (a new Trainer
         trial); the model sharded before keeps its engine, whose process groups are

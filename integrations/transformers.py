@@ -59,6 +59,15 @@ class ZeroTrainer(Trainer):
             return model
         return super()._wrap_model(model, training, dataloader)
 
+    def train(self, *args: Any, **kwargs: Any):
+        """As Trainer's; at its end the engine finishes its work and destroys its process
+        groups, so that a script that ends here exits cleanly (a later evaluate or save
+        re-creates them)."""
+        output = super().train(*args, **kwargs)
+        if self.zero_engine is not None:
+            self.zero_engine.close()
+        return output
+
     @property
     def zero_engine(self):
         return getattr(self.accelerator, "engine", None)

@@ -159,3 +159,45 @@ def test_restarts_over_torchruns_shared_store_are_named_with_the_fix(monkeypatch
     assert elastic_store.explain_group_failure(other) is other
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the fix applied
     assert elastic_store.explain_group_failure(refused) is refused
+
+
+@pytest.mark.parametrize("dead_peer", [False, True])
+def test_an_engine_alive_at_exit_is_closed_and_the_process_exits_cleanly(dead_peer):
+    """A script that never closes its engine nor destroys the default group: the engine
+    is closed at exit (work finished, groups destroyed) and the ranks exit with status 0.
+    With the peer killed mid-step (rank 0 catches the PeerLostError), the exit is not
+    held up by the dead peer."""
+    script = str(Path(__file__).with_name("exit_worker.py"))
+    env = {"DEAD": "1" if dead_peer else "0"}
+    results = run_processes([sys.executable, script], 2, timeout=120, env=env)
+    rc0, out0, took0 = results[0]
+    assert rc0 == 0, out0
+    assert "at exit: engine closed=True" in out0
+    assert ("caught: A peer stopped answering" in out0) == dead_peer
+    assert took0 < STARTUP + 5 + 10
+    if not dead_peer:
+        assert results[1][0] == 0, results[1][1]
+        assert "at exit: engine closed=True" in results[1][1]
+
+
+def test_the_engine_as_a_context_manager_closes_its_groups():
+    from distributed import run_world
+
+    results = run_world(_context_managed, 2)
+    assert results == [(False, True, False)] * 2
+
+
+def _context_managed(rank, world):
+    from training import local_batch, make_model, make_optimizer
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    model = make_model()
+    with ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3)) as engine:
+        x, y = local_batch(0, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        inside = engine.closed
+    closed = engine.closed
+    engine.backward(engine(x, y))  # used again: every rank re-creates the groups
+    engine.step()
+    return inside, closed, engine.closed

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint, fused_step, meta_init
+from . import checkpoint, fused_step, meta_init, shutdown
 from .config import ZeroConfig
 from .ema import ShardedEMA
 from .flat_unit import FlatUnit
@@ -108,6 +108,7 @@ class ZeroEngine:
         )
         # Dropping the engine (with its module) destroys its groups; so does close().
         self._finalizer = weakref.finalize(self, self.groups.close)
+        shutdown.close_at_exit(self)  # still alive when the script ends: close() first
         self._world = self.groups.world.comm  # every rank: control messages, buffers
         # One process has nothing to shard: every parameter and gradient stays in place,
         # as in plain training, whatever stage was asked for (the checkpoints are the same).
@@ -1000,11 +1001,20 @@ class ZeroEngine:
         part, as in any collective), or `reopen()` does it now."""
         if self.groups.closed:
             return
-        self.reducer.wait()
-        self.wait_for_parameters()
-        if self.gather is not None:
-            self.gather.release_all()
-        self.groups.close()
+        try:
+            self.reducer.wait()
+            self.wait_for_parameters()
+        finally:  # a peer lost mid-wait: still let go of the work handles and the groups
+            self.reducer.in_flight.clear()
+            if self.gather is not None:
+                self.gather.release_all()
+            self.groups.close()
+
+    def __enter__(self) -> ZeroEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def release_module(self) -> nn.Module:
         """Hand the model back as a plain module, to shard it again with a new optimizer
