@@ -20,7 +20,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.checkpoint import client_state_of
+from zero_strategy.checkpoint import client_state_of, safe_torch_load
 from zero_strategy.consolidate import iter_tensors
 
 from .client_state import client_state
@@ -308,5 +308,5 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = safe_torch_load(path)
     return state.get("state_dict", state) if isinstance(state, Mapping) else state

@@ -13,7 +13,6 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 engines = []

@@ -177,7 +177,8 @@ def test_pretrained_mismatch_lists_names(tmp_path):
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
     with pytest.raises(
-        ValueError, match=r"missing \[.*shape-mismatched \['wte.weight: file \(3, 3\)"
+        ValueError,
+        match=r"missing \[.*shape-mismatched \['wte.weight: file \(3, 3\).*Build the model with the",
     ):
         engine.load_pretrained(tmp_path / "w.safetensors")
 
@@ -214,3 +215,35 @@ def test_lightning_format_loads_with_load_from_checkpoint(tmp_path):
     assert restored.hparams.n_layer == 2
     for name, value in restored.state_dict().items():
         assert torch.equal(value, state[name]), name
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/zero_strategy_pwned_ckpt",))
+
+
+def test_a_pickle_planted_in_a_consolidated_ckpt_is_refused_and_never_run(trained, tmp_path):
+    """The consolidated `.ckpt` is a torch file: whoever reads it back through this
+    project (Fabric's load of a full state dict, the Lightning wrapper's client state)
+    gets a CheckpointError naming it, and Lightning's own load_from_checkpoint refuses it
+    as well; the planted code never runs."""
+    import pickle
+    from pathlib import Path
+
+    from integrations.fabric import read_state_dict
+
+    ckpt, _ = trained
+    out = tmp_path / "model.ckpt"
+    assert main(["consolidate", ckpt, str(out), "--format", "lightning", "--quiet"]) == 0
+    assert read_state_dict(out)  # the real one loads
+    marker = Path("/tmp/zero_strategy_pwned_ckpt")
+    marker.unlink(missing_ok=True)
+    out.write_bytes(pickle.dumps({"state_dict": _Exploit()}))
+    with pytest.raises(CheckpointError, match=r"model\.ckpt holds objects that safe loading"):
+        read_state_dict(out)
+    L = pytest.importorskip("lightning")
+    with pytest.raises(pickle.UnpicklingError):
+        L.LightningModule.load_from_checkpoint(out)
+    assert not marker.exists()

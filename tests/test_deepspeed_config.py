@@ -41,6 +41,7 @@ def test_a_zero3_config_maps_field_by_field_and_names_what_it_ignores():
     assert "zero_optimization.stage3_param_persistence_threshold" in message
     assert "gradient_accumulation_steps (a training-loop setting" in message
     assert "stage3_prefetch_bucket_size" not in message  # "auto": nothing to ignore
+    assert "Remove them from the config to silence this" in message
 
 
 def test_fp16_loss_scaling_keys_map(tmp_path):
@@ -119,7 +120,10 @@ def test_deepspeed_defaults_and_spellings():
         from_deepspeed_config({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
     with pytest.raises(ZeroConfigError, match="torch_autocast"):
         from_deepspeed_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
-    with pytest.raises(ZeroConfigError, match=r"From the DeepSpeed config: ZeroConfig\.bucket"):
+    with pytest.raises(
+        ZeroConfigError,
+        match=r"From the DeepSpeed config \(zero_optimization\.reduce_bucket_size there\): ZeroConfig\.bucket",
+    ):
         from_deepspeed_config({"zero_optimization": {"reduce_bucket_size": 2.5}})
 
 

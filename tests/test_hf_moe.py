@@ -276,8 +276,8 @@ def _refused(rank, world, which):
 @pytest.mark.parametrize(
     ("which", "named"),
     [
-        ("dbrx", "'transformer.blocks.0.ffn.experts'"),
-        ("llama", "no expert layers"),
+        ("dbrx", "'transformer.blocks.0.ffn.experts'] that cannot be split"),
+        ("llama", "no expert layers that can be split"),
     ],
 )
 def test_experts_that_cannot_be_split_are_refused_by_name(which, named):

@@ -99,7 +99,10 @@ def test_planner_matches_hybrid_sharding_within_2_percent(stage):
     assert comm.keys() == predicted.comm.keys()
     for kind, value in comm.items():
         assert abs(predicted.comm[kind] - value) <= 0.02 * value, (kind, predicted.comm, comm)
-    with pytest.raises(PlanError, match="shard_group_size=3 is invalid"):
+    with pytest.raises(
+        PlanError,
+        match=r"shard_group_size=3 is invalid: it must divide world_size=4: use one of \[1, 2, 4\]",
+    ):
         plan(params, 4, stage, shard_group_size=3)
 
 

@@ -46,6 +46,7 @@ FORMAT = "zero-strategy/1"
 INDEX = "index.json"
 MASTER_DTYPES = (torch.float32, torch.float64)  # masters: fp32, or fp64 by fp64 training
 CLIENT_STATE = "client_state.pt"
+RESTORE = "Restore the checkpoint from where it was written, or load an earlier one."
 
 
 class CheckpointError(RuntimeError):
@@ -382,7 +383,7 @@ class CheckpointReader:
             if key not in handle.tensors or handle.dtype(key) not in MASTER_DTYPES:
                 raise CheckpointError(
                     f"{rank_file(piece['rank'])} in {self.path} lacks fp32 '{key}' that "
-                    f"{INDEX} says it holds; the index does not match the files."
+                    f"{INDEX} says it holds; the index does not match the files. {RESTORE}"
                 )
             target = out[a - lo : b - lo]
             crcs = self._crcs(piece["rank"], key)
@@ -396,12 +397,12 @@ class CheckpointReader:
             except ChecksumMismatch as e:
                 raise self._corrupt(piece["rank"], e) from e
             except ValueError as e:
-                raise CheckpointError(f"{e}; the index does not match the files.") from e
+                raise CheckpointError(f"{e}; the index does not match the files. {RESTORE}") from e
             filled += b - a
         if filled != hi - lo:
             raise CheckpointError(
                 f"{INDEX} in {self.path} covers {filled} of the {hi - lo} elements [{lo}:{hi}] "
-                f"of '{name}': the index does not match the files."
+                f"of '{name}': the index does not match the files. {RESTORE}"
             )
         return out
 
@@ -433,12 +434,16 @@ class CheckpointReader:
         if checksums is None:  # a checkpoint from before checksums
             return None
         if checksums.get("chunk_bytes") != CHUNK_BYTES:
-            raise CheckpointError(f"{self.path / INDEX} records checksums of another chunk size.")
+            raise CheckpointError(
+                f"{self.path / INDEX} records checksums of {checksums.get('chunk_bytes')}-byte "
+                f"chunks; this version verifies {CHUNK_BYTES}-byte ones. Load it with the "
+                "zero-strategy version that wrote it."
+            )
         crcs = checksums["crc32"].get(rank_file(rank), {}).get(key)
         if crcs is None:
             raise CheckpointError(
                 f"{self.path / INDEX} records no checksum for '{key}' in {rank_file(rank)}; "
-                "the index does not match the files."
+                f"the index does not match the files. {RESTORE}"
             )
         return crcs
 
@@ -466,7 +471,10 @@ def located(path: str | os.PathLike) -> Path:
 
 def read_index(path: Path) -> dict[str, Any]:
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; a zero-strategy checkpoint is one.")
+        raise CheckpointError(
+            f"{path} is not a directory; a zero-strategy checkpoint is one. Pass the "
+            f"directory that save_checkpoint wrote (it holds {INDEX})."
+        )
     index_path = path / INDEX
     if not index_path.exists():
         raise CheckpointError(
@@ -487,7 +495,7 @@ def read_index(path: Path) -> dict[str, Any]:
     if missing:
         raise CheckpointError(
             f"Checkpoint {path} is incomplete: missing {missing} (written by ranks "
-            f"{[index['files'].index(f) for f in missing]} of {index['world_size']})."
+            f"{[index['files'].index(f) for f in missing]} of {index['world_size']}). {RESTORE}"
         )
     return index
 
@@ -505,7 +513,8 @@ def _check_file_names(path: Path, index: dict[str, Any]) -> None:
         odd = [f for f in files if f not in expected] or files
         raise CheckpointError(
             f"{path / INDEX} names files {odd[:3]}; a checkpoint of {world} ranks holds exactly "
-            f"{expected[:3]}{'...' if world > 3 else ''} in its own directory. Refusing it."
+            f"{expected[:3]}{'...' if world > 3 else ''} in its own directory. Refusing it: "
+            f"{RESTORE}"
         )
     root = path.resolve()
     for name in files:
@@ -513,7 +522,8 @@ def _check_file_names(path: Path, index: dict[str, Any]) -> None:
         if target.parent != root:
             raise CheckpointError(
                 f"{path / name} leads out of the checkpoint directory (to {target}); a "
-                "checkpoint's files must be in its own directory. Refusing it."
+                "checkpoint's files must be in its own directory (copy the files, not links). "
+                f"Refusing it: {RESTORE}"
             )
 
 
@@ -535,7 +545,8 @@ def load(
         if load_optimizer_states and opt_index["class"] != state.optimizer.name:
             raise CheckpointError(
                 f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
-                f"{state.optimizer.name}; build the same optimizer to resume."
+                f"{state.optimizer.name}; build the same optimizer to resume, or pass "
+                "load_optimizer_states=False to load the parameters alone."
             )
         _verify(state, reader, load_optimizer_states)
         client = client_state_of(path)
@@ -596,17 +607,20 @@ def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: boo
 
 def client_state_of(path: str | os.PathLike) -> dict | None:
     """The client state saved with a checkpoint (loaded with weights_only=True), or None."""
-    path = atomic_dir.resolve(Path(path))
-    client = path / CLIENT_STATE
-    if not client.exists():
-        return None
+    client = atomic_dir.resolve(Path(path)) / CLIENT_STATE
+    return safe_torch_load(client) if client.exists() else None
+
+
+def safe_torch_load(path: str | os.PathLike) -> Any:
+    """A torch file read with weights_only=True: a pickle that would run code or build
+    arbitrary objects is refused, naming the file, and never executed."""
     try:
-        return torch.load(client, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"{client} holds objects that safe loading (weights_only=True) refuses, so it was "
+            f"{path} holds objects that safe loading (weights_only=True) refuses, so it was "
             f"not executed: {str(e).splitlines()[0]}. Save only tensors, numbers, strings, "
-            "lists and dicts as client state."
+            "lists and dicts in it, or load it yourself if you trust its author."
         ) from e
 
 

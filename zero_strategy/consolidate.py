@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CLIENT_STATE, CheckpointReader
+from .checkpoint import CLIENT_STATE, CheckpointReader, safe_torch_load
 from .ema import EMA_KEY
 from .partition import FROZEN_GROUP
 
@@ -257,7 +257,7 @@ def _patch_crc(f, info: zipfile.ZipInfo, crc: int, start_dir: int) -> None:
 
 def _lightning_wrapper(reader: CheckpointReader, path: Path):
     client = path / CLIENT_STATE
-    extra = torch.load(client, map_location="cpu", weights_only=True) if client.exists() else {}
+    extra = safe_torch_load(client) if client.exists() else {}
     extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
     extra.setdefault("epoch", 0)
     extra.setdefault("global_step", reader.index["step"])

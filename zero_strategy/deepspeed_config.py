@@ -125,13 +125,19 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> Zero
     if ignored:
         warnings.warn(
             "DeepSpeed config keys without a ZeroConfig counterpart were ignored: "
-            + ", ".join(ignored),
+            + ", ".join(ignored)
+            + ". Remove them from the config to silence this, or set what they meant in "
+            "ZeroConfig (zero-strategy's own fields are listed in its docs).",
             stacklevel=2,
         )
     try:
         return ZeroConfig.from_dict(values)
     except ZeroConfigError as e:
-        raise ZeroConfigError(f"From the DeepSpeed config: {e}") from None
+        keys = [
+            f"zero_optimization.{k}" for k, f in _ZERO_KEYS.items() if f"ZeroConfig.{f}=" in str(e)
+        ]
+        source = f" ({' or '.join(keys)} there)" if keys else ""
+        raise ZeroConfigError(f"From the DeepSpeed config{source}: {e}") from None
 
 
 def looks_like_deepspeed_config(config: Mapping[str, Any]) -> bool:

@@ -105,7 +105,8 @@ def plan(
     if not isinstance(g, int) or g <= 0 or world_size % g:
         raise PlanError(
             f"shard_group_size={shard_group_size!r} is invalid: it must divide "
-            f"world_size={world_size}, e.g. 2 or 4 for 8 ranks."
+            f"world_size={world_size}: use one of "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}."
         )
     if not isinstance(ep_size, int) or ep_size <= 0 or world_size % ep_size:
         raise PlanError(

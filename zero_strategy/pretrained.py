@@ -83,7 +83,11 @@ def load_pretrained(
         raise ValueError(
             f"Pretrained weights at {path} do not match the model: missing {missing[:10]}; "
             f"unexpected {unexpected[:10]}; shape-mismatched {shape_errors[:10]}. "
-            + ("Pass strict=False to load the matching tensors only." if not shape_errors else "")
+            + (
+                "Pass strict=False to load the matching tensors only."
+                if not shape_errors
+                else "Build the model with the configuration these weights were saved from."
+            )
         )
     for name, buf in buffers.items():
         if name in available:

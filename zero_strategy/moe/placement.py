@@ -72,10 +72,14 @@ def settle_expert_parallel(
     known = list(expert_layers(model))
     unknown = transformers_experts.unconvertible(model, known)
     if unknown or not known:
-        found = f"its expert modules {unknown[:5]}" if unknown else "no expert layers in it"
+        found = (
+            f"expert modules {unknown[:5]} that cannot be split"
+            if unknown
+            else "no expert layers that can be split"
+        )
         raise ValueError(
             f"ZeroConfig.expert_parallel_size={ep_size}, but {type(model).__name__} has "
-            f"{found} that can be split: expert parallelism takes zero_strategy.moe.MoE "
+            f"{found}: expert parallelism takes zero_strategy.moe.MoE "
             "layers and Transformers experts modules with 3-D weights "
             "(@use_experts_implementation). Use expert_parallel_size=1, which shards every "
             "weight, experts included, with ZeRO."
