@@ -20,8 +20,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.checkpoint import client_state_of, safe_torch_load
+from zero_strategy.checkpoint import client_state_of
 from zero_strategy.consolidate import iter_tensors
+from zero_strategy.safe_load import safe_torch_load
 
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda

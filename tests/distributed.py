@@ -101,38 +101,49 @@ def free_port() -> int:
 
 
 def run_processes(
-    argv: list[str], world_size: int, timeout: float, env: dict[str, str] | None = None
+    argv: list[str],
+    world_size: int,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    grace: float = 20.0,
 ) -> list[tuple[int | None, str, float]]:
     """Launch `argv` as `world_size` plain processes of one gloo job (no supervisor that
     would kill the survivors of a failed rank): each rank's (exit code, output, seconds
-    it ran); the exit code is None for a rank still running at `timeout` (then killed)."""
+    it ran); the exit code is None for a rank still running at `timeout`, or `grace`
+    seconds after another rank ended (then killed: a stopped rank never ends)."""
     import subprocess
 
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     base.update(env or {}, WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]  # noqa: SIM115
     start = time.monotonic()
     procs = [
         subprocess.Popen(
             argv,
             env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
+            stdout=outputs[r],
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
         for r in range(world_size)
     ]
+    ended: dict[int, float] = {}
+    deadline = start + timeout
+    while len(ended) < world_size and time.monotonic() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.monotonic() - start
+                deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.05)
     results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(0.1, start + timeout - time.monotonic()))
-            results.append((p.returncode, out, time.monotonic() - start))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            out, _ = p.communicate()
-            results.append((None, out, time.monotonic() - start))
-    for p in procs:  # a stopped (SIGSTOP) rank is still alive: end it
-        if p.poll() is None:
+    for r, p in enumerate(procs):
+        if p.poll() is None:  # hung, or stopped (SIGSTOP): end it
             os.killpg(p.pid, 9)
             p.wait()
+        outputs[r].seek(0)
+        results.append(
+            (p.returncode if r in ended else None, outputs[r].read(), ended.get(r, timeout))
+        )
+        outputs[r].close()
     return results

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import zero_strategy  # noqa: E402, F401
 from training import local_batch, make_model, make_optimizer  # noqa: E402
-from zero_strategy import checkpoint  # noqa: E402
+from zero_strategy import save_agreement  # noqa: E402
 
 
 def main(directory: str, steps: str, kill: str) -> None:
@@ -53,7 +53,7 @@ def main(directory: str, steps: str, kill: str) -> None:
         def configure_optimizers(self):
             return make_optimizer(self.model)
 
-    real_save_file = checkpoint.save_file
+    real_save_file = save_agreement.save_file
 
     def save_file(tensors, target):
         real_save_file(tensors, target)
@@ -64,7 +64,7 @@ def main(directory: str, steps: str, kill: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     marker = ""
-    checkpoint.save_file = save_file
+    save_agreement.save_file = save_file
 
     class Marker(L.Callback):
         def on_train_batch_end(self, trainer, *args):

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from training import TINY, local_batch, make_model, make_optimizer  # noqa: E402
-from zero_strategy import ZeroConfig, ZeroEngine, atomic_dir, checkpoint  # noqa: E402
+from zero_strategy import ZeroConfig, ZeroEngine, atomic_dir, save_agreement  # noqa: E402
 
 
 def _kill(sig: signal.Signals = signal.SIGKILL) -> None:
@@ -90,7 +90,7 @@ def save(ckpt: str, point: str, victim: str) -> None:
     engine.save_checkpoint(ckpt, client_state={"step": 1})
     _train_step(engine, 1, rank, world)
     mine = rank == int(victim)
-    real_save_file, real_rename = checkpoint.save_file, Path.rename
+    real_save_file, real_rename = save_agreement.save_file, Path.rename
 
     def save_file(tensors, target):
         if mine and point == "before_shards":
@@ -119,7 +119,7 @@ def save(ckpt: str, point: str, victim: str) -> None:
         real_fsync_dir(path)
 
     real_publish, real_fsync_dir = atomic_dir.publish, atomic_dir.fsync_dir
-    checkpoint.save_file = save_file
+    save_agreement.save_file = save_file
     atomic_dir.publish = publish
     atomic_dir.fsync_dir = fsync_dir
     Path.rename = rename

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -14,7 +13,7 @@ import torch
 
 from distributed import run_world
 from training import make_model, make_optimizer, train_zero_resumable
-from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy import ZeroConfig, ZeroEngine, save_agreement
 from zero_strategy.checkpoint import CheckpointError
 from zero_strategy.consolidate import consolidate
 from zero_strategy.safetensors_io import SafetensorsFile
@@ -174,60 +173,102 @@ def test_malicious_pickle_in_the_directory_is_never_executed(tmp_path):
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    """An I/O error from the writer (safetensors raises its own error type, whose text
+    carries the OS error) is a CheckpointError; the previous checkpoint is untouched."""
+    from safetensors import SafetensorError
+
     path, engine = _save_single(tmp_path)
     before = json.loads(Path(path, "index.json").read_text())
-    import zero_strategy.checkpoint as ckpt_module
 
     def crash(*args, **kwargs):
-        raise OSError(errno.EIO, "Input/output error")
+        raise SafetensorError("Error while serializing: I/O error: Input/output error (os error 5)")
 
-    monkeypatch.setattr(ckpt_module, "save_file", crash)
+    monkeypatch.setattr(save_agreement, "save_file", crash)
     x = torch.randint(64, (2, 17))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
     engine.step()
-    with pytest.raises(CheckpointError, match=r"ckpt\.tmp failed \(Input/output error\)"):
+    with pytest.raises(CheckpointError, match=r"ckpt\.tmp failed \(SaveFailed: .*Input/output"):
         engine.save_checkpoint(path)
     assert json.loads(Path(path, "index.json").read_text()) == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the half-written directory is gone
     _fresh_engine().load_checkpoint(path)  # still loads
 
 
-def test_a_full_disk_names_the_directory_and_the_bytes_needed(tmp_path, monkeypatch):
-    """ENOSPC from the writer: the error names the directory and the bytes the rank
-    needed; the previous checkpoint is untouched, and the next save succeeds."""
-    path, engine = _save_single(tmp_path)
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 640 KiB file system (a tmpfs, where this process may mount one; else None): one
+    checkpoint of the tiny model fits, a second beside it does not."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        == 0
+    )
+    yield mount if mounted else None
+    if mounted:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_names_the_directory_and_the_bytes_needed(tmp_path, small_disk, monkeypatch):
+    """ENOSPC from the writer, on a real full file system where one can be mounted (the
+    free-space check told there is room, so the write itself fails), otherwise
+    safetensors' own error for it: the error names the directory and the bytes the rank
+    needed; the previous checkpoint is untouched; the next save, with room, succeeds."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    root = small_disk or tmp_path
+    path, engine = _save_single(root)
     before = Path(path, "rank00000.safetensors").read_bytes()
-    import zero_strategy.checkpoint as ckpt_module
+    real_save_file = save_agreement.save_file
+    if small_disk is None:
 
-    real_save_file = ckpt_module.save_file
+        def full(*args, **kwargs):
+            raise SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ckpt_module, "save_file", full)
+        monkeypatch.setattr(save_agreement, "save_file", full)
+    usage = shutil.disk_usage(root)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10**12))
     with pytest.raises(CheckpointError) as err:
         engine.save_checkpoint(path)
     message = str(err.value)
-    assert f"no space left on the device of {tmp_path / 'ckpt.tmp'}" in message
+    assert f"no space left on the device of {root / 'ckpt.tmp'}" in message
     assert re.search(r"this rank's file needs [\d,]+ bytes", message)
     assert f"the previous checkpoint at {path} is intact" in message
     assert Path(path, "rank00000.safetensors").read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(root)) == ["ckpt"]
     _fresh_engine().load_checkpoint(path)
-    monkeypatch.setattr(ckpt_module, "save_file", real_save_file)
-    engine.save_checkpoint(path)
-    _fresh_engine().load_checkpoint(path)
+    monkeypatch.undo()
+    assert save_agreement.save_file is real_save_file
+    elsewhere = tmp_path / "elsewhere"
+    engine.save_checkpoint(elsewhere)
+    _fresh_engine().load_checkpoint(elsewhere)
 
 
-def test_a_save_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+def test_a_save_larger_than_the_free_space_is_refused_before_writing(
+    tmp_path, small_disk, monkeypatch
+):
+    """The ranks of a host together need more than the file system has free: refused
+    before any rank writes (on a real small file system where one can be mounted)."""
     import shutil
 
-    path, engine = _save_single(tmp_path)
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
-    with pytest.raises(CheckpointError, match=r"bytes are needed and 1,000 are free"):
+    root = small_disk or tmp_path
+    path, engine = _save_single(root)
+    if small_disk is None:
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(
+        CheckpointError, match=r"this host's ranks need [\d,]+ bytes and [\d,]+ are free"
+    ):
         engine.save_checkpoint(path)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(root)) == ["ckpt"]
     _fresh_engine().load_checkpoint(path)
 
 

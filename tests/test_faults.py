@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from distributed import run_processes
+from distributed import run_processes, run_world
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
-STARTUP = 20.0  # importing torch and building the engine, on a loaded 2-core machine
+STARTUP = 40.0  # importing torch and building the engine, on a loaded 2-core machine
 
 
 @pytest.mark.parametrize(("phase", "seed"), [("forward", 1), ("backward", 2), ("step", 3)])
@@ -183,8 +184,6 @@ def test_an_engine_alive_at_exit_is_closed_and_the_process_exits_cleanly(dead_pe
 
 
 def test_the_engine_as_a_context_manager_closes_its_groups():
-    from distributed import run_world
-
     results = run_world(_context_managed, 2)
     assert results == [(False, True, False)] * 2
 
@@ -203,3 +202,86 @@ def _context_managed(rank, world):
     engine.backward(engine(x, y))  # used again: every rank re-creates the groups
     engine.step()
     return inside, closed, engine.closed
+
+
+def _save_failing_on_rank_1(rank, world, ckpt):
+    from safetensors import SafetensorError
+
+    from training import local_batch, make_model, make_optimizer
+    from zero_strategy import CheckpointError, ZeroConfig, ZeroEngine, save_agreement
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, collective_timeout=60))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.save_checkpoint(ckpt, client_state={"step": 1})
+    if rank == 1:
+
+        def full(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+
+        save_agreement.save_file = full
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(ckpt, client_state={"step": 2})
+    except CheckpointError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    """Rank 1's disk is full; rank 0's write succeeds. Both raise the same error (rank
+    1's) right away, instead of rank 0 waiting out the collective timeout (60 s here) in
+    the save's next collective; the previous checkpoint loads."""
+    from training import make_model, make_optimizer
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    ckpt = str(tmp_path / "ckpt")
+    for message, took in run_world(_save_failing_on_rank_1, 2, ckpt, timeout=120):
+        assert message is not None and "rank 1: writing" in message
+        assert "no space left on the device of" in message
+        assert took < 30, took
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    assert engine.load_checkpoint(ckpt) == {"step": 1}
+
+
+def _load_corrupt_on_rank_1(rank, world, ckpt):
+    import torch
+
+    from training import make_model, make_optimizer
+    from zero_strategy import CheckpointError, ZeroConfig, ZeroEngine
+
+    model = make_model(seed=3)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, collective_timeout=60))
+    before = [unit.master.clone() for unit in engine.units]
+    start = time.monotonic()
+    try:
+        engine.load_checkpoint(ckpt)
+        message = None
+    except CheckpointError as e:
+        message = str(e)
+    unchanged = all(torch.equal(a, unit.master) for a, unit in zip(before, engine.units))
+    return message, time.monotonic() - start, unchanged
+
+
+def test_a_shard_only_one_rank_reads_is_refused_on_every_rank(tmp_path):
+    """A flipped byte in rank00001's file, which only rank 1 reads when the world and
+    stage are the same: every rank refuses the checkpoint (rank 0 names rank 1's
+    finding) and no rank changed its model."""
+    from training import train_zero_resumable
+
+    ckpt = str(tmp_path / "ckpt")
+    run_world(train_zero_resumable, 2, 3, range(1), ckpt, False, True)
+    shard = Path(ckpt, "rank00001.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    results = run_world(_load_corrupt_on_rank_1, 2, ckpt, timeout=120)
+    (m0, took0, same0), (m1, took1, same1) = results
+    assert m1 is not None and "rank00001.safetensors" in m1 and "fails its checksum" in m1
+    assert m0 is not None and m0.startswith("rank 1: ") and "fails its checksum" in m0
+    assert same0 and same1
+    assert took0 < 30 and took1 < 30

@@ -10,7 +10,6 @@ refuses it) the swap is two renames through `<name>.old`; a kill between them le
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
@@ -45,13 +44,19 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make the directory's entries (a rename, a new file) durable."""
-    with contextlib.suppress(OSError):  # not every platform can open a directory
+    """Make the directory's entries (a rename, a new file) durable. Platforms that cannot
+    open or fsync a directory skip it; a failing fsync is an error."""
+    try:
         fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def fsync_file(path: Path) -> None:
@@ -76,21 +81,26 @@ def prepare(final: Path) -> Path:
 
 
 def publish(tmp: Path, final: Path, swap: bool = True) -> None:
-    """Put the complete directory `tmp` at `final` and delete what was there."""
+    """Put the complete directory `tmp` at `final` and delete what was there (deleting
+    is best-effort: once the new directory is in place, the save has succeeded)."""
     fsync_dir(tmp)
     if swap and final.exists() and _exchange(tmp, final):
         fsync_dir(final.parent)
-        shutil.rmtree(tmp)  # the previous directory, now under the staging name
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous directory, now here
         return
     old = previous_dir(final)
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
         final.rename(old)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except OSError:
+        if old.exists() and not final.exists():
+            old.rename(final)  # the previous checkpoint back at its name
+        raise
     fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve(final: Path) -> Path:
@@ -100,13 +110,3 @@ def resolve(final: Path) -> Path:
     if not final.exists() and old.is_dir():
         return old
     return final
-
-
-def check_free_space(directory: Path, needed: int) -> None:
-    """Refuse a write of `needed` bytes that the file system cannot hold, before writing."""
-    free = shutil.disk_usage(directory).free
-    if needed > free:
-        raise OSError(
-            errno.ENOSPC,
-            f"{needed:,} bytes are needed and {free:,} are free",
-        )

@@ -17,12 +17,11 @@ complete; an interrupted save leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import pickle
 import shutil
+import socket
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from . import atomic_dir
@@ -40,17 +38,21 @@ from .flat_unit import FlatUnit
 from .optimizer import OptimizerView
 from .optimizer_set import OptimizerSet
 from .partition import ParamSlot, Stored
+from .safe_load import CheckpointError, safe_torch_load
 from .safetensors_io import SafetensorsFile
+from .save_agreement import (
+    attempt,
+    client_state_bytes,
+    failure_message,
+    file_bytes,
+    write_rank_file,
+)
 
 FORMAT = "zero-strategy/1"
 INDEX = "index.json"
 MASTER_DTYPES = (torch.float32, torch.float64)  # masters: fp32, or fp64 by fp64 training
 CLIENT_STATE = "client_state.pt"
 RESTORE = "Restore the checkpoint from where it was written, or load an earlier one."
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that is missing, incomplete, corrupt or of another model."""
 
 
 def rank_file(rank: int) -> str:
@@ -169,10 +171,57 @@ def save(
     rank = world.rank
     final = Path(path)
     tmp = atomic_dir.staging_dir(final)
+    tensors, written, state_keys = _rank_tensors(state)
+    needed = file_bytes(tensors)
+    # 1. Rank 0 clears what an interrupted save left and checks the client state; every
+    #    rank learns how much its host's ranks will write.
+    error, client_bytes = None, None
     if rank == 0:
-        atomic_dir.prepare(final)
-    world.barrier()
+        try:
+            client_bytes = client_state_bytes(client_state)
+            atomic_dir.prepare(final)
+        except Exception as e:
+            error = failure_message(e, tmp, final)
+    first = world.control_all_gather_json(
+        {"error": error, "needed": needed, "host": socket.gethostname()}, state.device
+    )
+    _raise_agreed([r["error"] for r in first], final, tmp if rank == 0 else None)
+    needed_here = sum(r["needed"] for r in first if r["host"] == socket.gethostname())
 
+    # 2. Every rank writes its file. The index is built from what each rank reports it
+    #    wrote (a rank may own no trainable range of some group: the state keys are the
+    #    union over ranks).
+    crcs = {k: chunk_crcs(v) for k, v in tensors.items()}
+    error = attempt(
+        lambda: write_rank_file(tensors, tmp / rank_file(rank), needed_here), tmp, final
+    )
+    tensors.clear()  # the copies, freed before the index exchange
+    everyone = world.control_all_gather_json(
+        {
+            "wrote": written,
+            "keys": sorted(state_keys),
+            "scalars": _scalar_state(state.optimizer),
+            "crc32": crcs,
+            "error": error,
+        },
+        state.device,
+    )
+    _raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
+
+    # 3. Rank 0 writes the client state and the index, and swaps the directory in.
+    error = None
+    if rank == 0:
+        index = _index(state, everyone, step, compute_dtype, loss_scaler)
+        error = attempt(lambda: _finish(tmp, final, index, client_bytes), tmp, final)
+    errors = world.control_all_gather_json(error, state.device)
+    _raise_agreed(errors, final, tmp if rank == 0 else None)
+
+
+def _rank_tensors(
+    state: ShardedState,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], set[str]]:
+    """What this rank writes: (tensors by name, each parameter range's index entry, the
+    optimizer's elementwise state keys)."""
     tensors: dict[str, torch.Tensor] = {}
     state_keys: set[str] = set()
     written: dict[str, dict[str, Any]] = {}
@@ -194,75 +243,31 @@ def save(
             "start": stored.offset + lo,
             "end": stored.offset + hi,
         }
-    if rank == 0:
+    if state.world.rank == 0:
         for name, buf in persistent_buffers(state.module):
             tensors[f"buffer/{name}"] = buf
     # Slices of one master buffer share storage, which safetensors refuses: copy them.
-    tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
-    crcs = {k: chunk_crcs(v) for k, v in tensors.items()}
-    error = _write_rank_file(tensors, tmp / rank_file(rank), final)
-    del tensors
-    # The index is built from what each rank reports it wrote (a rank may also own no
-    # trainable range of some group: the state keys are the union over ranks). A rank
-    # whose write failed says so here, and every rank raises the same error.
-    everyone = world.control_all_gather_json(
-        {
-            "wrote": written,
-            "keys": sorted(state_keys),
-            "scalars": _scalar_state(state.optimizer),
-            "crc32": crcs,
-            "error": error,
-        },
-        state.device,
-    )
-    _raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
-
-    error = None
-    if rank == 0:
-        try:
-            if client_state is not None:
-                torch.save(client_state, tmp / CLIENT_STATE)
-            index = _index(state, everyone, step, compute_dtype, loss_scaler)
-            with open(tmp / INDEX, "w") as f:
-                json.dump(index, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            atomic_dir.publish(tmp, final)
-        except OSError as e:
-            error = _write_failure(e, tmp, final)
-    _raise_agreed(
-        world.control_all_gather_json(error, state.device), final, tmp if rank == 0 else None
-    )
+    return {k: v.detach().cpu().clone() for k, v in tensors.items()}, written, state_keys
 
 
-def _write_rank_file(tensors: dict[str, torch.Tensor], target: Path, final: Path) -> str | None:
-    """Write (and fsync) one rank's file; the failure as a message, for every rank to see."""
-    header = 8 + 128 * (len(tensors) + 1)  # a generous bound on the JSON header
-    needed = header + sum(t.numel() * t.element_size() for t in tensors.values())
-    try:
-        atomic_dir.check_free_space(target.parent, needed)
-        save_file(tensors, target)
-        atomic_dir.fsync_file(target)
-    except OSError as e:
-        return _write_failure(e, target.parent, final, needed)
-    return None
-
-
-def _write_failure(error: OSError, directory: Path, final: Path, needed: int | None = None) -> str:
-    cause = error.strerror or str(error)
-    if error.errno == errno.ENOSPC:
-        cause = f"no space left on the device of {directory}: {cause}"
-        if needed is not None and "needed" not in cause:
-            cause += f"; this rank's file needs {needed:,} bytes"
-    return (
-        f"writing {directory} failed ({cause}). Free space or save elsewhere; the previous "
-        f"checkpoint at {final} is intact."
-    )
+def _finish(tmp: Path, final: Path, index: dict[str, Any], client_bytes: bytes | None) -> None:
+    """Rank 0's part once every rank file is written: the client state and the index
+    (each fsynced), then the directory swapped into place."""
+    if client_bytes is not None:
+        with open(tmp / CLIENT_STATE, "wb") as f:
+            f.write(client_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+    with open(tmp / INDEX, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_dir.publish(tmp, final)
 
 
 def _raise_agreed(errors: list[str | None], final: Path, tmp: Path | None) -> None:
     """Every rank raises the first rank's failure (so none waits in a later collective),
-    after the half-written staging directory is removed."""
+    after the half-written staging directory is removed (by the rank given `tmp`)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if not failed:
         return
@@ -549,9 +554,11 @@ def load(
                 "load_optimizer_states=False to load the parameters alone."
             )
         _verify(state, reader, load_optimizer_states)
-        client = client_state_of(path)
+        client = client_state_of(reader.path)
     except CheckpointError as e:
         error = str(e)
+    except Exception as e:  # a malformed index or an I/O error: refused all the same
+        error = f"{path} cannot be loaded ({type(e).__name__}: {e}). {RESTORE}"
     errors = state.world.control_all_gather_json(error, state.device)
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
@@ -601,27 +608,41 @@ def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: boo
         for key in keys:
             for name, lo, hi, _ in _state_ranges(state, view):
                 reader.verify(name, lo, hi, f"{key}/", dtype=view.unit.master_dtype)
-    for name, _ in persistent_buffers(state.module):
-        reader.buffer(name)
+    if optimizer_states:
+        _check_optimizer_groups(state, reader.index["optimizer"])
+    for name, buf in persistent_buffers(state.module):
+        saved = reader.buffer(name)
+        if saved.shape != buf.shape:
+            raise CheckpointError(
+                f"Buffer '{name}' is {tuple(saved.shape)} in the checkpoint and "
+                f"{tuple(buf.shape)} in the model: the checkpoint is of another model. "
+                "Build the model that wrote it."
+            )
+
+
+def _check_optimizer_groups(state: ShardedState, opt_index: dict[str, Any]) -> None:
+    """The saved optimizer's param groups and scalar state fit the engine's optimizer."""
+    saved, mine = len(opt_index["param_groups"]), len(state.optimizer.param_groups)
+    if saved != mine or len(opt_index["scalar_state"]) != mine:
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {saved} param groups and the engine's has "
+            f"{mine}; build the optimizer with the same groups to resume, or pass "
+            "load_optimizer_states=False to load the parameters alone."
+        )
+    for group in opt_index["scalar_state"]:
+        for key, spec in group.items():
+            dtype = spec.get("dtype")
+            if dtype is not None and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                raise CheckpointError(
+                    f"The checkpoint's optimizer state '{key}' has dtype {dtype!r}, which is "
+                    f"not a torch dtype: the index is corrupt. {RESTORE}"
+                )
 
 
 def client_state_of(path: str | os.PathLike) -> dict | None:
     """The client state saved with a checkpoint (loaded with weights_only=True), or None."""
     client = atomic_dir.resolve(Path(path)) / CLIENT_STATE
     return safe_torch_load(client) if client.exists() else None
-
-
-def safe_torch_load(path: str | os.PathLike) -> Any:
-    """A torch file read with weights_only=True: a pickle that would run code or build
-    arbitrary objects is refused, naming the file, and never executed."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{path} holds objects that safe loading (weights_only=True) refuses, so it was "
-            f"not executed: {str(e).splitlines()[0]}. Save only tensors, numbers, strings, "
-            "lists and dicts in it, or load it yourself if you trust its author."
-        ) from e
 
 
 def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None:

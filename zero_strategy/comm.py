@@ -37,10 +37,14 @@ _PEER_LOST_SIGNS = (
 )
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(dist.DistBackendError):
     """A collective failed because another rank died or stopped answering. The job cannot
     continue from here: every rank's state is mid-step. Restart it from the last
-    checkpoint (torchrun's `--max-restarts` does that automatically)."""
+    checkpoint (torchrun's `--max-restarts` does that automatically). A DistBackendError,
+    as torch's own error for it, so `except torch.distributed.DistError` still catches it.
+
+    This is what gloo reports. With NCCL's default asynchronous error handling the
+    watchdog aborts the process instead, and the launcher sees the failure."""
 
 
 def peer_lost(kind: str, group: CommGroup, error: BaseException) -> BaseException:
@@ -65,7 +69,7 @@ def peer_lost(kind: str, group: CommGroup, error: BaseException) -> BaseExceptio
 class _GuardedWork:
     """An asynchronous collective whose wait() names a lost peer."""
 
-    def __init__(self, work, kind: str, group: CommGroup) -> None:
+    def __init__(self, work: dist.Work, kind: str, group: CommGroup) -> None:
         self.work, self.kind, self.group = work, kind, group
 
     def wait(self) -> bool:
@@ -135,7 +139,9 @@ class Communicator:
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
 
-    def _issue(self, kind: str, call: Callable[[], Any], async_op: bool = False):
+    def _issue(
+        self, kind: str, call: Callable[[], dist.Work | None], async_op: bool = False
+    ) -> _GuardedWork | None:
         """Run one torch.distributed call; a lost peer becomes a `PeerLostError`, here or
         at the returned work's wait()."""
         try:

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CLIENT_STATE, CheckpointReader, safe_torch_load
+from .checkpoint import CLIENT_STATE, CheckpointReader
 from .ema import EMA_KEY
 from .partition import FROZEN_GROUP
+from .safe_load import safe_torch_load
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {
@@ -315,9 +316,7 @@ def consolidate(
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             wrap = (
-                _lightning_wrapper(reader, Path(checkpoint))
-                if fmt == "lightning"
-                else (lambda sd: sd)
+                _lightning_wrapper(reader, reader.path) if fmt == "lightning" else (lambda sd: sd)
             )
             write_torch(reader, entries, out, wrap, progress)
             written.append(out)

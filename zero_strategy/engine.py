@@ -994,21 +994,30 @@ class ZeroEngine:
             yield copy_index, value
 
     # ================================================================ lifecycle
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Finish the work in flight and destroy the engine's process groups (local, not
         a collective). Frameworks call it at teardown; dropping the engine does it too.
         Using the engine again re-creates them at its first collective (every rank takes
-        part, as in any collective), or `reopen()` does it now."""
+        part, as in any collective), or `reopen()` does it now. With `wait=False` (or when
+        a wait fails because a peer is gone) the work in flight is dropped, not awaited;
+        the groups are destroyed either way."""
         if self.groups.closed:
             return
         try:
-            self.reducer.wait()
-            self.wait_for_parameters()
-        finally:  # a peer lost mid-wait: still let go of the work handles and the groups
-            self.reducer.in_flight.clear()
-            if self.gather is not None:
-                self.gather.release_all()
-            self.groups.close()
+            if wait:
+                self.reducer.wait()
+                self.wait_for_parameters()
+                if self.gather is not None:
+                    self.gather.release_all()
+        finally:
+            try:
+                self.reducer.drop()
+                if self.publisher is not None:
+                    self.publisher.drop()
+                if self.gather is not None:
+                    self.gather.abandon()
+            finally:
+                self.groups.close()
 
     def __enter__(self) -> ZeroEngine:
         return self

@@ -259,6 +259,15 @@ class GatherManager:
             if not unit.persistent:
                 unit.free_full()
 
+    def abandon(self) -> None:
+        """Let go of the prefetches in flight without waiting, and free every
+        non-persistent gathered unit (a peer is gone, or the process is ending after an
+        error)."""
+        self.pending.clear()
+        for unit in self.units:
+            if not unit.persistent:
+                unit.free_full()
+
     def regather_persistent(self) -> None:
         """After an optimizer step, refresh units that are never freed."""
         for unit in self.units:

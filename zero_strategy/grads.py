@@ -236,6 +236,11 @@ class GradReducer:
             self._land(job)
         self.in_flight.clear()
 
+    def drop(self) -> None:
+        """Let go of the reductions in flight without waiting (a peer is gone, or the
+        process is ending after an error)."""
+        self.in_flight.clear()
+
     def local_sums(self, unit: FlatUnit) -> list[int]:
         """Stages 2-3 under `no_sync()`: the slots of `unit` whose local (unreduced)
         gradient sums its full buffer holds so far."""

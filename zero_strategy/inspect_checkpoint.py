@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from pathlib import Path
 
 from safetensors import safe_open
 
-from .checkpoint import CheckpointError, read_index
+from .checkpoint import CheckpointError, located, read_index
 from .partition import FROZEN_GROUP
 
 
@@ -18,7 +17,7 @@ def _mib(n: int) -> str:
 
 
 def summary(path: str | os.PathLike) -> str:
-    path = Path(path)
+    path = located(path)  # the previous checkpoint when a save was killed mid-publish
     index = read_index(path)  # raises, naming what is missing, if incomplete
     params = index["params"]
     n_params = sum(math.prod(p["shape"]) for p in params.values())

@@ -61,3 +61,8 @@ class ParameterPublisher:
 
     def wait_all(self) -> None:
         self.wait(list(self.pending))
+
+    def drop(self) -> None:
+        """Let go of the gathers in flight without waiting (a peer is gone, or the
+        process is ending after an error)."""
+        self.pending.clear()

@@ -3,22 +3,24 @@
 A gloo job whose groups are torn down by the interpreter's own finalisation, with work
 objects still holding tensors and a peer already gone, can abort at exit ("terminate
 called without an active exception"): a scheduler reads that as a failed job. Engines
-still alive when the script ends are closed here first, in the order they were made:
-each finishes its work in flight, lets go of its work handles and destroys its groups.
-Waiting on work a dead peer will never finish is bounded by the collective timeout, and
-a failure there is not raised at exit.
+still alive when the script ends are closed here first: each finishes its work in
+flight, lets go of its work handles and destroys its groups. Waiting on work a dead peer
+will never finish is bounded by the collective timeout, and a failure there is not raised
+at exit. A script that ends on an uncaught error does not wait at all (its peers may be
+gone, and the launcher should learn of the failure at once): the work is dropped.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import weakref
 from typing import Protocol
 
 
 class Closable(Protocol):
-    def close(self) -> None: ...
+    def close(self, wait: bool = True) -> None: ...
 
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -30,6 +32,7 @@ def close_at_exit(engine: Closable) -> None:
 
 @atexit.register
 def _close_live() -> None:
+    failed = hasattr(sys, "last_value")  # set when an uncaught error ended the script
     for engine in list(_live):
         with contextlib.suppress(Exception):
-            engine.close()
+            engine.close(wait=not failed)
