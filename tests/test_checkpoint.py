@@ -434,3 +434,13 @@ def test_a_refused_checkpoint_leaves_the_model_as_it_was(corrupt, problem, tmp_p
     }
     assert after.keys() == state.keys()
     assert all(torch.equal(after[k], state[k]) for k in state)
+
+
+def test_a_client_state_a_safe_load_could_not_read_is_refused_before_writing(tmp_path):
+    """Found at save time, on every rank, before anything is written: not at the resume
+    that needs it."""
+    path, engine = _save_single(tmp_path)
+    with pytest.raises(CheckpointError, match=r"the client state holds objects that a safe load"):
+        engine.save_checkpoint(path, client_state={"sampler": _Exploit()})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _fresh_engine().load_checkpoint(path) is None

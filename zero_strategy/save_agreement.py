@@ -43,9 +43,11 @@ def failure_message(error: Exception, directory: Path, final: Path) -> str:
     if isinstance(error, OSError) and error.strerror:
         text = error.strerror
     cause = f"no space left on the device of {directory}: {text}" if out_of_space else text
+    storage = out_of_space or isinstance(error, (OSError, SaveFailed))
+    fix = "Free space or save elsewhere; the" if storage else "The"
     return (
-        f"writing {directory} failed ({type(error).__name__}: {cause}). Free space or save "
-        f"elsewhere; the previous checkpoint at {final} is intact."
+        f"writing {directory} failed ({type(error).__name__}: {cause}). {fix} previous "
+        f"checkpoint at {final} is intact."
     )
 
 
