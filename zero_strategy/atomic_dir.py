@@ -14,6 +14,7 @@ import ctypes
 import errno
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -85,7 +86,7 @@ def publish(tmp: Path, final: Path, swap: bool = True) -> None:
     is best-effort: once the new directory is in place, the save has succeeded)."""
     fsync_dir(tmp)
     if swap and final.exists() and _exchange(tmp, final):
-        fsync_dir(final.parent)
+        _settle(final)
         shutil.rmtree(tmp, ignore_errors=True)  # the previous directory, now here
         return
     old = previous_dir(final)
@@ -99,8 +100,21 @@ def publish(tmp: Path, final: Path, swap: bool = True) -> None:
         if old.exists() and not final.exists():
             old.rename(final)  # the previous checkpoint back at its name
         raise
-    fsync_dir(final.parent)
+    _settle(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _settle(final: Path) -> None:
+    """Make the rename durable. It has happened: a failure here is a warning, not a
+    failed save."""
+    try:
+        fsync_dir(final.parent)
+    except OSError as e:
+        warnings.warn(
+            f"{final} is in place, but syncing its directory failed ({e}): after a power "
+            "loss the previous checkpoint may be back. Check the file system.",
+            stacklevel=3,
+        )
 
 
 def resolve(final: Path) -> Path:
