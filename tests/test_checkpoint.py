@@ -344,10 +344,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_by_its_checksum(tmp_path):
     from zero_strategy.consolidate import consolidate
 
     path, _ = _save_single(tmp_path)
-    shard = Path(path, "rank00000.safetensors")
-    data = bytearray(shard.read_bytes())
-    data[-5] ^= 0x01  # the last tensor's data, past the header
-    shard.write_bytes(bytes(data))
+    _flip_last_byte(path)
     with pytest.raises(
         CheckpointError, match=r"rank00000.safetensors: tensor .* fails its checksum"
     ):
@@ -380,7 +377,7 @@ def test_a_header_claiming_terabytes_is_refused_without_reading_it(tmp_path):
 def _flip_last_byte(path: str) -> None:
     shard = Path(path, "rank00000.safetensors")
     data = bytearray(shard.read_bytes())
-    data[-5] ^= 0x01
+    data[-5] ^= 0x01  # the last tensor's data, past the header
     shard.write_bytes(bytes(data))
 
 

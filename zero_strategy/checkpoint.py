@@ -416,7 +416,7 @@ class CheckpointReader:
     ) -> None:
         """Read and check [lo, hi) as `read` would, a bounded piece at a time, keeping
         nothing: a load verifies all it will read before it changes the model."""
-        step = max(1, CHUNK_BYTES // 4) * 16
+        step = 16 * CHUNK_BYTES // 4  # elements per read: 16 MiB of fp32
         scratch = torch.empty(min(step, max(hi - lo, 0)), dtype=dtype)
         for a in range(lo, hi, step):
             b = min(hi, a + step)
