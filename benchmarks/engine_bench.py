@@ -2,6 +2,8 @@
 stages 1/2/3, 2 ranks, gloo, one thread per rank, fp32, clipping 1.0 everywhere.
 
     python benchmarks/engine_bench.py --rounds 3            # ~82M parameters
+    python benchmarks/engine_bench.py --size big --rounds 1  # ~730M: stage 3, FSDP2, ds3,
+                                                             # fp32 and bf16 (DDP cannot fit)
     python benchmarks/engine_bench.py --size tiny --rounds 1  # a quick smoke run
 
 The configurations run interleaved (a different order each round) because this machine
@@ -24,6 +26,34 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.launch import interleaved_rounds, run_ranks  # noqa: E402
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
+# The ~0.7B model: stage 3 and its peers, fp32 and bf16 compute, at batch 1.
+BIG = ["ddp", "fsdp2", "ds3", "zero3", "fsdp2-bf16", "zero3-bf16"]
+BATCH = {"big": 1}  # sequences per rank; 4 for the other sizes
+
+
+def skip_reason(impl: str, args) -> str | None:
+    """Why `impl` cannot run at this size here, from the planner, or None. Only DDP (the
+    whole model state on every rank) is checked: it is the one that cannot shard."""
+    if impl != "ddp":
+        return None
+    import psutil
+    import torch
+
+    from benchmarks.engine_worker import SIZES
+    from examples.gpt import GPT
+    from zero_strategy.planner import plan
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(SIZES[args.size]).parameters())
+    available = psutil.virtual_memory().available
+    need = plan(params, args.nproc, 0).model_state
+    if need * args.nproc <= 0.9 * available:
+        return None
+    return (
+        f"DDP holds the whole model state on every rank: {need / 1e9:.1f} GB per rank "
+        f"(planner, {params / 1e6:.0f}M parameters, fp32 AdamW), {need * args.nproc / 1e9:.1f}"
+        f" GB for {args.nproc} ranks, above this machine's {available / 1e9:.1f} GB available"
+    )
 
 
 def run_one(impl: str, args, out: str) -> dict | None:
@@ -37,6 +67,9 @@ def run_one(impl: str, args, out: str) -> dict | None:
         str(args.warmup),
         "--steps",
         str(args.steps),
+        "--batch",
+        str(args.batch),
+        nproc=args.nproc,
         timeout=args.timeout,
     )
     if ranks is None:
@@ -52,6 +85,12 @@ def run_one(impl: str, args, out: str) -> dict | None:
 
 
 def run_rounds(impls: list[str], args) -> list[dict[str, dict]]:
+    for impl in list(impls):
+        reason = skip_reason(impl, args)
+        if reason:
+            print(f"skipped {impl}: {reason}", flush=True)
+            args.skipped[impl] = reason
+            impls.remove(impl)
     return interleaved_rounds(
         impls,
         args.rounds,
@@ -64,34 +103,52 @@ def run_rounds(impls: list[str], args) -> list[dict[str, dict]]:
     )
 
 
-def _median_ratio(rounds, num: str, den: str) -> float:
-    ratios = [rd[num]["step"] / rd[den]["step"] for rd in rounds if num in rd and den in rd]
+def _median_ratio(rounds, num: str, den: str, key: str = "step") -> float:
+    ratios = [rd[num][key] / rd[den][key] for rd in rounds if num in rd and den in rd]
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _fsdp_peer(impl: str) -> str | None:
+    """FSDP2 in the same compute dtype, for this engine's rows."""
+    if not impl.startswith("zero"):
+        return None
+    return "fsdp2-bf16" if impl.endswith("-bf16") else "fsdp2"
+
+
 def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
-    """Median step time; throughput ratios per round (then the median) against DDP and
-    against DeepSpeed at the same stage; peak RSS and model state per rank."""
+    """Median step time; per-round ratios (then their median): throughput against DDP and
+    against DeepSpeed at the same stage, step time and peak RSS against FSDP2 in the same
+    dtype; peak RSS and model state per rank."""
+    import os
+
     params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
     print(
-        f"\nGPT {params / 1e6:.1f}M params, 2 ranks gloo, 1 thread/rank, {len(rounds)} rounds "
+        f"\nGPT {params / 1e6:.1f}M params, {args.nproc} ranks gloo, 1 thread/rank "
+        f"({os.cpu_count()} cores here), batch {args.batch}/rank, {len(rounds)} rounds "
         f"x {args.steps} timed steps"
     )
+    for impl, reason in getattr(args, "skipped", {}).items():
+        print(f"{impl}: not run. {reason}.")
     print(
         "| impl | median step (s) | throughput vs DDP | vs DeepSpeed same stage "
-        "| peak RSS/rank (MiB) | model state/rank (MiB) |"
+        "| step time / FSDP2's | peak RSS/rank (MiB) | peak RSS / FSDP2's "
+        "| model state/rank (MiB) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for impl in impls:
         got = [rd[impl] for rd in rounds if impl in rd]
         if not got:
             continue
-        peer = "ds" + impl[4] if impl.startswith("zero") else None
+        peer = "ds" + impl[4] if impl.startswith("zero") and "bf16" not in impl else None
         vs_ds = f"{_median_ratio(rounds, peer, impl):.2f}x" if peer else "-"
+        fsdp = _fsdp_peer(impl)
+        time_vs_fsdp = f"{_median_ratio(rounds, impl, fsdp):.2f}x" if fsdp else "-"
+        rss_vs_fsdp = f"{_median_ratio(rounds, impl, fsdp, 'rss'):.2f}x" if fsdp else "-"
         print(
             f"| {impl} | {statistics.median(g['step'] for g in got):.3f} "
-            f"| {_median_ratio(rounds, 'ddp', impl):.2f}x | {vs_ds} "
-            f"| {statistics.median(g['rss'] for g in got):.0f} | {got[0]['state']:.1f} |"
+            f"| {_median_ratio(rounds, 'ddp', impl):.2f}x | {vs_ds} | {time_vs_fsdp} "
+            f"| {statistics.median(g['rss'] for g in got):.0f} | {rss_vs_fsdp} "
+            f"| {got[0]['state']:.1f} |"
         )
 
 
@@ -101,12 +158,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--impls", default=",".join(ALL))
+    parser.add_argument("--impls", default="", help=f"default: {ALL}; for --size big {BIG}")
+    parser.add_argument("--batch", type=int, default=0, help="default: 1 for big, else 4")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one core each)")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json", default="", help="also write all figures here")
     parser.add_argument("--from-json", default="", help="print the table of a saved run")
     args = parser.parse_args()
-    impls = args.impls.split(",")
+    impls = args.impls.split(",") if args.impls else (BIG if args.size == "big" else ALL)
+    args.batch = args.batch or BATCH.get(args.size, 4)
+    args.skipped = {}
     if args.from_json:
         rounds = json.loads(Path(args.from_json).read_text())
     else:

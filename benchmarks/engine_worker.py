@@ -3,7 +3,9 @@
 Launched by `benchmarks/engine_bench.py` through torchrun; not meant to be run by hand.
 Implementations: ddp, fsdp2, ds1/ds2/ds3 (DeepSpeed ZeRO, DS_ACCELERATOR=cpu), zero1/2/3,
 and zero3-reuse: stage 3 with DeepSpeed's default reuse distance (1e9 elements), which keeps
-every unit gathered from forward into backward, as ds3 does by default.
+every unit gathered from forward into backward, as ds3 does by default. zero3-bf16 and
+fsdp2-bf16 compute in bf16 with fp32 masters (`compute_dtype="bf16"`; FSDP2's
+`MixedPrecisionPolicy(param_dtype=bf16)`), gradients reduced in bf16 by both.
 Every implementation trains the same GPT on the same batches with AdamW and global-norm
 clipping at 1.0, so the step does the same work everywhere.
 """
@@ -31,6 +33,11 @@ from examples.gpt import GPT, GPTConfig
 DEEPSPEED_REUSE_DISTANCE = 1_000_000_000
 
 SIZES = {
+    # ~730M parameters: 24 layers, d=1536, vocab 16384, seq 128, untied head; run at
+    # batch 1, where DDP's replicated model state (23 GB for two ranks) cannot fit here.
+    "big": GPTConfig(
+        vocab_size=16384, block_size=128, n_layer=24, n_head=12, n_embd=1536, tie_embeddings=False
+    ),
     # ~82M parameters: 8 layers, d=768, vocab 16384, seq 128, untied head.
     "bench": GPTConfig(
         vocab_size=16384, block_size=128, n_layer=8, n_head=12, n_embd=768, tie_embeddings=False
@@ -124,15 +131,17 @@ def plain_torch_step_and_state(model: torch.nn.Module):
 
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
-    if impl in ("ddp", "fsdp2"):
+    bf16 = impl.endswith("-bf16")
+    if impl in ("ddp", "fsdp2", "fsdp2-bf16"):
         if impl == "ddp":
             runner = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
             for block in model.blocks:
-                fully_shard(block)
-            runner = fully_shard(model)
+                fully_shard(block, mp_policy=policy)
+            runner = fully_shard(model, mp_policy=policy)
         return (runner, lambda loss: loss.backward(), *plain_torch_step_and_state(model))
     if impl.startswith("ds"):
         import deepspeed
@@ -168,6 +177,7 @@ def build(impl: str, model: torch.nn.Module):
                 stage=int(impl[4]),
                 gradient_clipping=CLIP,
                 max_reuse_distance=DEEPSPEED_REUSE_DISTANCE if impl.endswith("-reuse") else 0,
+                compute_dtype="bf16" if bf16 else "fp32",
             ),
         )
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed import run_world
-from training import local_batch, make_model, make_optimizer
+from training import local_batch, make_model, make_optimizer, train_zero
 from zero_strategy import ZeroConfig, ZeroEngine
 
 
@@ -49,10 +50,15 @@ def test_memory_matches_zero_formulas(stage, world):
         step_counters = 4 * r["n_opt"]  # AdamW's per-tensor fp32 `step`
         assert m["master_params"] == 0  # fp32: the master is the parameter shard itself
         assert m["gathered_parameters"] == 0  # nothing is left gathered after the step
-        # Only recycled memory: at most three units' worth of gradient buffers (stages
-        # 2-3) and, at stage 3, prefetch_depth + 1 spare gather buffers per unit size.
-        recycled = {0: 0, 1: 0, 2: 3, 3: 3 + 2}[stage]
-        assert m["comm_buffers"] <= recycled * 4 * r["largest_unit"]
+        # Only recycled memory: gloo's stages 2-3 reduce each parameter's own gradient
+        # (no unit-sized buffer to keep), and stage 3 keeps one spare gather buffer per
+        # unit size for the next gather.
+        assert m["comm_buffers"] == 0  # nothing is being reduced
+        spare_sizes = {u[1] for u in r["units"]} if stage == 3 else set()
+        assert m["pooled"] == 4 * sum(spare_sizes)
+        # The peak since the engine was built: at stage 3, the units gathered at once.
+        assert m["peak_total"] >= m["total"]
+        assert m["peak_gathered_parameters"] >= (4 * r["largest_unit"] if stage == 3 else 0)
         if stage == 0:
             assert m["parameters"] == 4 * psi and m["gradients"] == 4 * psi
             assert m["optimizer_state"] == 8 * psi + step_counters
@@ -92,7 +98,8 @@ def test_comm_volume_per_step(stage, emulate):
     psi = r["psi"]
     reduce_kind = "all_reduce" if stage == 1 or emulate else "reduce_scatter"
     gather_kind = "broadcast" if emulate else "all_gather"
-    assert comm[reduce_kind] == 4 * padded
+    # Whole units move padded; gloo's stages 2-3 reduce each parameter on its own (psi).
+    assert 4 * psi <= comm[reduce_kind] <= 4 * padded
     expected_gather = 4 * padded if stage < 3 else 4 * (2 * padded - root)
     assert comm[gather_kind] == expected_gather
     assert {gather_kind, reduce_kind} <= set(comm) <= {gather_kind, reduce_kind, "control"}
@@ -170,3 +177,84 @@ def test_reuse_distance_keeps_units_from_forward_into_backward():
     assert by_distance[0]["held_after_forward"] == 4 * root
     assert by_distance[1]["held_after_forward"] == 4 * (root + blocks[-1])
     assert by_distance[10**9]["held_after_forward"] == 4 * padded
+
+
+def _peaks(rank: int, world: int, prefetch_depth: int):
+    """One training step (which records the module order), then peaks over an evaluation
+    forward alone, and over a training backward alone."""
+    model = make_model()
+    psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    engine = ZeroEngine(
+        model, make_optimizer(model), ZeroConfig(stage=3, prefetch_depth=prefetch_depth)
+    )
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.zero_grad()
+    engine.reset_memory_peaks()
+    at_reset = engine.memory_report()
+    with torch.no_grad():
+        engine(x, y)
+    after_eval = engine.memory_report()
+    loss = engine(x, y)
+    engine.reset_memory_peaks(record_timeline=True)
+    engine.backward(loss)
+    after_backward = engine.memory_report()
+    timeline = engine.memory_timeline()
+    units = [(u.layout.padded_numel, u.layout.module_path == "") for u in engine.units]
+    return at_reset, after_eval, after_backward, timeline, units, psi
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 1])
+def test_peaks_are_the_most_held_at_once(prefetch_depth):
+    """Exact peaks: an evaluation forward holds the root unit (gathered first, released at
+    the end) and, one block at a time, or two with prefetch (the next one's gather starts
+    as a block begins); a training backward's gradients travel parameter by parameter
+    (gloo) and, below the in-flight cap, all of them are in flight at once before the
+    end of backward lands them."""
+    at_reset, after_eval, after_backward, timeline, units, psi = run_world(
+        _peaks, 2, prefetch_depth
+    )[0]
+    root = next(n for n, is_root in units if is_root)
+    block = max(n for n, is_root in units if not is_root)
+    # Reset: the peaks are what is held now.
+    assert all(at_reset[f"peak_{k}"] == at_reset[k] for k in ("total", "pooled", "gradients"))
+    assert after_eval["gathered_parameters"] == 0
+    blocks_at_once = 1 + prefetch_depth
+    assert after_eval["peak_gathered_parameters"] == 4 * (root + blocks_at_once * block)
+    assert after_eval["peak_total"] - after_eval["total"] <= 4 * (root + blocks_at_once * block)
+    assert after_eval["peak_comm_buffers"] == 0
+    # Backward: every gradient in flight at once, each element once (tied weights too).
+    assert after_backward["comm_buffers"] == 0
+    assert after_backward["peak_comm_buffers"] == 4 * psi
+    # The timeline has every change, and its largest total is the peak.
+    assert len(timeline) > 2 * len(units)
+    assert max(held["total"] for _, held in timeline) == after_backward["peak_total"]
+    times = [t for t, _ in timeline]
+    assert times == sorted(times)
+
+
+def _two_paths(rank: int, world: int, stage: int, emulate: bool, use_no_sync: bool):
+    return train_zero(
+        rank,
+        world,
+        4,
+        2,
+        0.5,
+        stage,
+        use_no_sync=use_no_sync,
+        reduce_scatter_via_all_reduce=emulate,
+    )
+
+
+@pytest.mark.parametrize("use_no_sync", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parameter_by_parameter_reduction_equals_the_unit_buffers(stage, use_no_sync):
+    """gloo's all-reduce path sends each parameter's gradient as autograd made it; a real
+    reduce-scatter fills a unit buffer first (and no_sync's local sums always do). Both
+    sum the same numbers in the same order, so they train identically."""
+    direct = run_world(_two_paths, 2, stage, True, use_no_sync)[0]
+    buffered = run_world(_two_paths, 2, stage, False, use_no_sync)[0]
+    assert direct[0] == buffered[0]
+    for name, value in buffered[1].items():
+        assert torch.equal(direct[1][name], value), name

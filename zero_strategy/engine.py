@@ -36,7 +36,8 @@ from .gather import STATE_DICT, GatherManager, in_backward
 from .generation_sync import keep_generation_in_step
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
-from .memory import memory_report
+from .memory import held_bytes, memory_report
+from .memory_peaks import MemoryPeaks
 from .module_hooks import EngineHook
 from .module_state import ModuleStateHooks
 from .moe.placement import (
@@ -188,6 +189,7 @@ class ZeroEngine:
 
         self.scaler = LossScaler(cfg)
         self.gather: GatherManager | None = None
+        self._memory = MemoryPeaks(self._held_bytes)
         self.reducer = GradReducer(
             self.units,
             self.stage,
@@ -195,6 +197,7 @@ class ZeroEngine:
             cfg.reduce_torch_dtype,
             on_unit_ready=self._on_unit_grads_ready,
             on_backward_end=self._on_backward_end,
+            on_memory=self._memory.sample,
         )
         self.publisher = (
             ParameterPublisher(model, self.units, cfg.overlap_param_gather)
@@ -211,6 +214,7 @@ class ZeroEngine:
                 cfg.verify_module_order,
                 cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
+                on_memory=self._memory.sample,
             )
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
@@ -228,6 +232,7 @@ class ZeroEngine:
         self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's, by groups
         self.global_steps = 0
         self.reset_comm_report()
+        self._memory.reset()
 
     @property
     def world_size(self) -> int:
@@ -613,6 +618,7 @@ class ZeroEngine:
             finally:
                 self._inside_step = False
         self.scaler.update(False)
+        self._memory.sample()  # the first step creates the optimizer state
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
@@ -859,16 +865,44 @@ class ZeroEngine:
 
     # ================================================================ reports & state
     def memory_report(self) -> dict[str, int]:
-        """Exact bytes held by this rank, by kind."""
+        """Exact bytes held by this rank, by kind, and (`peak_<kind>`, `peak_total`) the
+        most held at once since `reset_memory_peaks()` (or since the engine was built)."""
         return memory_report(
             self.units,
             self._optimizer_set,
             self.module,
             self.stage,
             comm_tensors=self.reducer.comm_buffers(),
-            comm_storages=self.gather.storage_pool.storages() if self.gather else (),
+            pooled_tensors=self.reducer.pooled_buffers(),
+            pooled_storages=self._pooled_storages(),
             expert_units=[u for u in self.units if not u.group.spec.replicated],
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
+            peaks=self._memory.peaks,
+        )
+
+    def reset_memory_peaks(self, record_timeline: bool = False) -> None:
+        """Start the `peak_*` figures of `memory_report()` over from what is held now.
+        With `record_timeline`, also keep every change until the next reset (see
+        `memory_timeline()`): for plots of a step, it costs a report per change."""
+        self._memory.reset(record_timeline)
+
+    def memory_timeline(self) -> list[tuple[float, dict[str, int]]]:
+        """(time.perf_counter(), bytes by kind) at every change since
+        `reset_memory_peaks(record_timeline=True)`; empty when none was requested."""
+        return list(self._memory.timeline or ())
+
+    def _pooled_storages(self) -> list[torch.UntypedStorage]:
+        return self.gather.storage_pool.storages() if self.gather else []
+
+    def _held_bytes(self) -> dict[str, int]:
+        return held_bytes(
+            self.units,
+            self._optimizer_set,
+            self.module,
+            self.stage,
+            comm_tensors=self.reducer.comm_buffers(),
+            pooled_tensors=self.reducer.pooled_buffers(),
+            pooled_storages=self._pooled_storages(),
         )
 
     def comm_report(self) -> dict[str, dict[str, int]]:

@@ -52,8 +52,10 @@ class GatherManager:
         verify_order: bool,
         max_reuse_distance: int,
         on_backward_start: Callable[[], None],
+        on_memory: Callable[[bool], None] = lambda grew: None,
     ):
         self.units = units
+        self.on_memory = on_memory  # told after a gather's memory is taken or given back
         self.control = control  # every rank: the divergence check
         self.prefetch_depth = prefetch_depth
         self.verify_order = verify_order
@@ -68,8 +70,9 @@ class GatherManager:
         self._backward_left: set[int] = set()  # this backward: units it has passed through
         self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
-        # Enough spare gather memory per size for the units in flight at once.
-        self.storage_pool = StoragePool(capacity=prefetch_depth + 1)
+        # One spare per size: what a unit freed is what the next gather of that size
+        # fills (more spares only sit idle at the peak of backward).
+        self.storage_pool = StoragePool(capacity=1)
         for unit in units:
             unit.persistent = unit.layout.numel < persistence_threshold or unit.layout.numel == 0
             unit.pool = self.storage_pool
@@ -144,7 +147,12 @@ class GatherManager:
 
     def _free_if_idle(self, unit: FlatUnit) -> None:
         if not unit.persistent and unit.layout.index not in self.pending:
+            self._free(unit)
+
+    def _free(self, unit: FlatUnit) -> None:
+        if unit.gathered:
             unit.free_full()
+            self.on_memory(False)
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
@@ -160,7 +168,7 @@ class GatherManager:
                     tensors, lambda _grads: self._pre_backward(unit), mode="any"
                 )
             if not unit.persistent and not (tensors and self._kept_for_backward(unit)):
-                unit.free_full()
+                self._free(unit)
             return output
 
         return hook
@@ -237,6 +245,7 @@ class GatherManager:
             self._verify(unit, phase)
         target = unit.gather_target()
         self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
+        self.on_memory(True)
 
     def ensure(self, unit: FlatUnit, phase: int) -> bool:
         """Make `unit` usable now: gather it if needed, wait for its gather if in flight.
@@ -257,7 +266,7 @@ class GatherManager:
         self.pending.clear()
         for unit in self.units:
             if not unit.persistent:
-                unit.free_full()
+                self._free(unit)
 
     def abandon(self) -> None:
         """Let go of the prefetches in flight without waiting, and free every
@@ -266,7 +275,7 @@ class GatherManager:
         self.pending.clear()
         for unit in self.units:
             if not unit.persistent:
-                unit.free_full()
+                self._free(unit)
 
     def regather_persistent(self) -> None:
         """After an optimizer step, refresh units that are never freed."""

@@ -35,6 +35,10 @@ from .flat_unit import FlatUnit
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
 # with the one being filled, that bounds the transient gradient memory to three units.
 MAX_IN_FLIGHT = 2
+# Stages 2-3, parameters reduced one by one: at most this many bytes of gradients in
+# flight besides the newest (the oldest lands first). Enough to keep gloo busy while
+# backward computes the next ones.
+DIRECT_IN_FLIGHT_BYTES = 64 * 2**20
 
 
 class BufferPool:
@@ -42,7 +46,7 @@ class BufferPool:
 
     Fresh multi-megabyte CPU allocations are page-faulted and zeroed by the kernel on
     every backward; keeping the few buffers that are alive at once avoids that (the CUDA
-    caching allocator does the same on GPUs). Its bytes are reported as comm_buffers."""
+    caching allocator does the same on GPUs). Its bytes are reported as `pooled`."""
 
     def __init__(self) -> None:
         self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -64,8 +68,9 @@ class BufferPool:
 class _InFlight:
     unit: FlatUnit
     work: object
-    sent: torch.Tensor  # the full buffer that was reduced
-    out: torch.Tensor  # where this rank's reduced slice lands
+    sent: torch.Tensor  # the full buffer that was reduced (or one parameter's gradient)
+    out: torch.Tensor | None  # where this rank's reduced slice lands (None: `slot`'s)
+    slot: int | None = None  # a parameter reduced on its own: its slot in the unit
 
 
 class GradReducer:
@@ -77,8 +82,10 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         on_unit_ready: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
+        on_memory: Callable[[bool], None] = lambda grew: None,
     ):
         self.units = units
+        self.on_memory = on_memory  # told after buffers are taken (True) or given back
         self.stage = stage
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype
@@ -91,6 +98,8 @@ class GradReducer:
         self._callback_queued = False
         self.pool = BufferPool()
         self._written: dict[int, set[int]] = {}  # unit index -> slots written this window
+        # Units whose parameters this backward reduces one by one -> slots sent so far.
+        self._direct: dict[int, set[int]] = {}
         self._trainable_count = {
             u.layout.index: sum(s.trainable for s in u.layout.slots) for u in units
         }
@@ -135,12 +144,16 @@ class GradReducer:
             if p.grad.data_ptr() != view.data_ptr():  # .grad was reset to None
                 view.copy_(p.grad)
                 p.grad = view
+        elif self._reduces_directly(unit):
+            self._launch_slot(unit, slot_index, p.grad)
+            p.grad = None
         else:
             if unit.grad_full is None:
                 unit.grad_full = self.pool.take(
                     unit.layout.padded_numel, unit.compute_dtype, unit.device
                 )
                 self._written[unit.layout.index] = set()
+                self.on_memory(True)
             written = self._written[unit.layout.index]
             target = unit.grad_full[slot.offset : slot.end]
             if slot_index in written:
@@ -153,21 +166,71 @@ class GradReducer:
         self._ready[idx] = self._ready.get(idx, 0) + 1
         if self._ready[idx] == self._trainable_count[idx]:
             self.on_unit_ready(unit)
-            if self.sync and self.overlap:
+            if self.sync and self.overlap and idx not in self._direct:
                 self._launch(unit)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
         if self.sync:
             for unit in self.units:
-                if unit.layout.trainable and unit.layout.index not in self._launched:
+                if unit.layout.index in self._direct:
+                    self._send_missing_slots(unit)
+                elif unit.layout.trainable and unit.layout.index not in self._launched:
                     self._launch(unit)
             self.wait()
             self._launched.clear()
+        self._direct.clear()
         self._ready.clear()
         self.on_backward_end()
 
     # ---------------------------------------------------------------- reduction
+    def _reduces_directly(self, unit: FlatUnit) -> bool:
+        """Whether this backward reduces `unit` parameter by parameter, straight from the
+        gradients autograd produced: no unit-sized buffer, no copy into it. That needs a
+        synchronised, overlapped backward, a reduction that is an all-reduce (gloo's
+        emulated reduce-scatter, or one rank), and no local sums from `no_sync()` waiting
+        in the unit's buffer. Decided at the unit's first gradient of the backward."""
+        idx = unit.layout.index
+        if idx in self._direct:
+            return True
+        if idx in self._ready or not (self.sync and self.overlap) or unit.grad_full is not None:
+            return False
+        comm = unit.group.comm
+        if not (comm.reduce_scatter_via_all_reduce or comm.size == 1):
+            return False
+        self._direct[idx] = set()
+        return True
+
+    def _launch_slot(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
+        """All-reduce one parameter's gradient over every rank holding its copy (the
+        shard group and, for replicated copies, the other copies: the full sum at once);
+        this rank keeps the part inside its shard when it lands."""
+        self._direct[unit.layout.index].add(slot_index)
+        sent = grad.contiguous().view(-1)
+        if sent.dtype != self.reduce_dtype:
+            sent = sent.to(self.reduce_dtype)
+        group = unit.group
+        if group.grad_divisor > 1:
+            sent.div_(group.grad_divisor)
+        work = group.holders.all_reduce_sum(sent, async_op=True)
+        self.in_flight.append(_InFlight(unit, work, sent, None, slot_index))
+        self.on_memory(True)
+        # Bound the gradients in flight by bytes: finish the oldest (never the newest).
+        while len(self.in_flight) > 1 and self._in_flight_bytes() > DIRECT_IN_FLIGHT_BYTES:
+            self._land(self.in_flight.pop(0))
+
+    def _in_flight_bytes(self) -> int:
+        return sum(job.sent.numel() * job.sent.element_size() for job in self.in_flight)
+
+    def _send_missing_slots(self, unit: FlatUnit) -> None:
+        """End of backward: the unit's trainable parameters that got no gradient here are
+        reduced with zeros, in slot order, so that every rank's collectives pair up."""
+        sent = self._direct[unit.layout.index]
+        for slot_index, slot in enumerate(unit.layout.slots):
+            if slot.trainable and slot_index not in sent:
+                zeros = torch.zeros(slot.numel, dtype=self.reduce_dtype, device=unit.device)
+                self._launch_slot(unit, slot_index, zeros)
+
     def _launch(self, unit: FlatUnit) -> None:
         self._launched.add(unit.layout.index)
         if unit.layout.numel == 0:
@@ -196,6 +259,7 @@ class GradReducer:
                 self.pool.give(unit.grad_full)
             unit.grad_full = None
         self.in_flight.append(_InFlight(unit, work, sent, out))
+        self.on_memory(True)
         # Bound the full-size buffers alive at once (stages 2-3): finish the oldest.
         while self.stage >= 2 and len(self.in_flight) > MAX_IN_FLIGHT:
             self._land(self.in_flight.pop(0))
@@ -217,7 +281,9 @@ class GradReducer:
     def _land(self, job: _InFlight) -> None:
         job.work.wait()
         unit = job.unit
-        if self.stage < 2:
+        if job.slot is not None:
+            self._land_slot(job)
+        elif self.stage < 2:
             if job.sent is not unit.grad_full:
                 unit.grad_full.copy_(job.sent)
             mine = unit.grad_full[unit.opt_start : unit.opt_end]
@@ -229,17 +295,29 @@ class GradReducer:
                 others.all_reduce_sum(job.out)
             unit.grad_opt.add_(job.out)
             self.pool.give(job.sent)
+        self.on_memory(False)
+
+    def _land_slot(self, job: _InFlight) -> None:
+        """Add the part of one parameter's summed gradient inside this rank's shard to
+        its fp32 slice."""
+        unit = job.unit
+        slot = unit.layout.slots[job.slot]
+        lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
+        if lo < hi:
+            unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start].add_(
+                job.sent[lo - slot.offset : hi - slot.offset]
+            )
 
     def wait(self) -> None:
         """Finish every reduction in flight and land the results in the fp32 slices."""
-        for job in self.in_flight:
-            self._land(job)
-        self.in_flight.clear()
+        while self.in_flight:
+            self._land(self.in_flight.pop(0))
 
     def drop(self) -> None:
         """Let go of the reductions in flight without waiting (a peer is gone, or the
         process is ending after an error)."""
         self.in_flight.clear()
+        self._direct.clear()
 
     def local_sums(self, unit: FlatUnit) -> list[int]:
         """Stages 2-3 under `no_sync()`: the slots of `unit` whose local (unreduced)
@@ -249,8 +327,12 @@ class GradReducer:
         return sorted(self._written.get(unit.layout.index, ()))
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        """Full-size gradient buffers held for communication: in flight, and pooled."""
-        return [job.sent for job in self.in_flight] + self.pool.tensors()
+        """Full-size gradient buffers being reduced (those being filled are the units')."""
+        return [job.sent for job in self.in_flight]
+
+    def pooled_buffers(self) -> list[torch.Tensor]:
+        """Full-size gradient buffers kept idle for reuse."""
+        return self.pool.tensors()
 
     def zero_grad(self) -> None:
         for unit in self.units:

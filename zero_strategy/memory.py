@@ -21,6 +21,7 @@ KINDS = (
     "optimizer_state",
     "gathered_parameters",
     "comm_buffers",
+    "pooled",
     "buffers",
 )
 
@@ -62,27 +63,16 @@ def _add_model_state(
                 ledger.add("optimizer_state", value)
 
 
-def memory_report(
-    units: Iterable[FlatUnit],
+def held_bytes(
+    units: list[FlatUnit],
     optimizer: OptimizerSet,
     module: nn.Module,
     stage: int,
     comm_tensors: Iterable[torch.Tensor] = (),
-    comm_storages: Iterable[torch.UntypedStorage] = (),
-    expert_units: Iterable[FlatUnit] = (),
-    expert_params: Iterable[torch.Tensor] = (),
+    pooled_tensors: Iterable[torch.Tensor] = (),
+    pooled_storages: Iterable[torch.UntypedStorage] = (),
 ) -> dict[str, int]:
-    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
-    shard at stage 3); master_params: fp32 masters not shared with them; gradients;
-    optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
-    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in flight
-    and pooled) and the storages that recycle stage 3's gather memory (`comm_storages`);
-    buffers: the model's buffers. `total` sums them.
-
-    With MoE experts (`expert_units`, and the optimizer parameters over them),
-    `expert_<kind>` is the experts' part of each model-state kind, already counted in the
-    kind itself (and so not in `total` twice)."""
-    units = list(units)
+    """The bytes of each kind held now, and their `total` (see `memory_report`)."""
     ledger = _Ledger()
     _add_model_state(ledger, units, optimizer.state.values(), stage)
     for unit in units:
@@ -92,16 +82,56 @@ def memory_report(
             ledger.add("comm_buffers", unit.grad_full)
     for tensor in comm_tensors:
         ledger.add("comm_buffers", tensor)
-    for storage in comm_storages:
-        ledger.add_storage("comm_buffers", storage)
+    for tensor in pooled_tensors:
+        ledger.add("pooled", tensor)
+    for storage in pooled_storages:
+        ledger.add_storage("pooled", storage)
     for buf in module.buffers():
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)
     report["total"] = sum(report.values())
+    return report
+
+
+def memory_report(
+    units: Iterable[FlatUnit],
+    optimizer: OptimizerSet,
+    module: nn.Module,
+    stage: int,
+    comm_tensors: Iterable[torch.Tensor] = (),
+    pooled_tensors: Iterable[torch.Tensor] = (),
+    pooled_storages: Iterable[torch.UntypedStorage] = (),
+    expert_units: Iterable[FlatUnit] = (),
+    expert_params: Iterable[torch.Tensor] = (),
+    peaks: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
+    shard at stage 3); master_params: fp32 masters not shared with them; gradients;
+    optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
+    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in
+    flight); pooled: idle memory kept for reuse (gradient buffers, `pooled_tensors`, and
+    stage 3's gather memory, `pooled_storages`); buffers: the model's buffers. `total`
+    sums them.
+
+    With MoE experts (`expert_units`, and the optimizer parameters over them),
+    `expert_<kind>` is the experts' part of each model-state kind, already counted in the
+    kind itself (and so not in `total` twice).
+
+    `peaks` (kind -> bytes) adds `peak_<kind>` and `peak_total`: the most held at once
+    since the peaks were last reset; `peak_total` is the largest total, not the sum of
+    the kinds' peaks (which need not coincide)."""
+    units = list(units)
+    report = held_bytes(
+        units, optimizer, module, stage, comm_tensors, pooled_tensors, pooled_storages
+    )
     expert_units = list(expert_units)
     if expert_units:
         states = [optimizer.state.get(p, {}) for p in expert_params]
         part = _Ledger()
         _add_model_state(part, expert_units, states, stage)
         report.update({f"expert_{kind}": part.bytes[kind] for kind in MODEL_STATE})
+    if peaks is not None:
+        report.update(
+            {f"peak_{kind}": max(peaks.get(kind, 0), report[kind]) for kind in (*KINDS, "total")}
+        )
     return report
