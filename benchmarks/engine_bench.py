@@ -52,7 +52,8 @@ def skip_reason(impl: str, args) -> str | None:
     return (
         f"DDP holds the whole model state on every rank: {need / 1e9:.1f} GB per rank "
         f"(planner, {params / 1e6:.0f}M parameters, fp32 AdamW), {need * args.nproc / 1e9:.1f}"
-        f" GB for {args.nproc} ranks, above this machine's {available / 1e9:.1f} GB available"
+        f" GB for {args.nproc} ranks, more than 90% of the {available / 1e9:.1f} GB this "
+        "machine has available (the rest goes to the processes, activations and buffers)"
     )
 
 

@@ -179,14 +179,15 @@ def test_reuse_distance_keeps_units_from_forward_into_backward():
     assert by_distance[10**9]["held_after_forward"] == 4 * padded
 
 
-def _peaks(rank: int, world: int, prefetch_depth: int):
+def _peaks(rank: int, world: int, prefetch_depth: int, emulate: bool = True):
     """One training step (which records the module order), then peaks over an evaluation
     forward alone, and over a training backward alone."""
     model = make_model()
     psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    engine = ZeroEngine(
-        model, make_optimizer(model), ZeroConfig(stage=3, prefetch_depth=prefetch_depth)
+    config = ZeroConfig(
+        stage=3, prefetch_depth=prefetch_depth, reduce_scatter_via_all_reduce=emulate
     )
+    engine = ZeroEngine(model, make_optimizer(model), config)
     x, y = local_batch(0, 0, rank, world)
     engine.backward(engine(x, y))
     engine.step()
@@ -232,6 +233,19 @@ def test_peaks_are_the_most_held_at_once(prefetch_depth):
     assert max(held["total"] for _, held in timeline) == after_backward["peak_total"]
     times = [t for t, _ in timeline]
     assert times == sorted(times)
+    # Samples read counters, not the tensors: the last one agrees with the ledger.
+    assert timeline[-1][1] == {k: v for k, v in after_backward.items() if not k.startswith("peak")}
+
+
+def test_peaks_with_unit_buffers():
+    """A real reduce-scatter fills a buffer per unit: the counters that samples read
+    follow the buffers through filling, reduction and the pool, exactly."""
+    _, _, after_backward, timeline, units, _ = run_world(_peaks, 2, 1, False)[0]
+    largest = max(n for n, _ in units)
+    assert after_backward["comm_buffers"] == 0
+    assert 0 < after_backward["peak_comm_buffers"] <= 3 * 4 * largest
+    assert timeline[-1][1] == {k: v for k, v in after_backward.items() if not k.startswith("peak")}
+    assert max(held["total"] for _, held in timeline) == after_backward["peak_total"]
 
 
 def _two_paths(rank: int, world: int, stage: int, emulate: bool, use_no_sync: bool):

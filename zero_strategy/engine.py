@@ -189,7 +189,7 @@ class ZeroEngine:
 
         self.scaler = LossScaler(cfg)
         self.gather: GatherManager | None = None
-        self._memory = MemoryPeaks(self._held_bytes)
+        self._memory = MemoryPeaks(self._held_bytes, self._transient_bytes)
         self.reducer = GradReducer(
             self.units,
             self.stage,
@@ -618,7 +618,7 @@ class ZeroEngine:
             finally:
                 self._inside_step = False
         self.scaler.update(False)
-        self._memory.sample()  # the first step creates the optimizer state
+        self._memory.resync()  # the first step creates the optimizer state
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
@@ -890,6 +890,16 @@ class ZeroEngine:
         """(time.perf_counter(), bytes by kind) at every change since
         `reset_memory_peaks(record_timeline=True)`; empty when none was requested."""
         return list(self._memory.timeline or ())
+
+    def _transient_bytes(self) -> dict[str, int]:
+        comm, pooled = self.reducer.transient_bytes()
+        if self.gather is None:
+            return {"gathered_parameters": 0, "comm_buffers": comm, "pooled": pooled}
+        return {
+            "gathered_parameters": self.gather.gathered_bytes(),
+            "comm_buffers": comm,
+            "pooled": pooled + self.gather.storage_pool.spare_bytes,
+        }
 
     def _pooled_storages(self) -> list[torch.UntypedStorage]:
         return self.gather.storage_pool.storages() if self.gather else []

@@ -63,6 +63,7 @@ class GatherManager:
         self._reuse_distance: dict[int, int] = {}  # unit index -> numel gathered in between
         self.on_backward_start = on_backward_start
         self.pending: dict[int, object] = {}  # unit index -> in-flight gather work
+        self._live: set[int] = set()  # units gathered since they were last seen empty
         self.order: list[int] | None = None  # recorded forward order (non-root units)
         self._recording: list[int] = []
         self._cursor = 0
@@ -244,8 +245,21 @@ class GatherManager:
         if self.verify_order:
             self._verify(unit, phase)
         target = unit.gather_target()
+        self._live.add(idx)
         self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
         self.on_memory(True)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the units gathered (or being gathered) now, as `memory_report`
+        counts them, from the few units gathered since last seen empty."""
+        total = 0
+        for idx in list(self._live):
+            held = self.units[idx].gathered_bytes()
+            if held:
+                total += held
+            else:
+                self._live.discard(idx)
+        return total
 
     def ensure(self, unit: FlatUnit, phase: int) -> bool:
         """Make `unit` usable now: gather it if needed, wait for its gather if in flight.

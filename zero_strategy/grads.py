@@ -50,18 +50,27 @@ class BufferPool:
 
     def __init__(self) -> None:
         self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.free_bytes = 0
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         stack = self.free.get((numel, dtype, device))
-        return stack.pop() if stack else torch.empty(numel, dtype=dtype, device=device)
+        if not stack:
+            return torch.empty(numel, dtype=dtype, device=device)
+        self.free_bytes -= _nbytes(stack[-1])
+        return stack.pop()
 
     def give(self, buffer: torch.Tensor) -> None:
         stack = self.free.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
         if len(stack) <= MAX_IN_FLIGHT:  # more were alive only under no_sync: let them go
             stack.append(buffer)
+            self.free_bytes += _nbytes(buffer)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for stack in self.free.values() for t in stack]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 @dataclass
@@ -93,6 +102,7 @@ class GradReducer:
         self.on_backward_end = on_backward_end
         self.sync = True
         self.in_flight: list[_InFlight] = []
+        self._sent_bytes = 0  # of the reductions in flight, each buffer counted once
         self._ready: dict[int, int] = {}  # unit index -> grads received this backward
         self._launched: set[int] = set()
         self._callback_queued = False
@@ -213,14 +223,22 @@ class GradReducer:
         if group.grad_divisor > 1:
             sent.div_(group.grad_divisor)
         work = group.holders.all_reduce_sum(sent, async_op=True)
-        self.in_flight.append(_InFlight(unit, work, sent, None, slot_index))
-        self.on_memory(True)
+        self._push(_InFlight(unit, work, sent, None, slot_index))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
-        while len(self.in_flight) > 1 and self._in_flight_bytes() > DIRECT_IN_FLIGHT_BYTES:
-            self._land(self.in_flight.pop(0))
+        while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
+            self._land(self._pop())
 
-    def _in_flight_bytes(self) -> int:
-        return sum(job.sent.numel() * job.sent.element_size() for job in self.in_flight)
+    def _push(self, job: _InFlight) -> None:
+        self.in_flight.append(job)
+        if self.stage >= 2 or job.sent is not job.unit.grad_full:  # else: the gradients
+            self._sent_bytes += _nbytes(job.sent)
+        self.on_memory(True)
+
+    def _pop(self) -> _InFlight:
+        job = self.in_flight.pop(0)
+        if self.stage >= 2 or job.sent is not job.unit.grad_full:
+            self._sent_bytes -= _nbytes(job.sent)
+        return job
 
     def _send_missing_slots(self, unit: FlatUnit) -> None:
         """End of backward: the unit's trainable parameters that got no gradient here are
@@ -258,11 +276,10 @@ class GradReducer:
             if sent is not unit.grad_full:
                 self.pool.give(unit.grad_full)
             unit.grad_full = None
-        self.in_flight.append(_InFlight(unit, work, sent, out))
-        self.on_memory(True)
+        self._push(_InFlight(unit, work, sent, out))
         # Bound the full-size buffers alive at once (stages 2-3): finish the oldest.
         while self.stage >= 2 and len(self.in_flight) > MAX_IN_FLIGHT:
-            self._land(self.in_flight.pop(0))
+            self._land(self._pop())
 
     def _zero_unwritten(self, unit: FlatUnit) -> None:
         """Zero the parts of a pooled buffer no gradient was written to this window."""
@@ -311,12 +328,13 @@ class GradReducer:
     def wait(self) -> None:
         """Finish every reduction in flight and land the results in the fp32 slices."""
         while self.in_flight:
-            self._land(self.in_flight.pop(0))
+            self._land(self._pop())
 
     def drop(self) -> None:
         """Let go of the reductions in flight without waiting (a peer is gone, or the
         process is ending after an error)."""
         self.in_flight.clear()
+        self._sent_bytes = 0
         self._direct.clear()
 
     def local_sums(self, unit: FlatUnit) -> list[int]:
@@ -333,6 +351,17 @@ class GradReducer:
     def pooled_buffers(self) -> list[torch.Tensor]:
         """Full-size gradient buffers kept idle for reuse."""
         return self.pool.tensors()
+
+    def transient_bytes(self) -> tuple[int, int]:
+        """(comm_buffers, pooled) as `memory_report` counts them, without walking every
+        tensor: the reductions in flight, the unit buffers being filled (stages 2-3), and
+        the pool. Cheap enough to run after every allocation."""
+        filling = 0
+        if self.stage >= 2:
+            for idx in self._written:
+                buf = self.units[idx].grad_full
+                filling += 0 if buf is None else _nbytes(buf)
+        return self._sent_bytes + filling, self.pool.free_bytes
 
     def zero_grad(self) -> None:
         for unit in self.units:

@@ -2,10 +2,15 @@
 
 A current report says what is held now; the question a user with a model that barely
 fits asks is what was held at the worst moment of a step. The engine's transient memory
-(gathered units, gradient buffers, the optimizer state's first creation) only grows at a
-few places, and each of them calls `sample(grew=True)` right after it allocated: the
-largest value seen at those moments is the true peak, not a sampled guess, since between
-two of them memory only shrinks.
+(gathered units, gradients being reduced, pooled buffers) only grows at a few places, and
+each of them calls `sample(grew=True)` right after it allocated: the largest value seen at
+those moments is the true peak, not a sampled guess, since between two of them memory
+only shrinks. Model state (parameters, gradients, optimizer state) changes only in the
+step, which calls `resync()` after it.
+
+A sample must cost next to nothing (it runs after every gradient sent), so it reads only
+the transient kinds, from counters (`measure_transient`); the whole ledger
+(`measure_all`) is walked at a reset and after each step.
 
 With a timeline requested, every change (shrinks too) is kept with its time, for plots of
 one step's memory (`benchmarks/memory_timeline.py`).
@@ -16,10 +21,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+TRANSIENT = ("gathered_parameters", "comm_buffers", "pooled")
+
 
 class MemoryPeaks:
-    def __init__(self, measure: Callable[[], dict[str, int]]) -> None:
-        self._measure = measure
+    def __init__(
+        self,
+        measure_all: Callable[[], dict[str, int]],
+        measure_transient: Callable[[], dict[str, int]],
+    ) -> None:
+        self._measure_all = measure_all
+        self._measure_transient = measure_transient
+        self._steady: dict[str, int] = {}  # the kinds that change only in the step
         self.peaks: dict[str, int] = {}
         self.timeline: list[tuple[float, dict[str, int]]] | None = None
         self.active = False  # the engine turns sampling on once its tensors exist
@@ -29,7 +42,20 @@ class MemoryPeaks:
         transient memory (`grew`), and after frees when a timeline is recorded."""
         if not self.active or (not grew and self.timeline is None):
             return
-        now = self._measure()
+        now = dict(self._steady)
+        now.update(self._measure_transient())
+        now["total"] = sum(now.values())
+        self._record(now)
+
+    def resync(self) -> None:
+        """Walk everything held (after a step, whose optimizer may create its state)."""
+        if not self.active:
+            return
+        now = self._measure_all()
+        self._steady = {k: v for k, v in now.items() if k not in TRANSIENT and k != "total"}
+        self._record(now)
+
+    def _record(self, now: dict[str, int]) -> None:
         for kind, value in now.items():
             if value > self.peaks.get(kind, 0):
                 self.peaks[kind] = value
@@ -41,4 +67,4 @@ class MemoryPeaks:
         self.active = True
         self.timeline = [] if record_timeline else None
         self.peaks = {}
-        self.sample()
+        self.resync()

@@ -22,6 +22,7 @@ class StoragePool:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.spares: dict[tuple[int, torch.device], list[torch.UntypedStorage]] = {}
+        self.spare_bytes = 0
 
     @staticmethod
     def _recyclable(storage: torch.UntypedStorage) -> bool:
@@ -36,6 +37,7 @@ class StoragePool:
         stack = self.spares.get((nbytes, storage.device))
         if stack and self._recyclable(storage):
             storage._swap_data_ptr_(stack.pop())
+            self.spare_bytes -= nbytes
         else:
             storage.resize_(nbytes)
 
@@ -51,9 +53,11 @@ class StoragePool:
         spare = torch.UntypedStorage(0, device=storage.device)
         spare._swap_data_ptr_(storage)
         stack.append(spare)
+        self.spare_bytes += nbytes
 
     def clear(self) -> None:
         self.spares.clear()
+        self.spare_bytes = 0
 
     def storages(self) -> list[torch.UntypedStorage]:
         return [s for stack in self.spares.values() for s in stack]
