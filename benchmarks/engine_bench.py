@@ -27,7 +27,7 @@ from benchmarks.launch import interleaved_rounds, run_ranks  # noqa: E402
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
 # The ~0.7B model: stage 3 and its peers, fp32 and bf16 compute, at batch 1.
-BIG = ["ddp", "fsdp2", "ds3", "zero3", "fsdp2-bf16", "zero3-bf16"]
+BIG = ["ddp", "fsdp2", "ds3", "ds3-lean", "zero3", "fsdp2-bf16", "zero3-bf16"]
 BATCH = {"big": 1}  # sequences per rank; 4 for the other sizes
 
 
@@ -72,6 +72,7 @@ def run_one(impl: str, args, out: str) -> dict | None:
         str(args.batch),
         nproc=args.nproc,
         timeout=args.timeout,
+        failures=args.skipped,
     )
     if ranks is None:
         return None
@@ -104,9 +105,9 @@ def run_rounds(impls: list[str], args) -> list[dict[str, dict]]:
     )
 
 
-def _median_ratio(rounds, num: str, den: str, key: str = "step") -> float:
+def _median_ratio(rounds, num: str, den: str, key: str = "step") -> str:
     ratios = [rd[num][key] / rd[den][key] for rd in rounds if num in rd and den in rd]
-    return statistics.median(ratios) if ratios else float("nan")
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
 
 
 def _fsdp_peer(impl: str) -> str | None:
@@ -129,7 +130,7 @@ def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
         f"x {args.steps} timed steps"
     )
     for impl, reason in getattr(args, "skipped", {}).items():
-        print(f"{impl}: not run. {reason}.")
+        print(f"{impl}: no figures: {reason}.")
     print(
         "| impl | median step (s) | throughput vs DDP | vs DeepSpeed same stage "
         "| step time / FSDP2's | peak RSS/rank (MiB) | peak RSS / FSDP2's "
@@ -141,13 +142,15 @@ def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
         if not got:
             continue
         peer = "ds" + impl[4] if impl.startswith("zero") and "bf16" not in impl else None
-        vs_ds = f"{_median_ratio(rounds, peer, impl):.2f}x" if peer else "-"
+        if peer == "ds3" and not any("ds3" in rd for rd in rounds):
+            peer = "ds3-lean"  # DeepSpeed's defaults did not fit: its tuned run
+        vs_ds = _median_ratio(rounds, peer, impl) if peer else "-"
         fsdp = _fsdp_peer(impl)
-        time_vs_fsdp = f"{_median_ratio(rounds, impl, fsdp):.2f}x" if fsdp else "-"
-        rss_vs_fsdp = f"{_median_ratio(rounds, impl, fsdp, 'rss'):.2f}x" if fsdp else "-"
+        time_vs_fsdp = _median_ratio(rounds, impl, fsdp) if fsdp else "-"
+        rss_vs_fsdp = _median_ratio(rounds, impl, fsdp, "rss") if fsdp else "-"
         print(
             f"| {impl} | {statistics.median(g['step'] for g in got):.3f} "
-            f"| {_median_ratio(rounds, 'ddp', impl):.2f}x | {vs_ds} | {time_vs_fsdp} "
+            f"| {_median_ratio(rounds, 'ddp', impl)} | {vs_ds} | {time_vs_fsdp} "
             f"| {statistics.median(g['rss'] for g in got):.0f} | {rss_vs_fsdp} "
             f"| {got[0]['state']:.1f} |"
         )
@@ -171,11 +174,15 @@ def main() -> None:
     args.skipped = {}
     if args.from_json:
         rounds = json.loads(Path(args.from_json).read_text())
+        skipped = Path(args.from_json).with_suffix(".skipped.json")
+        if skipped.exists():
+            args.skipped = json.loads(skipped.read_text())
     else:
         rounds = run_rounds(impls, args)
     print_table(impls, rounds, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rounds, indent=1))
+        Path(args.json).with_suffix(".skipped.json").write_text(json.dumps(args.skipped))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Launched by `benchmarks/engine_bench.py` through torchrun; not meant to be run by hand.
 Implementations: ddp, fsdp2, ds1/ds2/ds3 (DeepSpeed ZeRO, DS_ACCELERATOR=cpu), zero1/2/3,
 and zero3-reuse: stage 3 with DeepSpeed's default reuse distance (1e9 elements), which keeps
-every unit gathered from forward into backward, as ds3 does by default. zero3-bf16 and
+every unit gathered from forward into backward, as ds3 does by default. ds3-lean is
+DeepSpeed ZeRO-3 built inside zero.Init, with smaller buckets and live-parameter limits
+(`DEEPSPEED_LEAN`), for models that barely fit. zero3-bf16 and
 fsdp2-bf16 compute in bf16 with fp32 masters (`compute_dtype="bf16"`; FSDP2's
 `MixedPrecisionPolicy(param_dtype=bf16)`), gradients reduced in bf16 by both.
 Every implementation trains the same GPT on the same batches with AdamW and global-norm
@@ -31,6 +33,17 @@ from examples.gpt import GPT, GPTConfig
 
 # DeepSpeed's default stage3_max_reuse_distance (deepspeed/runtime/zero/config.py).
 DEEPSPEED_REUSE_DISTANCE = 1_000_000_000
+# ds3-lean: DeepSpeed ZeRO-3 tuned for a model that barely fits, as its docs advise when
+# memory is short: the model built inside zero.Init, buckets of 5e7 elements instead of 5e8
+# (the fp32 reduce bucket alone is 1.9 GiB per rank by default), and at most 1e8 parameters
+# live or kept for reuse.
+DEEPSPEED_LEAN = {
+    "reduce_bucket_size": 50_000_000,
+    "allgather_bucket_size": 50_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 100_000_000,
+    "stage3_max_reuse_distance": 100_000_000,
+}
 
 SIZES = {
     # ~730M parameters: 24 layers, d=1536, vocab 16384, seq 128, untied head; run at
@@ -129,6 +142,32 @@ def plain_torch_step_and_state(model: torch.nn.Module):
     return step, state
 
 
+def deepspeed_config(impl: str) -> dict:
+    zero = {"stage": int(impl[2])}
+    if impl.endswith("-lean"):
+        zero.update(DEEPSPEED_LEAN)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+    }
+
+
+def make_model(impl: str, cfg: GPTConfig) -> tuple[torch.nn.Module, int]:
+    """The model (seed 0) and its parameter count. ds3-lean builds it inside
+    `deepspeed.zero.Init`, as DeepSpeed advises for models that barely fit: each rank then
+    never holds the whole model."""
+    torch.manual_seed(0)
+    if impl == "ds3-lean":
+        import deepspeed
+
+        with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(impl)):
+            model = GPT(cfg)
+        return model, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    model = GPT(cfg)
+    return model, sum(p.numel() for p in model.parameters())
+
+
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
     bf16 = impl.endswith("-bf16")
@@ -146,11 +185,7 @@ def build(impl: str, model: torch.nn.Module):
     if impl.startswith("ds"):
         import deepspeed
 
-        cfg = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": int(impl[2:])},
-        }
+        cfg = deepspeed_config(impl)
         engine, opt, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=cfg
         )
@@ -230,9 +265,7 @@ def main() -> None:
     args = worker_arguments(("--size", {"default": "bench", "choices": sorted(SIZES)}))
     rank = init_ranks(args.impl)
     cfg = SIZES[args.size]
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    model, n_params = make_model(args.impl, cfg)
     forward, backward, step, state_bytes = build(args.impl, model)
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)

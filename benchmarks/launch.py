@@ -28,10 +28,17 @@ def torchrun(
 
 
 def run_ranks(
-    script: str, impl: str, out: str, *args: str, nproc: int = 2, timeout: float | None = None
+    script: str,
+    impl: str,
+    out: str,
+    *args: str,
+    nproc: int = 2,
+    timeout: float | None = None,
+    failures: dict[str, str] | None = None,
 ) -> list[dict] | None:
     """Run `script --impl impl ... --out out` on `nproc` ranks; each rank's JSON result
-    (`<out>/<impl>.rank<r>.json`), or None (with the error printed) when the run failed."""
+    (`<out>/<impl>.rank<r>.json`), or None (with the error printed, and said in
+    `failures[impl]`) when the run failed."""
     import json
     from pathlib import Path
 
@@ -40,6 +47,13 @@ def run_ranks(
     )
     if proc.returncode != 0:
         print(f"  {impl}: failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+        if failures is not None:
+            killed = "exitcode  : -9" in proc.stderr
+            failures[impl] = (
+                "a rank was killed by SIGKILL (on this machine, the kernel's out-of-memory killer)"
+                if killed
+                else f"failed with exit code {proc.returncode} (its error is in the log)"
+            )
         return None
     return [json.loads(Path(out, f"{impl}.rank{r}.json").read_text()) for r in range(nproc)]
 

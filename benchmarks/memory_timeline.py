@@ -3,7 +3,7 @@
     python benchmarks/memory_timeline.py --size big --png docs/memory_timeline.png
     python benchmarks/memory_timeline.py --size tiny        # a quick smoke run
 
-Each implementation runs on 2 ranks (gloo, one thread each) for `--warmup` steps, then one
+Each implementation runs on `--nproc` ranks (2 by default; gloo, one thread each) for `--warmup` steps, then one
 recorded step. Rank 0 records:
 - RSS, sampled every 2 ms;
 - activations: the bytes autograd saved for backward and still holds (a saved-tensor hook,
@@ -141,7 +141,7 @@ def worker(args) -> None:
     for _ in range(args.warmup):
         backward(forward(x, y))
         step()
-    if os.environ.get("TRIM"):
+    if args.trim:  # does handing freed heap memory back before the step change its peak?
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -286,8 +286,10 @@ def plot(results: dict[str, dict], png: str) -> None:
         for name, (a, b) in res["phases"].items():
             ax.axvline(a - t0, color="grey", ls=":", lw=0.8)
             ax.text((a + b) / 2 - t0, 0.02, name, transform=ax.get_xaxis_transform(), ha="center")
-        title = "this engine, stage 3" if impl.startswith("zero") else impl.upper()
-        ax.set_title(f"{title}: {res['params'] / 1e6:.0f}M params, rank 0")
+        title = f"this engine, {impl}" if impl.startswith("zero") else impl.upper()
+        ax.set_title(
+            f"{title}: {res['params'] / 1e6:.0f}M params, rank 0 of {res['world']}", fontsize=10
+        )
         ax.set_xlabel("seconds into the step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MiB")
@@ -303,6 +305,10 @@ def main() -> None:
     parser.add_argument("--size", default="big")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one core each)")
+    parser.add_argument(
+        "--trim", action="store_true", help="glibc's malloc_trim(0) before the recorded step"
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     parser.add_argument("--json", default="")
@@ -325,8 +331,10 @@ def main() -> None:
                 str(args.batch),
                 "--warmup",
                 str(args.warmup),
+                *(["--trim"] if args.trim else []),
                 "--out",
                 out,
+                nproc=args.nproc,
                 check=False,
             )
             if proc.returncode:
@@ -343,6 +351,13 @@ def main() -> None:
             peaks = {k: v / MiB for k, v in res["peaks"].items() if k.startswith("peak_")}
             print(
                 "  engine peaks (MiB): " + ", ".join(f"{k[5:]} {v:.1f}" for k, v in peaks.items())
+            )
+            units = sorted(res["unit_bytes"], reverse=True)
+            block = min(units)
+            rest = peaks["gathered_parameters"] * MiB - units[0]
+            print(
+                f"  gathered at once at most: the largest unit ({units[0] / MiB:.1f} MiB) and "
+                f"{rest / block:.1f} units of {block / MiB:.1f} MiB"
             )
             target = tensor_peak(res)
             print(

@@ -538,8 +538,8 @@ class ZeroEngine:
 
     def reshard(self) -> None:
         """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
-        did not go through the root module's forward). The few spare gather buffers kept
-        for reuse (at most prefetch_depth + 1 per unit size) stay."""
+        did not go through the root module's forward). The spare gather buffers kept for
+        reuse (one per unit size) stay."""
         if self.gather is not None:
             self.gather.release_all()
 
@@ -969,6 +969,7 @@ class ZeroEngine:
         if load_optimizer_states:
             self.scaler.load_state_dict(loaded.loss_scaler)
             self.global_steps = loaded.step
+        self._memory.resync()  # the load may have created the optimizer state
         return loaded.client_state
 
     def load_pretrained(self, path: str | os.PathLike, strict: bool = True) -> dict[str, int]:
@@ -1077,7 +1078,7 @@ class ZeroEngine:
         closed. Collective at stages 1-3 (the shards are gathered); the engine is done."""
         with contextlib.suppress(Exception):  # after an exception mid-step: finish or drop
             self.reducer.wait()
-        self.reducer.in_flight.clear()
+        self.reducer.drop()
         self.wait_for_parameters()
         if self.gather is not None:
             self.gather.release_all()

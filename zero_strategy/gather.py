@@ -52,7 +52,7 @@ class GatherManager:
         verify_order: bool,
         max_reuse_distance: int,
         on_backward_start: Callable[[], None],
-        on_memory: Callable[[bool], None] = lambda grew: None,
+        on_memory: Callable[[], None] = lambda: None,
     ):
         self.units = units
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
@@ -153,7 +153,7 @@ class GatherManager:
     def _free(self, unit: FlatUnit) -> None:
         if unit.gathered:
             unit.free_full()
-            self.on_memory(False)
+            self.on_memory()
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
@@ -247,7 +247,7 @@ class GatherManager:
         target = unit.gather_target()
         self._live.add(idx)
         self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
-        self.on_memory(True)
+        self.on_memory()
 
     def gathered_bytes(self) -> int:
         """Bytes of the units gathered (or being gathered) now, as `memory_report`

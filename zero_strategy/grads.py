@@ -91,10 +91,10 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         on_unit_ready: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
-        on_memory: Callable[[bool], None] = lambda grew: None,
+        on_memory: Callable[[], None] = lambda: None,
     ):
         self.units = units
-        self.on_memory = on_memory  # told after buffers are taken (True) or given back
+        self.on_memory = on_memory  # told after buffers are taken or given back
         self.stage = stage
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype
@@ -108,6 +108,9 @@ class GradReducer:
         self._callback_queued = False
         self.pool = BufferPool()
         self._written: dict[int, set[int]] = {}  # unit index -> slots written this window
+        # A no_sync() backward ran since the last synchronised one: local sums may wait
+        # in unit buffers (on some ranks only), so every rank reduces through them.
+        self._local_sums = False
         # Units whose parameters this backward reduces one by one -> slots sent so far.
         self._direct: dict[int, set[int]] = {}
         self._trainable_count = {
@@ -163,7 +166,7 @@ class GradReducer:
                     unit.layout.padded_numel, unit.compute_dtype, unit.device
                 )
                 self._written[unit.layout.index] = set()
-                self.on_memory(True)
+                self.on_memory()
             written = self._written[unit.layout.index]
             target = unit.grad_full[slot.offset : slot.end]
             if slot_index in written:
@@ -181,6 +184,7 @@ class GradReducer:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        self._local_sums = not self.sync
         if self.sync:
             for unit in self.units:
                 if unit.layout.index in self._direct:
@@ -198,15 +202,18 @@ class GradReducer:
         """Whether this backward reduces `unit` parameter by parameter, straight from the
         gradients autograd produced: no unit-sized buffer, no copy into it. That needs a
         synchronised, overlapped backward, a reduction that is an all-reduce (gloo's
-        emulated reduce-scatter, or one rank), and no local sums from `no_sync()` waiting
-        in the unit's buffer. Decided at the unit's first gradient of the backward."""
+        emulated reduce-scatter, or nothing to reduce over), and no `no_sync()` backward
+        since the last synchronised one (its local sums wait in unit buffers, perhaps on
+        some ranks only). Every input is the same on every rank, so the ranks choose alike
+        and their collectives pair up. Decided at the unit's first gradient of the
+        backward."""
         idx = unit.layout.index
         if idx in self._direct:
             return True
-        if idx in self._ready or not (self.sync and self.overlap) or unit.grad_full is not None:
+        if idx in self._ready or not (self.sync and self.overlap) or self._local_sums:
             return False
-        comm = unit.group.comm
-        if not (comm.reduce_scatter_via_all_reduce or comm.size == 1):
+        group = unit.group
+        if not (group.comm.reduce_scatter_via_all_reduce or group.holders.size == 1):
             return False
         self._direct[idx] = set()
         return True
@@ -216,12 +223,20 @@ class GradReducer:
         shard group and, for replicated copies, the other copies: the full sum at once);
         this rank keeps the part inside its shard when it lands."""
         self._direct[unit.layout.index].add(slot_index)
-        sent = grad.contiguous().view(-1)
-        if sent.dtype != self.reduce_dtype:
-            sent = sent.to(self.reduce_dtype)
         group = unit.group
-        if group.grad_divisor > 1:
-            sent.div_(group.grad_divisor)
+        # A new tensor, never autograd's own: that may share memory with a gradient
+        # backward still has to read (a view it handed to .grad), or be a .grad the user set.
+        flat, divisor = grad.reshape(-1), group.grad_divisor
+        if flat.dtype != self.reduce_dtype:  # converted first, as the unit buffers are
+            sent = flat.to(self.reduce_dtype)
+            if divisor > 1:
+                sent.div_(divisor)
+        elif divisor > 1:
+            sent = torch.div(flat, divisor)
+        elif group.holders.size > 1:
+            sent = flat.clone()
+        else:  # nothing to divide, convert or reduce: read in place
+            sent = flat
         work = group.holders.all_reduce_sum(sent, async_op=True)
         self._push(_InFlight(unit, work, sent, None, slot_index))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
@@ -232,7 +247,7 @@ class GradReducer:
         self.in_flight.append(job)
         if self.stage >= 2 or job.sent is not job.unit.grad_full:  # else: the gradients
             self._sent_bytes += _nbytes(job.sent)
-        self.on_memory(True)
+        self.on_memory()
 
     def _pop(self) -> _InFlight:
         job = self.in_flight.pop(0)
@@ -258,6 +273,7 @@ class GradReducer:
         sent = unit.grad_full
         if sent.dtype != self.reduce_dtype:
             sent = self.pool.take(sent.numel(), self.reduce_dtype, sent.device).copy_(sent)
+            self.on_memory()  # the converted copy and the buffer are both alive here
         group = unit.group
         if group.grad_divisor > 1:
             sent.div_(group.grad_divisor)  # average; dividing first keeps fp16 sums in range
@@ -312,7 +328,7 @@ class GradReducer:
                 others.all_reduce_sum(job.out)
             unit.grad_opt.add_(job.out)
             self.pool.give(job.sent)
-        self.on_memory(False)
+        self.on_memory()
 
     def _land_slot(self, job: _InFlight) -> None:
         """Add the part of one parameter's summed gradient inside this rank's shard to
@@ -364,6 +380,14 @@ class GradReducer:
         return self._sent_bytes + filling, self.pool.free_bytes
 
     def zero_grad(self) -> None:
+        # A backward that raised half way left its per-backward state (its end-of-backward
+        # callback never ran): finish what it sent and start the next one clean.
+        self.wait()
+        self._direct.clear()
+        self._ready.clear()
+        self._launched.clear()
+        self._callback_queued = False
+        self._local_sums = False
         for unit in self.units:
             if unit.grad_opt is not None:
                 unit.grad_opt.zero_()

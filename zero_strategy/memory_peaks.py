@@ -2,18 +2,17 @@
 
 A current report says what is held now; the question a user with a model that barely
 fits asks is what was held at the worst moment of a step. The engine's transient memory
-(gathered units, gradients being reduced, pooled buffers) only grows at a few places, and
-each of them calls `sample(grew=True)` right after it allocated: the largest value seen at
-those moments is the true peak, not a sampled guess, since between two of them memory
-only shrinks. Model state (parameters, gradients, optimizer state) changes only in the
+(gathered units, gradients being reduced, pooled buffers) changes at a few places, and
+each of them calls `sample()` right after: the largest value seen at those moments is the
+true peak, not a sampled guess, since nothing else changes it in between. Model state (parameters, gradients, optimizer state) changes only in the
 step, which calls `resync()` after it.
 
 A sample must cost next to nothing (it runs after every gradient sent), so it reads only
 the transient kinds, from counters (`measure_transient`); the whole ledger
 (`measure_all`) is walked at a reset and after each step.
 
-With a timeline requested, every change (shrinks too) is kept with its time, for plots of
-one step's memory (`benchmarks/memory_timeline.py`).
+With a timeline requested, every sample is kept with its time, for plots of one step's
+memory (`benchmarks/memory_timeline.py`).
 """
 
 from __future__ import annotations
@@ -37,10 +36,11 @@ class MemoryPeaks:
         self.timeline: list[tuple[float, dict[str, int]]] | None = None
         self.active = False  # the engine turns sampling on once its tensors exist
 
-    def sample(self, grew: bool = True) -> None:
-        """Record the bytes held now. Called after every allocation the engine makes for
-        transient memory (`grew`), and after frees when a timeline is recorded."""
-        if not self.active or (not grew and self.timeline is None):
+    def sample(self) -> None:
+        """Record the bytes held now. Called after every change the engine makes to its
+        transient memory: allocations, and frees too (a free can move bytes into a pool,
+        and the timeline shows the drops)."""
+        if not self.active:
             return
         now = dict(self._steady)
         now.update(self._measure_transient())

@@ -10,7 +10,7 @@ falls back to ``resize_``.
 
 Here the memory moves instead: ``drain`` swaps the buffer's bytes into a spare storage
 kept in the pool, ``fill`` swaps spare bytes of the right size back in. The pool keeps at
-most ``capacity`` spares per size; its bytes are reported as communication buffers.
+most ``capacity`` spares per size; its bytes are reported as `pooled`.
 """
 
 from __future__ import annotations
