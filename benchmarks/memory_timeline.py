@@ -293,7 +293,7 @@ def plot(results: dict[str, dict], png: str) -> None:
         ax.set_xlabel("seconds into the step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MiB")
-    axes[-1].legend(loc="lower right", fontsize=8)
+    axes[0].legend(loc="center right", fontsize=8)  # the panel with every kind
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -311,7 +311,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
-    parser.add_argument("--json", default="")
+    parser.add_argument("--json", default="", help="write the recorded figures here")
+    parser.add_argument("--from-json", default="", help="print and plot a recorded run")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
@@ -319,8 +320,10 @@ def main() -> None:
     from benchmarks.launch import torchrun
 
     results = {}
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
     with tempfile.TemporaryDirectory() as out:
-        for impl in args.impls.split(","):
+        for impl in [] if args.from_json else args.impls.split(","):
             proc = torchrun(
                 __file__,
                 "--impl",
@@ -341,6 +344,8 @@ def main() -> None:
                 print(f"{impl}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
             results[impl] = json.loads(Path(out, f"{impl}.rank0.json").read_text())
+            if args.json:  # kept as each run ends: a later failure loses nothing
+                Path(args.json).write_text(json.dumps(results))
     for impl, res in results.items():
         b = breakdown_at_peak(res)
         print(f"\n{impl} ({res['params'] / 1e6:.0f}M params): peak RSS at {b['phase']}")
@@ -354,7 +359,7 @@ def main() -> None:
             )
             units = sorted(res["unit_bytes"], reverse=True)
             block = min(units)
-            rest = peaks["gathered_parameters"] * MiB - units[0]
+            rest = peaks["peak_gathered_parameters"] * MiB - units[0]
             print(
                 f"  gathered at once at most: the largest unit ({units[0] / MiB:.1f} MiB) and "
                 f"{rest / block:.1f} units of {block / MiB:.1f} MiB"

@@ -73,6 +73,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _sole_owner(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the only tensor on its memory (so writing it in place cannot
+    change another). Read from the storage's reference count: the tensor and the storage
+    object made here hold one each. Without that count (another torch), assume not."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata) <= 2
+
+
 @dataclass
 class _InFlight:
     unit: FlatUnit
@@ -224,19 +235,20 @@ class GradReducer:
         this rank keeps the part inside its shard when it lands."""
         self._direct[unit.layout.index].add(slot_index)
         group = unit.group
-        # A new tensor, never autograd's own: that may share memory with a gradient
-        # backward still has to read (a view it handed to .grad), or be a .grad the user set.
+        # Autograd's own tensor is divided and reduced in place only when nothing else
+        # holds its memory: .grad can be a view of a gradient backward still has to read.
+        exclusive = _sole_owner(grad)
         flat, divisor = grad.reshape(-1), group.grad_divisor
         if flat.dtype != self.reduce_dtype:  # converted first, as the unit buffers are
             sent = flat.to(self.reduce_dtype)
             if divisor > 1:
                 sent.div_(divisor)
+        elif exclusive or (divisor == 1 and group.holders.size == 1):
+            sent = flat.div_(divisor) if divisor > 1 else flat
         elif divisor > 1:
             sent = torch.div(flat, divisor)
-        elif group.holders.size > 1:
+        else:
             sent = flat.clone()
-        else:  # nothing to divide, convert or reduce: read in place
-            sent = flat
         work = group.holders.all_reduce_sum(sent, async_op=True)
         self._push(_InFlight(unit, work, sent, None, slot_index))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
