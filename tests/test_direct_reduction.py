@@ -122,3 +122,52 @@ def test_a_gradient_that_is_a_view_of_one_backward_still_needs(stage):
     for state in run_world(_train_aliased, 2, stage):
         for name, value in ref.items():
             torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose first backward raises (an OOM in the middle of a backward)."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("injected failure half way through backward")
+        return grad
+
+
+def _train_after_a_failed_backward(rank: int, world: int, stage: int, fail: bool):
+    _FailOnce.armed = fail
+    model = Branchy()
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage))
+    original = model.blocks[1].forward
+    model.blocks[1].forward = lambda x: original(_FailOnce.apply(x))
+    if fail:  # the head's gradients are sent before the failure reaches the blocks
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.backward(engine(_data(9, 0, rank), True))
+        engine.zero_grad()
+    gathered_after_backward = []
+    for step in range(2):
+        engine.backward(engine(_data(step, 1, rank), True))
+        gathered_after_backward.append(engine.memory_report()["gathered_parameters"])
+        engine.step()
+        engine.zero_grad()
+    state = {k: v.detach().clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    return state, gathered_after_backward
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_training_goes_on_after_a_backward_that_raised(stage):
+    """zero_grad() after the failure finishes what was sent and forgets that backward:
+    the next backwards end as usual (stage 3 releases every gathered unit at the end of
+    backward) and the steps equal a run that never failed."""
+    clean, _ = run_world(_train_after_a_failed_backward, 2, stage, False)[0]
+    for state, gathered in run_world(_train_after_a_failed_backward, 2, stage, True):
+        assert gathered == [0, 0]
+        for name, value in clean.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
