@@ -67,18 +67,25 @@ LR = 1e-4
 
 
 class PeakRSS:
-    """Samples this process's RSS every 5 ms while running."""
+    """Samples this process's RSS every `period` seconds while running; keeps the peak,
+    and with `keep` every (time.perf_counter(), rss) sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, period: float = 0.005, keep: bool = False) -> None:
         self.peak = 0
+        self.samples: list[tuple[float, int]] = []
+        self._period = period
+        self._keep = keep
         self._stop = threading.Event()
         self._proc = psutil.Process()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.005)
+            rss = self._proc.memory_info().rss
+            self.peak = max(self.peak, rss)
+            if self._keep:
+                self.samples.append((time.perf_counter(), rss))
+            time.sleep(self._period)
 
     def __enter__(self):
         self._thread.start()

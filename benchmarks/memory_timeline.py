@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -37,30 +36,6 @@ sys.path.insert(0, str(HERE.parent))
 
 MiB = 2**20
 KINDS = ("model_state", "gathered_parameters", "comm_buffers", "pooled", "activations")
-
-
-class RSSSampler:
-    def __init__(self, period: float = 0.002) -> None:
-        import psutil
-
-        self.samples: list[tuple[float, int]] = []
-        self._proc = psutil.Process()
-        self._period = period
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), self._proc.memory_info().rss))
-            time.sleep(self._period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 class SavedActivations:
@@ -125,7 +100,7 @@ def worker(args) -> None:
     import psutil
     import torch
 
-    from benchmarks.engine_worker import SIZES, build, init_ranks
+    from benchmarks.engine_worker import SIZES, PeakRSS, build, init_ranks
     from examples.gpt import GPT
 
     rank = init_ranks(args.impl)
@@ -149,7 +124,7 @@ def worker(args) -> None:
     engine = forward if args.impl.startswith("zero") else None
     saved = SavedActivations(model)
     torch.distributed.barrier()
-    with RSSSampler() as rss:
+    with PeakRSS(period=0.002, keep=True) as rss:
         if engine is not None:
             engine.reset_memory_peaks(record_timeline=True)
         t0 = time.perf_counter()

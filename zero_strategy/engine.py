@@ -868,13 +868,9 @@ class ZeroEngine:
         """Exact bytes held by this rank, by kind, and (`peak_<kind>`, `peak_total`) the
         most held at once since `reset_memory_peaks()` (or since the engine was built)."""
         return memory_report(
-            self.units,
+            self._held_bytes(),
             self._optimizer_set,
-            self.module,
             self.stage,
-            comm_tensors=self.reducer.comm_buffers(),
-            pooled_tensors=self.reducer.pooled_buffers(),
-            pooled_storages=self._pooled_storages(),
             expert_units=[u for u in self.units if not u.group.spec.replicated],
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
             peaks=self._memory.peaks,
@@ -883,7 +879,7 @@ class ZeroEngine:
     def reset_memory_peaks(self, record_timeline: bool = False) -> None:
         """Start the `peak_*` figures of `memory_report()` over from what is held now.
         With `record_timeline`, also keep every change until the next reset (see
-        `memory_timeline()`): for plots of a step, it costs a report per change."""
+        `memory_timeline()`), for plots of a step."""
         self._memory.reset(record_timeline)
 
     def memory_timeline(self) -> list[tuple[float, dict[str, int]]]:

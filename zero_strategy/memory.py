@@ -72,7 +72,9 @@ def held_bytes(
     pooled_tensors: Iterable[torch.Tensor] = (),
     pooled_storages: Iterable[torch.UntypedStorage] = (),
 ) -> dict[str, int]:
-    """The bytes of each kind held now, and their `total` (see `memory_report`)."""
+    """The bytes of each kind held now, and their `total` (see `memory_report`): the
+    tensors in flight (`comm_tensors`) and those kept idle for reuse (`pooled_*`) come
+    from the engine's reducer and gatherer."""
     ledger = _Ledger()
     _add_model_state(ledger, units, optimizer.state.values(), stage)
     for unit in units:
@@ -94,24 +96,21 @@ def held_bytes(
 
 
 def memory_report(
-    units: Iterable[FlatUnit],
+    held: dict[str, int],
     optimizer: OptimizerSet,
-    module: nn.Module,
     stage: int,
-    comm_tensors: Iterable[torch.Tensor] = (),
-    pooled_tensors: Iterable[torch.Tensor] = (),
-    pooled_storages: Iterable[torch.UntypedStorage] = (),
     expert_units: Iterable[FlatUnit] = (),
     expert_params: Iterable[torch.Tensor] = (),
     peaks: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """parameters: compute-dtype parameters held persistently (full at stages 0-2, the
+    """`held` (from `held_bytes`) with the experts' part and the peaks added.
+
+    parameters: compute-dtype parameters held persistently (full at stages 0-2, the
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
     optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
-    full-size gradient buffers being filled or reduced (`comm_tensors` adds those in
-    flight); pooled: idle memory kept for reuse (gradient buffers, `pooled_tensors`, and
-    stage 3's gather memory, `pooled_storages`); buffers: the model's buffers. `total`
-    sums them.
+    gradient buffers being filled or reduced; pooled: idle memory kept for reuse
+    (gradient buffers, and stage 3's gather memory); buffers: the model's buffers.
+    `total` sums them.
 
     With MoE experts (`expert_units`, and the optimizer parameters over them),
     `expert_<kind>` is the experts' part of each model-state kind, already counted in the
@@ -120,10 +119,7 @@ def memory_report(
     `peaks` (kind -> bytes) adds `peak_<kind>` and `peak_total`: the most held at once
     since the peaks were last reset; `peak_total` is the largest total, not the sum of
     the kinds' peaks (which need not coincide)."""
-    units = list(units)
-    report = held_bytes(
-        units, optimizer, module, stage, comm_tensors, pooled_tensors, pooled_storages
-    )
+    report = dict(held)
     expert_units = list(expert_units)
     if expert_units:
         states = [optimizer.state.get(p, {}) for p in expert_params]
