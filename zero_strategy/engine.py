@@ -889,13 +889,11 @@ class ZeroEngine:
 
     def _transient_bytes(self) -> dict[str, int]:
         comm, pooled = self.reducer.transient_bytes()
-        if self.gather is None:
-            return {"gathered_parameters": 0, "comm_buffers": comm, "pooled": pooled}
-        return {
-            "gathered_parameters": self.gather.gathered_bytes(),
-            "comm_buffers": comm,
-            "pooled": pooled + self.gather.storage_pool.spare_bytes,
-        }
+        gathered = 0
+        if self.gather is not None:
+            gathered = self.gather.gathered_bytes()
+            pooled += self.gather.storage_pool.spare_bytes
+        return {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
 
     def _pooled_storages(self) -> list[torch.UntypedStorage]:
         return self.gather.storage_pool.storages() if self.gather else []

@@ -277,10 +277,7 @@ class GatherManager:
         for idx, work in list(self.pending.items()):
             work.wait()
             self.units[idx].expose_full()
-        self.pending.clear()
-        for unit in self.units:
-            if not unit.persistent:
-                self._free(unit)
+        self.abandon()
 
     def abandon(self) -> None:
         """Let go of the prefetches in flight without waiting, and free every

@@ -73,15 +73,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _sole_owner(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is the only tensor on its memory (so writing it in place cannot
     change another). Read from the storage's reference count: the tensor and the storage
     object made here hold one each. Without that count (another torch), assume not."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
+    if _storage_use_count is None:
         return False
-    storage = tensor.untyped_storage()
-    return use_count(storage._cdata) <= 2
+    return _storage_use_count(tensor.untyped_storage()._cdata) <= 2
 
 
 @dataclass
@@ -91,6 +92,7 @@ class _InFlight:
     sent: torch.Tensor  # the full buffer that was reduced (or one parameter's gradient)
     out: torch.Tensor | None  # where this rank's reduced slice lands (None: `slot`'s)
     slot: int | None = None  # a parameter reduced on its own: its slot in the unit
+    counted: int = 0  # bytes it adds to comm_buffers (0: `sent` is the unit's gradients)
 
 
 class GradReducer:
@@ -221,7 +223,7 @@ class GradReducer:
         idx = unit.layout.index
         if idx in self._direct:
             return True
-        if idx in self._ready or not (self.sync and self.overlap) or self._local_sums:
+        if not (self.sync and self.overlap) or self._local_sums:
             return False
         group = unit.group
         if not (group.comm.reduce_scatter_via_all_reduce or group.holders.size == 1):
@@ -256,15 +258,15 @@ class GradReducer:
             self._land(self._pop())
 
     def _push(self, job: _InFlight) -> None:
-        self.in_flight.append(job)
         if self.stage >= 2 or job.sent is not job.unit.grad_full:  # else: the gradients
-            self._sent_bytes += _nbytes(job.sent)
+            job.counted = _nbytes(job.sent)
+        self.in_flight.append(job)
+        self._sent_bytes += job.counted
         self.on_memory()
 
     def _pop(self) -> _InFlight:
         job = self.in_flight.pop(0)
-        if self.stage >= 2 or job.sent is not job.unit.grad_full:
-            self._sent_bytes -= _nbytes(job.sent)
+        self._sent_bytes -= job.counted
         return job
 
     def _send_missing_slots(self, unit: FlatUnit) -> None:
