@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disks import mount_small_tmpfs, unmount
 from distributed import run_world
 from training import make_model, make_optimizer, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine, save_agreement
@@ -198,19 +199,11 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path, monkey
 def small_disk(tmp_path):
     """A 640 KiB file system (a tmpfs, where this process may mount one; else None): one
     checkpoint of the tiny model fits, a second beside it does not."""
-    import subprocess
-
     mount = tmp_path / "disk"
-    mount.mkdir()
-    mounted = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True
-        ).returncode
-        == 0
-    )
+    mounted = mount_small_tmpfs(mount, "640k")
     yield mount if mounted else None
     if mounted:
-        subprocess.run(["umount", str(mount)], check=True)
+        unmount(mount)
 
 
 def test_a_full_disk_names_the_directory_and_the_bytes_needed(tmp_path, small_disk, monkeypatch):

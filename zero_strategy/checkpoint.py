@@ -35,6 +35,7 @@ from . import atomic_dir
 from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
 from .comm import Communicator
 from .flat_unit import FlatUnit
+from .offload.state_store import OptimizerStateStore
 from .optimizer import OptimizerView
 from .optimizer_set import OptimizerSet
 from .partition import ParamSlot, Stored
@@ -74,6 +75,8 @@ class ShardedState:
     # parameter's offset in it (experts: global ids, or rows of a batched weight).
     stored: Callable[[FlatUnit, str, tuple[int, ...]], Stored]
     model_names: set[str]  # every rank's stored names (other expert-parallel ranks' experts)
+    # Where the optimizer's elementwise state is read and put (memory or the disk tier).
+    optimizer_state: OptimizerStateStore
 
 
 @dataclass
@@ -103,31 +106,41 @@ def _owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, in
                 yield unit, slot, lo - slot.offset, hi - slot.offset
 
 
-def _view_covering(
+def _views_covering(
     views: list[OptimizerView], unit: FlatUnit, lo: int, hi: int
-) -> OptimizerView | None:
-    """The optimizer view holding [lo, hi) of `unit`'s slice (slice coordinates)."""
-    for view in views:
-        if view.unit is unit and view.lo <= lo and hi <= view.hi:
-            return view
-    return None
+) -> list[OptimizerView]:
+    """The optimizer views holding [lo, hi) of `unit`'s slice (slice coordinates), in
+    order: one, or several where the views were cut into tiles (offloaded state)."""
+    found = sorted(
+        (v for v in views if v.unit is unit and v.lo < hi and lo < v.hi and v.hi > v.lo),
+        key=lambda v: v.lo,
+    )
+    at = lo
+    for view in found:
+        if view.lo > at:
+            return []  # a gap: no view holds these elements (a frozen range)
+        at = max(at, view.hi)
+    return found if at >= hi else []
 
 
 def _elementwise_state(
     state: ShardedState, unit: FlatUnit, slot: ParamSlot, lo: int, hi: int
 ) -> dict[str, torch.Tensor]:
-    """The optimizer state tensors covering [lo, hi) of `slot`, as 1-D slices."""
+    """The optimizer state tensors covering [lo, hi) of `slot`, as 1-D tensors."""
     flat_lo = slot.offset + lo - unit.opt_start
     flat_hi = slot.offset + hi - unit.opt_start
-    view = _view_covering(state.views, unit, flat_lo, flat_hi)
-    if view is None:
+    views = _views_covering(state.views, unit, flat_lo, flat_hi)
+    if not views:
         return {}
-    numel = view.hi - view.lo
-    return {
-        k: v[flat_lo - view.lo : flat_hi - view.lo]
-        for k, v in state.optimizer.state.get(view.param, {}).items()
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel
+    store = state.optimizer_state
+    keys = store.keys(views[0])
+    if any(store.keys(v) != keys for v in views[1:]):
+        return {}  # not one optimizer's state (cannot happen within one parameter)
+    pieces = {
+        k: [store.read(v, k, max(flat_lo, v.lo) - v.lo, min(flat_hi, v.hi) - v.lo) for v in views]
+        for k in keys
     }
+    return {k: p[0] if len(p) == 1 else torch.cat(p) for k, p in pieces.items()}
 
 
 def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
@@ -658,7 +671,8 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
                 group[k] = v
     keys = opt_index["elementwise_state"]
     scalars = opt_index["scalar_state"]
-    optimizer.state.clear()
+    store = state.optimizer_state
+    store.clear()
     for view in state.views:
         if not keys and not scalars[view.group_index]:
             continue
@@ -675,7 +689,7 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
             for name, lo, hi, at in _state_ranges(state, view):
                 buf[at : at + hi - lo].copy_(reader.read(name, lo, hi, f"{key}/", dtype=dtype))
             entry[key] = buf
-        optimizer.state[view.param] = entry
+        store.put(view, entry)
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:

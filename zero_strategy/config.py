@@ -6,6 +6,7 @@ structured config and Hydra can register it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -21,6 +22,9 @@ _DTYPES = {
     "float64": torch.float64,
     "float16": torch.float16,
 }
+
+
+OFFLOAD_TIERS = ("none", "cpu", "disk")
 
 
 class ZeroConfigError(ValueError):
@@ -111,6 +115,21 @@ class ZeroConfig:
     # MoE layers built with ep_size=None split their experts over this many contiguous
     # ranks (expert parallelism); 1 keeps every expert on every rank.
     expert_parallel_size: int = 1
+    # Where the optimizer's state lives: "none" (in memory, beside the masters), "cpu"
+    # (host memory: the same memory when training on the CPU) or "disk" (one file per
+    # rank under offload_dir, streamed tile by tile at each step, as ZeRO-Infinity's NVMe
+    # tier does).
+    offload_optimizer: str = "none"
+    # offload_optimizer="disk": a directory on a local disk with room for this rank's
+    # optimizer state (Adam: 8 bytes per parameter, split over the ranks). The engine
+    # removes its files when it closes.
+    offload_dir: str | None = None
+    # Parameter elements whose state is stepped at once (DeepSpeed's sub_group_size); a
+    # tile never splits one optimizer view (a unit's part of a param group).
+    offload_tile_size: int = 4_000_000
+    # Host buffers of one tile each for the disk tier: the tile stepping, the next ones
+    # being read and the previous one being written (at least 2).
+    offload_buffer_count: int = 4
 
     def __post_init__(self) -> None:
         # Any sequence of names (a Hydra/OmegaConf ListConfig, a tuple) becomes a list.
@@ -118,6 +137,8 @@ class ZeroConfig:
             self.unit_module_classes, str
         ):
             self.unit_module_classes = list(self.unit_module_classes)
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            self.offload_dir = os.fspath(self.offload_dir)  # a Path
         self._validate()
 
     # ----------------------------------------------------------------- validation
@@ -195,6 +216,35 @@ class ZeroConfig:
             fail("ema_decay", "use 0 (off) or a decay in (0, 1) such as 0.999.")
         if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
             fail("collective_timeout", "use a positive number of seconds, e.g. 600.")
+        self._validate_offload(fail)
+
+    def _validate_offload(self, fail) -> None:
+        if self.offload_optimizer not in OFFLOAD_TIERS:
+            fail(
+                "offload_optimizer",
+                "use 'none' (in memory), 'cpu' (host memory) or 'disk' (files under offload_dir).",
+            )
+        if self.offload_optimizer == "disk" and not self.offload_dir:
+            fail(
+                "offload_dir",
+                "offload_optimizer='disk' needs a directory on a local disk with room for "
+                "this rank's optimizer state, e.g. offload_dir='/local_nvme/offload'.",
+            )
+        if (
+            not isinstance(self.offload_tile_size, int)
+            or isinstance(self.offload_tile_size, bool)
+            or self.offload_tile_size <= 0
+        ):
+            fail("offload_tile_size", "use a positive number of elements, e.g. 4_000_000.")
+        if (
+            not isinstance(self.offload_buffer_count, int)
+            or isinstance(self.offload_buffer_count, bool)
+            or self.offload_buffer_count < 2
+        ):
+            fail(
+                "offload_buffer_count",
+                "use 2 or more (one tile steps while the next is read and the last written).",
+            )
 
     # ----------------------------------------------------------------- derived
     @property

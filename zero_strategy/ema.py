@@ -37,11 +37,17 @@ class ShardedEMA:
         return any(EMA_KEY in self.state.get(v.param, {}) for v in self.views)
 
     @torch.no_grad()
-    def update(self, decay: float, groups: set[int] | None = None) -> None:
-        """Every weight's average, or those of the param `groups` (one optimizer's)."""
+    def update(
+        self,
+        decay: float,
+        groups: set[int] | None = None,
+        views: Sequence[OptimizerView] | None = None,
+    ) -> None:
+        """Every weight's average, or those of the param `groups` (one optimizer's), over
+        all views or `views` (the tile whose state is in memory)."""
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"The EMA decay must be in [0, 1), got {decay}; 0.999 is usual.")
-        for view in self.views:
+        for view in self.views if views is None else views:
             if groups is not None and view.group_index not in groups:
                 continue
             entry = self.state.setdefault(view.param, {})
@@ -52,14 +58,15 @@ class ShardedEMA:
                 entry[EMA_KEY].lerp_(master, 1.0 - decay)
 
     @torch.no_grad()
-    def swap(self) -> None:
-        """Exchange the masters and the average, in place (a second swap undoes it)."""
+    def swap(self, views: Sequence[OptimizerView] | None = None) -> None:
+        """Exchange the masters and the average, in place (a second swap undoes it), over
+        all views or `views`."""
         if not self.started:
             raise RuntimeError(
                 "There is no EMA to swap in yet: update it first (ZeroConfig(ema_decay=...) "
                 "updates it after every step, or call engine.update_ema(decay))."
             )
-        for view in self.views:
+        for view in self.views if views is None else views:
             ema = self.state[view.param][EMA_KEY]
             master = view.param.detach()
             scratch = master.clone()

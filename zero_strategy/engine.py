@@ -47,7 +47,14 @@ from .moe.placement import (
     expert_placements,
     settle_expert_parallel,
 )
-from .optimizer import OptimizerView, check_optimizer, group_index_of_params, repoint_optimizer
+from .offload import state_store
+from .optimizer import (
+    OptimizerView,
+    check_optimizer,
+    group_index_of_params,
+    repoint_optimizer,
+    step_hooks_only,
+)
 from .optimizer_set import OptimizerSet
 from .partition import (
     FROZEN_GROUP,
@@ -164,9 +171,15 @@ class ZeroEngine:
         self.optimizer = optimizers[0]
         self._opt_views: list[OptimizerView] = []
         self._repoint_optimizer()
-        self._handles = [o.register_step_pre_hook(self._guard_direct_step) for o in optimizers]
+        self._guards = [o.register_step_pre_hook(self._guard_direct_step) for o in optimizers]
+        self._handles = list(self._guards)
         self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
         self._ema = ShardedEMA(self._opt_views, self._optimizer_set.state)
+        # Where the optimizer's state lives (memory or a file); the step goes through it.
+        self._opt_state = state_store(
+            cfg, self._optimizer_set.state, self._opt_views, self.device, self.rank
+        )
+        self._store_finalizer = weakref.finalize(self, self._opt_state.close)
         self.fused_step = self._fused[0]
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
         # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
@@ -385,10 +398,14 @@ class ZeroEngine:
         """Point the optimizer at 1-D views of the fp32 masters, one per (unit, group)
         segment, and remember which gradient slice belongs to each."""
         by_group: dict[int, list[tuple[FlatUnit, int, int]]] = {}
+        # State streamed from disk is stepped a tile at a time: no view may be larger.
+        most = self.config.offload_tile_size if self.config.offload_optimizer == "disk" else 0
         for unit in self.units:
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
-                by_group.setdefault(seg.group_index, []).append(
-                    (unit, seg.start - unit.opt_start, seg.end - unit.opt_start)
+                lo, hi = seg.start - unit.opt_start, seg.end - unit.opt_start
+                cuts = range(lo, hi, most) if most and hi > lo else [lo]
+                by_group.setdefault(seg.group_index, []).extend(
+                    (unit, a, min(hi, a + most) if most else hi) for a in cuts
                 )
         # Every group has a view on every rank (an empty one where none of its elements
         # is this rank's), so that a group's requires_grad (Lightning's toggle_optimizer)
@@ -602,33 +619,61 @@ class ZeroEngine:
             if coef < 1.0:
                 self._scale_grads(coef, groups)
         self._expose_grads()
-        copies_written = True
-        for k in chosen:
-            opt, fused = self.optimizers[k], self._fused[k]
-            views = [
-                v for v in self._opt_views if v.group_index in self._optimizer_set.groups_of(k)
-            ]
-            if fused is not None and fused.applies([v.param for v in views]):
-                fused.step(self._fused_views(opt))
-                continue
-            copies_written = False
-            self._inside_step = True
-            try:
-                opt.step()
-            finally:
-                self._inside_step = False
+        written = [True]  # whether every update also wrote the compute copies
+
+        def step_tile(tile: list[OptimizerView], first: bool, last: bool) -> None:
+            written[0] &= self._step_optimizers(chosen, tile, first, last)
+            if self.config.ema_decay:
+                self._ema.update(self.config.ema_decay, groups, tile)
+
+        chosen_groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
+        self._opt_state.apply(
+            [v for v in self._opt_views if v.group_index in chosen_groups], step_tile
+        )
+        self._expose_grads()
         self.scaler.update(False)
         self._memory.resync()  # the first step creates the optimizer state
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
-        self._publish_parameters(copies_written=copies_written)
+        self._publish_parameters(copies_written=written[0])
         self._grads_unscaled = False
         self._norms.clear()
         self.global_steps += 1
-        if self.config.ema_decay:
-            self._ema.update(self.config.ema_decay, groups)
         return True
+
+    def _step_optimizers(
+        self, chosen: list[int], tile: list[OptimizerView], first: bool, last: bool
+    ) -> bool:
+        """Step the `chosen` optimizers over their views in `tile` (all of them, unless
+        the state is offloaded: one tile at a time, the others' gradients hidden so the
+        optimizer skips them; the user's step hooks run on the first and last tile only).
+        Returns whether every update also wrote the compute copies (the fused kernel)."""
+        partial = not (first and last)
+        copies_written = True
+        for k in chosen:
+            opt, fused = self.optimizers[k], self._fused[k]
+            groups = self._optimizer_set.groups_of(k)
+            views = [v for v in tile if v.group_index in groups]
+            if not views:
+                continue
+            if not partial and fused is not None and fused.applies([v.param for v in views]):
+                fused.step(self._fused_views(opt))
+                continue
+            copies_written = False
+            if partial:
+                shown = {id(v) for v in views}
+                for view in self._opt_views:
+                    if view.group_index in groups:
+                        grad = view.unit.grad_opt[view.lo : view.hi]
+                        view.param.grad = grad if id(view) in shown else None
+            self._inside_step = True
+            try:
+                with step_hooks_only(opt, self._guards[k].id, pre=first, post=last):
+                    opt.step()
+            finally:
+                self._inside_step = False
+        return copies_written
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:
@@ -641,7 +686,7 @@ class ZeroEngine:
                 "(and an optimizer's state is created by its first step). Call it after "
                 "engine.step()."
             )
-        self._ema.update(decay)
+        self._opt_state.apply(self._opt_views, lambda tile, *_: self._ema.update(decay, None, tile))
 
     @property
     def ema_started(self) -> bool:
@@ -652,7 +697,9 @@ class ZeroEngine:
         """Exchange the weights and their EMA (a second call undoes it); the compute
         copies follow. Collective at stages 1-3 (the parameters are re-gathered)."""
         self.wait_for_parameters()
-        self._ema.swap()
+        if not self._ema.started:
+            self._ema.swap()  # raises, naming the fix
+        self._opt_state.apply(self._opt_views, lambda tile, *_: self._ema.swap(tile))
         self.refresh_from_masters()
 
     @contextlib.contextmanager
@@ -874,6 +921,7 @@ class ZeroEngine:
             expert_units=[u for u in self.units if not u.group.spec.replicated],
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
             peaks=self._memory.peaks,
+            disk={"optimizer_state": self._opt_state.disk_bytes()},
         )
 
     def reset_memory_peaks(self, record_timeline: bool = False) -> None:
@@ -889,6 +937,7 @@ class ZeroEngine:
 
     def _transient_bytes(self) -> dict[str, int]:
         comm, pooled = self.reducer.transient_bytes()
+        pooled += sum(b.numel() for b in self._opt_state.buffers())
         gathered = 0
         if self.gather is not None:
             gathered = self.gather.gathered_bytes()
@@ -905,7 +954,7 @@ class ZeroEngine:
             self.module,
             self.stage,
             comm_tensors=self.reducer.comm_buffers(),
-            pooled_tensors=self.reducer.pooled_buffers(),
+            pooled_tensors=[*self.reducer.pooled_buffers(), *self._opt_state.buffers()],
             pooled_storages=self._pooled_storages(),
         )
 
@@ -935,6 +984,7 @@ class ZeroEngine:
             self.device,
             self._stored,
             self._model_names(),
+            self._opt_state,
         )
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
@@ -1090,6 +1140,7 @@ class ZeroEngine:
         for owner in (self.module, *self.optimizers):
             owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again
         self.close()
+        self._store_finalizer()  # the offloaded state's file, closed (its space freed)
         return self.module
 
     def reopen(self) -> None:

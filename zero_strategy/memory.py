@@ -32,7 +32,7 @@ class _Ledger:
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
 
     def add(self, kind: str, tensor: torch.Tensor | None) -> None:
-        if tensor is not None:
+        if tensor is not None and not tensor.is_meta:  # meta: offloaded state's placeholder
             self.add_storage(kind, tensor.untyped_storage())
 
     def add_storage(self, kind: str, storage: torch.UntypedStorage) -> None:
@@ -102,8 +102,10 @@ def memory_report(
     expert_units: Iterable[FlatUnit] = (),
     expert_params: Iterable[torch.Tensor] = (),
     peaks: dict[str, int] | None = None,
+    disk: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """`held` (from `held_bytes`) with the experts' part and the peaks added.
+    """`held` (from `held_bytes`) with the experts' part, the peaks and the disk tier
+    added.
 
     parameters: compute-dtype parameters held persistently (full at stages 0-2, the
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
@@ -118,7 +120,11 @@ def memory_report(
 
     `peaks` (kind -> bytes) adds `peak_<kind>` and `peak_total`: the most held at once
     since the peaks were last reset; `peak_total` is the largest total, not the sum of
-    the kinds' peaks (which need not coincide)."""
+    the kinds' peaks (which need not coincide).
+
+    `disk` (kind -> bytes) adds `disk_<kind>` and `disk_total`: what is offloaded to files
+    (offload_optimizer="disk"), in no other figure. The kinds above are in memory: the
+    training device's, which is the host's when training on the CPU."""
     report = dict(held)
     expert_units = list(expert_units)
     if expert_units:
@@ -126,6 +132,9 @@ def memory_report(
         part = _Ledger()
         _add_model_state(part, expert_units, states, stage)
         report.update({f"expert_{kind}": part.bytes[kind] for kind in MODEL_STATE})
+    disk = disk or {}
+    report.update({f"disk_{kind}": disk.get(kind, 0) for kind in MODEL_STATE})
+    report["disk_total"] = sum(disk.values())
     if peaks is not None:
         report.update(
             {f"peak_{kind}": max(peaks.get(kind, 0), report[kind]) for kind in (*KINDS, "total")}

@@ -11,7 +11,9 @@ new value depends on that element alone); others are refused unless the user opt
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,3 +106,26 @@ def repoint_optimizer(
     for gi, group in enumerate(optimizer.param_groups):
         group["params"] = [nn.Parameter(v, requires_grad=True) for v in views_by_group.get(gi, [])]
     optimizer.state = defaultdict(dict)
+
+
+@contextlib.contextmanager
+def step_hooks_only(
+    optimizer: torch.optim.Optimizer, own_hook: int, pre: bool, post: bool
+) -> Iterator[None]:
+    """One step taken as several partial steps (offloaded state, a tile at a time) runs
+    the user's pre-step hooks before the first (`pre`) and post-step hooks after the last
+    (`post`) only, as one `optimizer.step()` would; the engine's own pre-hook (handle id
+    `own_hook`) guards every part."""
+    saved_pre = optimizer._optimizer_step_pre_hooks
+    saved_post = optimizer._optimizer_step_post_hooks
+    if not pre:
+        optimizer._optimizer_step_pre_hooks = OrderedDict(
+            (k, h) for k, h in saved_pre.items() if k == own_hook
+        )
+    if not post:
+        optimizer._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks = saved_pre
+        optimizer._optimizer_step_post_hooks = saved_post

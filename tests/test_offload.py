@@ -1,0 +1,321 @@
+"""The optimizer's state on disk (offload_optimizer="disk"): training identical to keeping
+it in memory, at every stage; checkpoints that move between the two at any world size;
+the memory it frees, measured; and clear errors for a directory that cannot be used or a
+disk that fills."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from disks import mount_small_tmpfs, unmount
+from distributed import run_world
+from training import (
+    local_batch,
+    make_model,
+    make_optimizer,
+    train_zero,
+    train_zero_resumable,
+)
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.config import ZeroConfigError
+from zero_strategy.offload import OffloadError
+from zero_strategy.offload import offload_file as offload_file_module
+
+STEPS, ACCUM, CLIP = 10, 2, 0.5
+# Small tiles and the fewest buffers: many tiles per step, each buffer reused while the
+# previous write may still be in flight.
+SMALL_TILES = {"offload_tile_size": 700, "offload_buffer_count": 2}
+
+
+def _disk(tmp_path: Path, **extra) -> dict:
+    return {"offload_optimizer": "disk", "offload_dir": str(tmp_path), **SMALL_TILES, **extra}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_disk_offload_trains_bit_identically_to_memory(stage, tmp_path):
+    """10 steps with accumulation (no_sync) and clipping: the same losses and weights,
+    bit for bit, as the optimizer state kept in memory."""
+    memory = run_world(train_zero, 2, STEPS, ACCUM, CLIP, stage)
+    disk = run_world(train_zero, 2, STEPS, ACCUM, CLIP, stage, **_disk(tmp_path))
+    (mem_losses, mem_state), (disk_losses, disk_state) = memory[0], disk[0]
+    assert disk_losses == mem_losses
+    assert all(torch.equal(disk_state[k], mem_state[k]) for k in mem_state)
+    assert os.listdir(tmp_path) == []  # the scratch files were never visible, nor are left
+
+
+def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
+    """World 1, bf16 compute with fp32 masters and the sharded EMA (a state key added
+    after the first step, so the tier lays the state out again): identical to memory."""
+
+    def run(**extra):
+        model = make_model()
+        engine = ZeroEngine(
+            model,
+            make_optimizer(model),
+            ZeroConfig(
+                stage=3, compute_dtype="bf16", ema_decay=0.8, gradient_clipping=CLIP, **extra
+            ),
+        )
+        for step in range(4):
+            x, y = local_batch(step, 0, 0, 1)
+            engine.backward(engine(x, y))
+            engine.step()
+            engine.zero_grad()
+        weights = engine.full_state_dict()
+        with engine.ema_weights():
+            averaged = engine.full_state_dict()
+        report = engine.memory_report()
+        report["views"] = len(engine._opt_views)
+        engine.close()
+        return weights, averaged, report
+
+    mem_weights, mem_ema, mem_report = run()
+    disk_weights, disk_ema, disk_report = run(**_disk(tmp_path))
+    assert all(torch.equal(disk_weights[k], mem_weights[k]) for k in mem_weights)
+    assert all(torch.equal(disk_ema[k], mem_ema[k]) for k in mem_ema)
+    # exp_avg, exp_avg_sq and the EMA, fp32, one per master element: all on disk; only
+    # each view's step count (a 4-byte scalar) stays in memory.
+    assert disk_report["optimizer_state"] == 4 * disk_report["views"]
+    assert disk_report["disk_optimizer_state"] >= mem_report["optimizer_state"]
+    assert disk_report["disk_total"] == disk_report["disk_optimizer_state"]
+    assert mem_report["disk_total"] == 0
+
+
+def _report_run(rank, world, stage, directory):
+    model = make_model()
+    config = ZeroConfig(stage=stage, offload_optimizer="disk", offload_dir=directory)
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    before = engine.memory_report()
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    after = engine.memory_report()
+    views = [v.hi - v.lo for v in engine._opt_views]
+    engine.close()
+    return before, after, views
+
+
+def test_memory_report_counts_the_disk_tier_exactly(tmp_path):
+    """After the first step each optimizer view's exp_avg and exp_avg_sq (fp32) sit in
+    the file, each rounded up to the 4 KiB blocks the file hands out; only the views' step
+    counts (4-byte scalars) stay in memory, and the tier's host buffers are given back
+    after the step."""
+    for before, after, views in run_world(_report_run, 2, 2, str(tmp_path)):
+        assert before["disk_optimizer_state"] == 0
+        assert after["optimizer_state"] == 4 * len(views)
+        blocks = [2 * (-(-4 * n // 4096) * 4096) for n in views]
+        assert after["disk_optimizer_state"] == after["disk_total"] == sum(blocks)
+        assert after["pooled"] == 0
+
+
+def _hooked_run(rank, world, directory):
+    model = make_model()
+    optimizer = make_optimizer(model)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **_disk(Path(directory))))
+    for step in range(2):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    tiles = len(engine._opt_state.tiles)
+    engine.close()
+    return calls, tiles
+
+
+def test_the_users_step_hooks_run_once_per_step_over_many_tiles(tmp_path):
+    for calls, tiles in run_world(_hooked_run, 2, str(tmp_path)):
+        assert tiles >= 3
+        assert calls == ["pre", "post", "pre", "post"]
+
+
+def _save_then_resume(tmp_path, name, save_world, save_extra, resume_world, resume_extra):
+    ckpt = str(tmp_path / name)
+    run_world(train_zero_resumable, save_world, 3, range(3), ckpt, False, True, **save_extra)
+    return run_world(
+        train_zero_resumable, resume_world, 3, range(3, 6), ckpt, True, False, **resume_extra
+    )[0]
+
+
+@pytest.mark.parametrize(("save_world", "resume_world"), [(2, 1), (1, 2)])
+def test_a_checkpoint_moves_between_disk_and_memory_at_another_world_size(
+    tmp_path, save_world, resume_world
+):
+    """Saved with the state on disk at world 2 (stage 3), resumed with it in memory at
+    world 1, and the other way round: the continuation is bit for bit the one without
+    offload on either side, and within 1e-5 of the run never interrupted."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    on_disk = _disk(offload)
+    plain = _save_then_resume(tmp_path, "plain", save_world, {}, resume_world, {})
+    if save_world == 2:
+        moved = _save_then_resume(tmp_path, "moved", save_world, on_disk, resume_world, {})
+    else:
+        moved = _save_then_resume(tmp_path, "moved", save_world, {}, resume_world, on_disk)
+    assert moved[0] == plain[0]
+    assert all(torch.equal(moved[1][k], plain[1][k]) for k in plain[1])
+    whole = run_world(train_zero_resumable, 1, 3, range(6), "", False, False)[0]
+    assert moved[0] == pytest.approx(whole[0][3:], rel=1e-5)
+    num = sum(((moved[1][k] - v) ** 2).sum() for k, v in whole[1].items())
+    den = sum((v**2).sum() for v in whole[1].values())
+    assert (num / den).sqrt() < 1e-5
+
+
+def test_checkpoints_with_and_without_offload_hold_the_same_tensors(tmp_path):
+    """The same training saved from disk and from memory: identical files' tensors."""
+    from zero_strategy.safetensors_io import SafetensorsFile
+
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    for name, extra in (("memory", {}), ("disk", _disk(offload))):
+        run_world(train_zero_resumable, 2, 1, range(2), str(tmp_path / name), False, True, **extra)
+    for rank in (0, 1):
+        a = SafetensorsFile(tmp_path / "memory" / f"rank{rank:05d}.safetensors")
+        b = SafetensorsFile(tmp_path / "disk" / f"rank{rank:05d}.safetensors")
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert any(k.startswith("exp_avg_sq/") for k in a.keys())  # noqa: SIM118
+        assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())  # noqa: SIM118
+
+
+# ---------------------------------------------------------------- bad input, full disks
+def test_disk_offload_without_a_directory_is_refused():
+    with pytest.raises(ZeroConfigError, match=r"offload_dir=None is invalid: .*needs a directory"):
+        ZeroConfig(offload_optimizer="disk")
+    with pytest.raises(ZeroConfigError, match=r"offload_optimizer='nvme' is invalid: use 'none'"):
+        ZeroConfig(offload_optimizer="nvme")
+
+
+def test_a_missing_or_unusable_directory_is_named(tmp_path):
+    model = make_model()
+    missing = tmp_path / "nope"
+    with pytest.raises(OffloadError, match=rf"offload_dir {missing} does not exist.*mkdir -p"):
+        ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(missing)))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(OffloadError, match=rf"offload_dir {a_file} does not exist or is not a"):
+        ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(a_file)))
+
+
+def test_a_disk_too_small_for_the_state_fails_the_first_step_naming_it(tmp_path):
+    """On a real 64 KiB file system (where one can be mounted): the state's space is
+    reserved at the first step, and that fails naming the directory and the bytes."""
+    mount = tmp_path / "small"
+    if not mount_small_tmpfs(mount, "64k"):
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        model = make_model()
+        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(mount)))
+        x, y = local_batch(0, 0, 0, 1)
+        engine.backward(engine(x, y))
+        with pytest.raises(
+            OffloadError, match=rf"no space left on the device of offload_dir {mount}"
+        ):
+            engine.step()
+        engine.release_module()  # the engine is done: its file is closed
+    finally:
+        unmount(mount)
+
+
+def _fails_mid_training(rank, world, directory, ckpt):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2, **_disk(Path(directory))))
+    for step in range(2):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    engine.save_checkpoint(ckpt)
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    x, y = local_batch(2, 0, rank, world)
+    engine.backward(engine(x, y))
+    offload_file_module.os.pwrite = full
+    try:
+        engine.step()
+    except OffloadError as e:
+        message = str(e)
+    else:
+        message = None
+    finally:
+        offload_file_module.os.pwrite = real
+    engine.close()
+    fresh = make_model()
+    again = ZeroEngine(fresh, make_optimizer(fresh), ZeroConfig(stage=2))
+    again.load_checkpoint(ckpt)
+    loaded = again.global_steps
+    again.close()
+    return message, loaded
+
+
+def test_a_disk_that_fills_mid_training_fails_the_step_and_keeps_the_checkpoint(tmp_path):
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    for message, loaded in run_world(_fails_mid_training, 2, str(offload), ckpt):
+        assert message is not None
+        assert f"no space left on the device of offload_dir {offload}" in message
+        assert "checkpoints already written are not affected" in message
+        assert loaded == 2
+    assert json.loads(Path(ckpt, "index.json").read_text())["step"] == 2
+
+
+# ---------------------------------------------------------------- memory, measured
+PEAK_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from zero_strategy import ZeroConfig, ZeroEngine
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    config = ZeroConfig(stage=0, **json.loads(sys.argv[1]))
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()), config)
+    for _ in range(2):
+        engine.backward(engine.module(torch.randn(4, 1024)).square().mean())
+        engine.step()
+        engine.zero_grad()
+    report = engine.memory_report()
+    engine.close()
+    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "disk": report["disk_optimizer_state"],
+                      "state": report["optimizer_state"], "views": len(engine._opt_views)}))
+    """
+)
+
+
+def _peak_rss(extra: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, json.dumps(extra)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_disk_offload_lowers_peak_rss_by_most_of_the_optimizer_state(tmp_path):
+    """A 25M-parameter model (200 MB of Adam state): the run with the state on disk peaks
+    at least 80% of that below the run with it in memory (each in its own process)."""
+    memory = _peak_rss({})
+    disk = _peak_rss(
+        {"offload_optimizer": "disk", "offload_dir": str(tmp_path), "offload_tile_size": 1_000_000}
+    )
+    # Each optimizer view keeps its step count (a 4-byte scalar) in memory; on disk the
+    # views are cut into tiles, so there are more of them.
+    state = memory["state"] - 4 * memory["views"]  # exp_avg and exp_avg_sq, fp32
+    assert state == 2 * 4 * 24 * (1024 * 1024 + 1024)
+    assert disk["state"] == 4 * disk["views"] and disk["disk"] >= state
+    assert memory["peak_rss"] - disk["peak_rss"] >= 0.8 * state, (memory, disk)

@@ -1,0 +1,374 @@
+"""Where the optimizer's elementwise state lives: in memory, or in a file streamed by tiles.
+
+The user's optimizer keeps its `state` mapping and its own step: the engine hands it, one
+tile at a time, the state of that tile's parameters (`apply`), and the optimizer updates
+it as usual. In memory (`ResidentState`) the tile is everything and nothing moves. On disk
+(`DiskState`) each tile's state is read into a host buffer just before its step and
+written back just after, on background threads: the read of the next tiles and the write
+of the previous one overlap the current one's step, within `buffer_count` buffers.
+Between steps `optimizer.state` holds meta tensors of the right shape and dtype in their
+place (scalars such as Adam's `step` stay in memory): nothing reads freed memory by
+mistake, and anything that needs the values (a checkpoint) asks the store.
+
+A tensor is elementwise state when it is 1-D with one value per element of its
+parameter (exp_avg, exp_avg_sq, momentum_buffer, the sharded EMA...); that is what the
+sharded checkpoints store and reshard, and what moves to disk here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from ..optimizer import OptimizerView
+from .host_memory import return_freed_memory
+from .offload_file import ALIGN, OffloadFile, aligned_empty, round_up
+
+TileStep = Callable[[list[OptimizerView], bool, bool], None]  # (views, first, last)
+OptimizerStateStore = Union["ResidentState", "DiskState"]
+
+
+def elementwise_keys(entry: dict[str, Any], numel: int) -> list[str]:
+    return [
+        k
+        for k, v in entry.items()
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel
+    ]
+
+
+class ResidentState:
+    """The optimizer state where the optimizer put it (no offload)."""
+
+    offloaded = False
+
+    def __init__(self, state: MutableMapping[Any, Any]):
+        self.state = state
+
+    def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
+        step(list(views), True, True)
+
+    def keys(self, view: OptimizerView) -> list[str]:
+        return elementwise_keys(self.state.get(view.param, {}), view.hi - view.lo)
+
+    def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `key`'s state of `view` (a view of it, not a copy)."""
+        return self.state[view.param][key][lo:hi]
+
+    def put(self, view: OptimizerView, entry: dict[str, Any]) -> None:
+        self.state[view.param] = entry
+
+    def clear(self) -> None:
+        self.state.clear()
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One state tensor of a view, at byte `at` of the view's region."""
+
+    key: str
+    dtype: torch.dtype
+    at: int
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A view's state on disk: `nbytes` (aligned) at `offset` of the file."""
+
+    offset: int
+    nbytes: int
+    slots: tuple[_Slot, ...]
+
+
+class DiskState:
+    """The optimizer's elementwise state in `file`, stepped tile by tile."""
+
+    offloaded = True
+
+    def __init__(
+        self,
+        state: MutableMapping[Any, Any],
+        views: Sequence[OptimizerView],
+        file: OffloadFile,
+        tile_elements: int,
+        buffer_count: int,
+    ):
+        self.state = state
+        self.file = file
+        self.buffer_count = max(2, buffer_count)
+        self.tiles = _tiles(views, tile_elements)
+        self._regions: dict[int, _Region] = {}  # id(view) -> where its state is
+        self._placeholders: dict[tuple[int, str], torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []  # staging buffers not in use
+        self._writing: list[tuple[torch.Tensor, Future]] = []  # buffers being written
+        self._allocated = 0  # staging buffers alive (free, in use or writing)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-write")
+
+    # ------------------------------------------------------------------ the step
+    def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
+        """Run `step(tile, first, last)` over each tile of `views` with its state in
+        memory, reading the next tiles and writing the previous ones meanwhile."""
+        chosen = {id(v) for v in views}
+        tiles = [t for t in ([v for v in tile if id(v) in chosen] for tile in self.tiles) if t]
+        ahead = max(1, self.buffer_count - 2)  # one buffer steps, one is written
+        reads: dict[int, tuple[torch.Tensor | None, Future | None]] = {}
+        try:
+            for i, tile in enumerate(tiles):
+                for j in range(i, min(len(tiles), i + 1 + ahead)):
+                    if j not in reads:
+                        reads[j] = self._submit_read(tiles[j])
+                buffer, reading = reads.pop(i)
+                if reading is not None:
+                    reading.result()
+                self._attach(tile, buffer)
+                try:
+                    step(tile, i == 0, i == len(tiles) - 1)
+                finally:
+                    self._store(tile, buffer)
+        finally:
+            for buffer, reading in reads.values():  # read ahead of a step that failed
+                if reading is not None:
+                    reading.exception()
+                if buffer is not None:
+                    self._free.append(buffer)
+            try:
+                self._drain_writes()
+            finally:
+                # Given back between steps: forward and backward, where activations peak,
+                # then hold none of the tier's memory.
+                self._free.clear()
+                self._allocated = 0
+
+    def _submit_read(self, tile: list[OptimizerView]) -> tuple[torch.Tensor | None, Future | None]:
+        need = sum(self._regions[id(v)].nbytes for v in tile if id(v) in self._regions)
+        if need == 0:
+            return None, None
+        buffer = self._take_buffer(need)
+        return buffer, self._reader.submit(self._read_tile, tile, buffer)
+
+    def _read_tile(self, tile: list[OptimizerView], buffer: torch.Tensor) -> None:
+        for offset, at, nbytes in self._extents(tile):
+            self.file.read(offset, buffer[at : at + nbytes])
+
+    def _extents(self, tile: list[OptimizerView]) -> list[tuple[int, int, int]]:
+        """(file offset, buffer offset, bytes) of the tile's regions, packed in the buffer
+        in tile order, neighbours in the file merged into one I/O."""
+        extents: list[list[int]] = []
+        at = 0
+        for view in tile:
+            region = self._regions.get(id(view))
+            if region is None:
+                continue
+            last = extents[-1] if extents else None
+            if last is not None and last[0] + last[2] == region.offset:
+                last[2] += region.nbytes
+            else:
+                extents.append([region.offset, at, region.nbytes])
+            at += region.nbytes
+        return [(o, a, n) for o, a, n in extents]
+
+    def _attach(self, tile: list[OptimizerView], buffer: torch.Tensor | None) -> None:
+        """Point each laid-out view's state entries at its part of `buffer`."""
+        at = 0
+        for view in tile:
+            region = self._regions.get(id(view))
+            if region is None:
+                continue
+            entry = self.state[view.param]
+            for slot in region.slots:
+                entry[slot.key] = _typed(buffer, at + slot.at, slot.dtype, view.hi - view.lo)
+            at += region.nbytes
+
+    def _store(self, tile: list[OptimizerView], buffer: torch.Tensor | None) -> None:
+        """Write the tile's state back (laying out views whose keys are new: the first
+        step, the EMA's first update) and leave placeholders in the optimizer's state."""
+        relayout = [
+            v for v in tile if (v.hi - v.lo) and self._keys_changed(v, self.state.get(v.param))
+        ]
+        for view in relayout:
+            self._regions[id(view)] = self._layout(view, self.state[view.param])
+        need = sum(self._regions[id(v)].nbytes for v in tile if id(v) in self._regions)
+        if need == 0:
+            return
+        if relayout or buffer is None:  # pack the tile afresh into a buffer of its new size
+            fresh = self._take_buffer(need)
+            self._pack(tile, fresh)
+            if buffer is not None:
+                self._free.append(buffer)
+            buffer = fresh
+        self._detach(tile)
+        self._writing.append((buffer, self._writer.submit(self._write_tile, tile, buffer)))
+        if relayout:  # the state the optimizer just created in memory is freed
+            return_freed_memory()
+
+    def _write_tile(self, tile: list[OptimizerView], buffer: torch.Tensor) -> None:
+        for offset, at, nbytes in self._extents(tile):
+            self.file.write(offset, buffer[at : at + nbytes])
+
+    def _keys_changed(self, view: OptimizerView, entry: dict[str, Any] | None) -> bool:
+        keys = elementwise_keys(entry or {}, view.hi - view.lo)
+        region = self._regions.get(id(view))
+        known = [s.key for s in region.slots] if region is not None else []
+        return sorted(keys) != sorted(known) or any(
+            entry[k].dtype != s.dtype for s, k in zip(region.slots if region else (), known)
+        )
+
+    def _layout(self, view: OptimizerView, entry: dict[str, Any]) -> _Region:
+        slots, at = [], 0
+        for key in elementwise_keys(entry, view.hi - view.lo):
+            value = entry[key]
+            slots.append(_Slot(key, value.dtype, at))
+            at += round_up(value.numel() * value.element_size())
+        return _Region(self.file.allocate(at), at, tuple(slots))
+
+    def _pack(self, tile: list[OptimizerView], buffer: torch.Tensor) -> None:
+        """Copy the tile's current state tensors into `buffer` at their regions' places."""
+        at = 0
+        for view in tile:
+            region = self._regions.get(id(view))
+            if region is None:
+                continue
+            entry = self.state[view.param]
+            numel = view.hi - view.lo
+            for slot in region.slots:
+                _typed(buffer, at + slot.at, slot.dtype, numel).copy_(entry[slot.key])
+            at += region.nbytes
+
+    def _detach(self, tile: list[OptimizerView]) -> None:
+        for view in tile:
+            region = self._regions.get(id(view))
+            if region is None:
+                continue
+            entry = self.state[view.param]
+            for slot in region.slots:
+                entry[slot.key] = self._placeholder(view, slot)
+
+    def _placeholder(self, view: OptimizerView, slot: _Slot) -> torch.Tensor:
+        key = (id(view), slot.key)
+        held = self._placeholders.get(key)
+        if held is None or held.dtype != slot.dtype:
+            held = torch.empty(view.hi - view.lo, dtype=slot.dtype, device="meta")
+            self._placeholders[key] = held
+        return held
+
+    # ------------------------------------------------------------------ buffers
+    def _take_buffer(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of at least `nbytes`: a free one, a new one while fewer than
+        `buffer_count` exist, else the oldest being written once its write is done."""
+        while True:
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    return self._free.pop(i)
+            if self._free:  # too small: drop it, a bigger one replaces it
+                self._free.pop()
+                self._allocated -= 1
+                continue
+            if self._allocated < self.buffer_count or not self._writing:
+                self._allocated += 1
+                return aligned_empty(nbytes)
+            buffer, writing = self._writing.pop(0)
+            self._free.append(buffer)
+            writing.result()
+
+    def _drain_writes(self) -> None:
+        """Wait for every write; the first failure is raised once all have finished."""
+        error = None
+        while self._writing:
+            buffer, writing = self._writing.pop(0)
+            self._free.append(buffer)
+            failure = writing.exception()
+            error = error or failure
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ checkpoints
+    def keys(self, view: OptimizerView) -> list[str]:
+        region = self._regions.get(id(view))
+        if region is not None:
+            return [s.key for s in region.slots]
+        return elementwise_keys(self.state.get(view.param, {}), view.hi - view.lo)
+
+    def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `key`'s state of `view`, read from the file (a new tensor)."""
+        region = self._regions.get(id(view))
+        if region is None:
+            return self.state[view.param][key][lo:hi]
+        slot = next(s for s in region.slots if s.key == key)
+        size = torch.empty((), dtype=slot.dtype).element_size()
+        data = self.file.read_bytes(region.offset + slot.at + lo * size, (hi - lo) * size)
+        return data.view(slot.dtype)
+
+    def put(self, view: OptimizerView, entry: dict[str, Any]) -> None:
+        """Take a whole entry (a checkpoint's): its elementwise tensors go to the file."""
+        self.state[view.param] = entry
+        if not (view.hi - view.lo) or not elementwise_keys(entry, view.hi - view.lo):
+            return
+        region = self._layout(view, entry)
+        self._regions[id(view)] = region
+        buffer = self._take_buffer(region.nbytes)
+        try:
+            self._pack([view], buffer)
+            self.file.write(region.offset, buffer[: region.nbytes])
+        finally:
+            self._free.append(buffer)
+        self._detach([view])
+        return_freed_memory()
+
+    def clear(self) -> None:
+        self._drain_writes()
+        self.state.clear()
+        self._regions.clear()
+        self._placeholders.clear()
+        self.file.reset()
+
+    # ------------------------------------------------------------------ accounting
+    def disk_bytes(self) -> int:
+        """Bytes of state in the file now (space left by re-laid-out views excluded)."""
+        return sum(r.nbytes for r in self._regions.values())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The staging buffers held now (host memory; none between steps)."""
+        return list(self._free) + [b for b, _ in self._writing]
+
+    def close(self) -> None:
+        try:
+            self._drain_writes()
+        finally:
+            self._reader.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
+            self._free.clear()
+            self.file.close()
+
+
+def _typed(buffer: torch.Tensor, at: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    assert at % ALIGN == 0
+    return buffer[at : at + numel * size].view(dtype)
+
+
+def _tiles(views: Sequence[OptimizerView], tile_elements: int) -> list[list[OptimizerView]]:
+    """Consecutive views, about `tile_elements` parameter elements per tile (a view larger
+    than that is a tile of its own: a view is the optimizer's unit of work)."""
+    tiles: list[list[OptimizerView]] = []
+    size = 0
+    for view in views:
+        numel = view.hi - view.lo
+        if not tiles or size + numel > tile_elements:
+            tiles.append([])
+            size = 0
+        tiles[-1].append(view)
+        size += numel
+    return tiles
