@@ -70,6 +70,8 @@ def run_one(impl: str, args, out: str) -> dict | None:
         str(args.steps),
         "--batch",
         str(args.batch),
+        *(["--layers", str(args.layers)] if getattr(args, "layers", 0) else []),
+        *(["--meta"] if getattr(args, "meta", False) else []),
         nproc=args.nproc,
         timeout=args.timeout,
         failures=args.skipped,
@@ -83,6 +85,8 @@ def run_one(impl: str, args, out: str) -> dict | None:
         "state": max(r["model_state_mib"] for r in ranks),
         "loss": ranks[0]["losses"],
         "params": ranks[0]["params"],
+        "io_read": max(r["io_read_per_step"] for r in ranks),
+        "io_write": max(r["io_write_per_step"] for r in ranks),
     }
 
 

@@ -15,7 +15,9 @@ clipping at 1.0, so the step does the same work everywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import resource
 import statistics
 import sys
@@ -54,6 +56,11 @@ SIZES = {
     # ~82M parameters: 8 layers, d=768, vocab 16384, seq 128, untied head.
     "bench": GPTConfig(
         vocab_size=16384, block_size=128, n_layer=8, n_head=12, n_embd=768, tie_embeddings=False
+    ),
+    # The moonshot of benchmarks/offload_bench.py: d=2560, its layer count set at run time
+    # from this machine's RAM (--layers), built on the meta device.
+    "moon": GPTConfig(
+        vocab_size=16384, block_size=128, n_layer=24, n_head=20, n_embd=2560, tie_embeddings=False
     ),
     "small": GPTConfig(
         vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512, tie_embeddings=False
@@ -149,21 +156,41 @@ def plain_torch_step_and_state(model: torch.nn.Module):
     return step, state
 
 
+def offload_of(impl: str) -> str:
+    """The optimizer-state tier an implementation name asks for: "-cpu", "-disk" (ours) or
+    "-nvme" (DeepSpeed's name for its disk tier) at its end; "none" otherwise."""
+    for tier in ("cpu", "disk", "nvme"):
+        if impl.endswith(f"-{tier}"):
+            return tier
+    return "none"
+
+
+def offload_dir() -> str:
+    """Where the disk tiers write (`$OFFLOAD_DIR`, set by benchmarks/offload_bench.py)."""
+    return os.environ.get("OFFLOAD_DIR", "/tmp")
+
+
 def deepspeed_config(impl: str) -> dict:
     zero = {"stage": int(impl[2])}
     if impl.endswith("-lean"):
         zero.update(DEEPSPEED_LEAN)
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": CLIP,
         "zero_optimization": zero,
     }
+    tier = offload_of(impl)
+    if tier != "none":
+        zero["offload_optimizer"] = {"device": tier, "nvme_path": offload_dir()}
+        config["zero_force_ds_cpu_optimizer"] = False  # the same torch AdamW as everyone
+    return config
 
 
-def make_model(impl: str, cfg: GPTConfig) -> tuple[torch.nn.Module, int]:
+def make_model(impl: str, cfg: GPTConfig, meta: bool = False) -> tuple[torch.nn.Module, int]:
     """The model (seed 0) and its parameter count. ds3-lean builds it inside
     `deepspeed.zero.Init`, as DeepSpeed advises for models that barely fit: each rank then
-    never holds the whole model."""
+    never holds the whole model. With `meta` (ours only) it is built on the meta device
+    and the engine materialises each rank's shard, one unit at a time."""
     torch.manual_seed(0)
     if impl == "ds3-lean":
         import deepspeed
@@ -171,7 +198,11 @@ def make_model(impl: str, cfg: GPTConfig) -> tuple[torch.nn.Module, int]:
         with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(impl)):
             model = GPT(cfg)
         return model, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    model = GPT(cfg)
+    if meta and impl.startswith("zero"):
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
     return model, sum(p.numel() for p in model.parameters())
 
 
@@ -212,6 +243,7 @@ def build(impl: str, model: torch.nn.Module):
     if impl.startswith("zero"):
         from zero_strategy import ZeroConfig, ZeroEngine
 
+        tier = offload_of(impl)
         engine = ZeroEngine(
             model,
             torch.optim.AdamW(model.parameters(), lr=LR),
@@ -220,6 +252,8 @@ def build(impl: str, model: torch.nn.Module):
                 gradient_clipping=CLIP,
                 max_reuse_distance=DEEPSPEED_REUSE_DISTANCE if impl.endswith("-reuse") else 0,
                 compute_dtype="bf16" if bf16 else "fp32",
+                offload_optimizer=tier,
+                offload_dir=offload_dir() if tier == "disk" else None,
             ),
         )
 
@@ -268,20 +302,36 @@ def finish_rank(out: str, impl: str, rank: int, result: dict) -> None:
     dist.destroy_process_group()
 
 
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process has read from and written to storage (Linux /proc/self/io)."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    except OSError:
+        return 0, 0
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 def main() -> None:
-    args = worker_arguments(("--size", {"default": "bench", "choices": sorted(SIZES)}))
+    args = worker_arguments(
+        ("--size", {"default": "bench", "choices": sorted(SIZES)}),
+        ("--layers", {"type": int, "default": 0, "help": "override the size's layer count"}),
+        ("--meta", {"action": "store_true", "help": "ours: build on meta, shard on creation"}),
+    )
     rank = init_ranks(args.impl)
     cfg = SIZES[args.size]
-    model, n_params = make_model(args.impl, cfg)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, n_layer=args.layers)
+    model, n_params = make_model(args.impl, cfg, meta=args.meta)
     forward, backward, step, state_bytes = build(args.impl, model)
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
 
-    times, phases, losses, model_state = [], [], [], 0
+    times, phases, losses, model_state, io = [], [], [], 0, []
     with PeakRSS() as rss:
         for i in range(args.warmup + args.steps):
             dist.barrier()
+            io_before = io_bytes()
             t0 = time.perf_counter()
             loss = forward(x, y)
             t1 = time.perf_counter()
@@ -296,6 +346,7 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(t3 - t0 - (t2b - t2))
                 phases.append((t1 - t0, t2 - t1, t3 - t2b))
+                io.append([after - before for after, before in zip(io_bytes(), io_before)])
     result = {
         "impl": args.impl,
         "rank": rank,
@@ -310,6 +361,9 @@ def main() -> None:
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "model_state_mib": model_state / 2**20,
         "losses": losses,
+        # Storage read and written per measured step (median), and the step phase's time.
+        "io_read_per_step": statistics.median(r for r, _ in io),
+        "io_write_per_step": statistics.median(w for _, w in io),
     }
     finish_rank(args.out, args.impl, rank, result)
 

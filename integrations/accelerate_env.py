@@ -10,8 +10,9 @@ clipping are the ones the DeepSpeed run had:
 
 - `ACCELERATE_DEEPSPEED_ZERO_STAGE` (unset: 2, Accelerate's default);
 - `ACCELERATE_GRADIENT_CLIPPING` (unset: 1.0, the value Accelerate fills its "auto" with);
-- `ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE` / `_OFFLOAD_PARAM_DEVICE`: anything but
-  "none" is refused, as in a DeepSpeed config (zero-strategy has no offload);
+- `ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE` ("cpu", or "nvme" with
+  `_OFFLOAD_OPTIMIZER_NVME_PATH`): `offload_optimizer`, as in a DeepSpeed config;
+  `_OFFLOAD_PARAM_DEVICE` other than "none" is refused (no parameter offload yet);
 - `ACCELERATE_DEEPSPEED_CONFIG_FILE`: a ds_config.json, used instead of the variables
   above, which fill only its "auto" values (as Accelerate does);
 - `ACCELERATE_DEEPSPEED_ZERO3_INIT`, `ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL` and
@@ -47,6 +48,7 @@ ENV_TAKEN = "ZERO_STRATEGY_FROM_ACCELERATE_DEEPSPEED"
 ENV_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
 ENV_CLIPPING = "ACCELERATE_GRADIENT_CLIPPING"
 ENV_OFFLOAD_OPTIMIZER = "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"
+ENV_OFFLOAD_OPTIMIZER_PATH = "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"
 ENV_OFFLOAD_PARAM = "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"
 ENV_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 ENV_ZERO3_INIT = "ACCELERATE_DEEPSPEED_ZERO3_INIT"
@@ -77,8 +79,8 @@ def deepspeed_env_values() -> dict[str, Any]:
             f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ACCELERATE_DEEP")
         )
         fix = (
-            " With accelerate launch: --offload_optimizer_device none --offload_param_device "
-            "none, or the same in the accelerate config."
+            " With accelerate launch: --offload_param_device none, or the same in the "
+            "accelerate config."
             if "offload" in str(e)
             else ""
         )
@@ -96,6 +98,10 @@ def _deepspeed_config() -> dict[str, Any]:
         "zero_optimization.offload_optimizer.device": _env(ENV_OFFLOAD_OPTIMIZER, "none"),
         "zero_optimization.offload_param.device": _env(ENV_OFFLOAD_PARAM, "none"),
     }
+    if ENV_OFFLOAD_OPTIMIZER_PATH in os.environ:
+        env["zero_optimization.offload_optimizer.nvme_path"] = os.environ[
+            ENV_OFFLOAD_OPTIMIZER_PATH
+        ]
     path = os.environ.get(ENV_CONFIG_FILE, "none")
     if path == "none":
         config: dict[str, Any] = {}

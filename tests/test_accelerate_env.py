@@ -122,9 +122,16 @@ def test_unhonoured_settings_are_named_with_what_happens_instead(monkeypatch):
     assert "ACCELERATE_DEEPSPEED_ZERO3_INIT" in message and "sharded by prepare()" in message
     assert "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL" in message
     assert "consolidate the whole model" in message
-    # Offload is refused, as in a DeepSpeed config, naming the variable and the fix.
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
-    with pytest.raises(ZeroConfigError, match=r"OFFLOAD_OPTIMIZER_DEVICE=cpu.*no CPU/NVMe"):
+    # The optimizer's offload is taken, as in a DeepSpeed config; the parameters' is
+    # refused, naming the variable and the fix.
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", "/local/nvme")
+    config = _accelerator(monkeypatch, {}).zero_config
+    assert (config.offload_optimizer, config.offload_dir) == ("disk", "/local/nvme")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
+    with pytest.raises(
+        ZeroConfigError, match=r"OFFLOAD_PARAM_DEVICE=cpu.*not implemented yet.*--offload_param"
+    ):
         _accelerator(monkeypatch, {})
 
 

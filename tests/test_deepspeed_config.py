@@ -73,7 +73,7 @@ def test_fp16_loss_scaling_keys_map(tmp_path):
     [
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-            "offload_param to 'cpu'.*no CPU/NVMe offload",
+            "offload_param to 'cpu'.*offload_param is not implemented yet",
         ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both fp16 and bf16"),
         ({"zero_optimization": {"stage": 4}}, r"ZeroConfig\.stage=4 is invalid"),
@@ -87,6 +87,40 @@ def test_what_cannot_be_honoured_is_an_error(config, match):
 def test_offload_to_none_is_accepted():
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}
     assert from_deepspeed_config(cfg).stage == 3
+
+
+def test_optimizer_offload_maps_to_the_tiers(tmp_path):
+    """nvme is the disk tier (nvme_path its directory, buffer_count and sub_group_size its
+    buffers and tiles); cpu is host memory; what cannot be honoured is named."""
+    nvme = {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 1e6,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "buffer_count": 5,
+                "pin_memory": True,
+                "pipeline_read": True,
+                "ratio": 0.3,
+            },
+        },
+    }
+    with pytest.warns(UserWarning) as caught:
+        config = from_deepspeed_config(nvme)
+    assert (config.offload_optimizer, config.offload_dir) == ("disk", str(tmp_path))
+    assert (config.offload_buffer_count, config.offload_tile_size) == (5, 1_000_000)
+    message = str(caught[0].message)
+    for key in ("pin_memory", "pipeline_read", "ratio"):
+        assert f"zero_optimization.offload_optimizer.{key} (" in message
+    cpu = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 2, "cpu_offload": True}}
+    assert from_deepspeed_config(cpu).offload_optimizer == "cpu"
+    with pytest.raises(ZeroConfigError, match=r"offload_optimizer\.device 'gpu'; use 'none'"):
+        from_deepspeed_config({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
+    no_path = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(ZeroConfigError, match=r"offload_dir=None is invalid"):
+        from_deepspeed_config(no_path)
 
 
 def test_the_lightning_strategy_and_the_accelerate_plugin_take_a_ds_config(tmp_path):

@@ -319,3 +319,42 @@ def test_disk_offload_lowers_peak_rss_by_most_of_the_optimizer_state(tmp_path):
     assert state == 2 * 4 * 24 * (1024 * 1024 + 1024)
     assert disk["state"] == 4 * disk["views"] and disk["disk"] >= state
     assert memory["peak_rss"] - disk["peak_rss"] >= 0.8 * state, (memory, disk)
+
+
+# ---------------------------------------------------------------- the doors
+def test_lightning_trains_identically_with_the_state_on_disk(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning_helpers import fit
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    plain = run_world(fit, 2, "zero3")
+    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_disk(tmp_path)))
+    assert [r["losses"] for r in disk] == [r["losses"] for r in plain]
+
+
+def test_fabric_accelerate_and_hydra_take_the_fields(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    pytest.importorskip("hydra")
+    from hydra.utils import instantiate
+    from test_hydra import _compose
+
+    from zero_strategy.integrations.accelerate import ZeroPlugin
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    fields = {"offload_optimizer": "disk", "offload_dir": str(tmp_path), "offload_tile_size": 9}
+    fabric = ZeroFabricStrategy(stage=2, **fields)._zero_base
+    accelerate = ZeroPlugin(stage=2, options=fields).resolve("no")
+    cfg = _compose(
+        "trainer/strategy=zero2",
+        "trainer.strategy.offload_optimizer=disk",
+        f"trainer.strategy.offload_dir={tmp_path}",
+        "trainer.strategy.offload_tile_size=9",
+        "trainer.devices=1",
+        "hydra.runtime.output_dir=/tmp",
+    )
+    hydra = instantiate(cfg.trainer.strategy).engine_config
+    for config in (fabric, accelerate, hydra):
+        assert (config.offload_optimizer, config.offload_dir) == ("disk", str(tmp_path))
+        assert config.offload_tile_size == 9

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from distributed import run_world
+from examples.gpt import GPTConfig
 from training import local_batch, make_model, make_optimizer
 from zero_strategy import ShardSpec, ZeroConfig, ZeroEngine
 from zero_strategy.cli import main
@@ -166,5 +167,37 @@ def test_offload_moves_optimizer_state_to_host():
     offloaded = plan(13_000_000_000, 8, 2, "bf16", offload="optimizer")
     assert offloaded.host_memory["optimizer_state"] == on_device.memory["optimizer_state"]
     assert offloaded.model_state == on_device.model_state - sum(offloaded.host_memory.values())
-    with pytest.raises(PlanError, match="offload='nvme' is invalid"):
+    with pytest.raises(PlanError, match="offload='nvme' is invalid: use 'none', 'disk'"):
         plan(1000, 1, 0, offload="nvme")
+
+
+# Views of some 100k elements: the file's rounding of each up to 4 KiB stays below 1%.
+WIDER = GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=256)
+
+
+def _measure_disk(rank, world, stage, directory):
+    model = make_model(cfg=WIDER)
+    config = ZeroConfig(stage=stage, offload_optimizer="disk", offload_dir=directory)
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    x, y = local_batch(0, 0, rank, world, WIDER)
+    engine.backward(engine(x, y))
+    engine.step()
+    m = engine.memory_report()
+    engine.close()
+    return m
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_planner_matches_disk_offload_within_2_percent(stage, tmp_path, capsys):
+    """`estimate --offload disk`: the optimizer state on disk, the rest in memory, each
+    within 2% of what the engine reports (the file rounds each view up to 4 KiB)."""
+    params, root = count_params(make_model(cfg=WIDER))
+    predicted = plan(params, 2, stage, "fp32", root_params=root, offload="disk")
+    m = run_world(_measure_disk, 2, stage, str(tmp_path))[0]
+    in_memory = m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
+    assert abs(predicted.model_state - in_memory) <= 0.02 * in_memory, (predicted, m)
+    disk = m["disk_optimizer_state"]
+    assert abs(predicted.disk["optimizer_state"] - disk) <= 0.02 * disk, (predicted, m)
+    assert main(["estimate", "--params", "7B", "--world-size", "8", "--stage", "3",
+                 "--offload", "disk"]) == 0  # fmt: skip
+    assert "offloaded to disk per rank:" in capsys.readouterr().out

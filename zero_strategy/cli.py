@@ -76,6 +76,7 @@ def _estimate(args: argparse.Namespace) -> int:
             device,
             args.ep_size,
             args.expert_params,
+            offload=args.offload,
             shard_group_size=args.shard_group_size,
         )
         for s in stages
@@ -103,6 +104,8 @@ def _params_of_hf_config(path: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .planner import OFFLOADS
+
     parser = argparse.ArgumentParser(prog="zero-strategy", description="ZeRO sharding for PyTorch.")
     parser.add_argument("--version", action="version", version=f"zero-strategy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         help="shard over groups of this many ranks, one copy per group (hybrid sharding)",
     )
     e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
-    e.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
+    e.add_argument(
+        "--offload",
+        default="none",
+        choices=list(OFFLOADS),
+        help="disk: the optimizer state in files (offload_optimizer='disk'); cpu/optimizer: "
+        "masters and optimizer state in host memory; optimizer+params: parameters too",
+    )
     e.add_argument("--batch", type=int, default=0)
     e.add_argument("--seq", type=int, default=0)
     e.add_argument("--hidden", type=int, default=0)

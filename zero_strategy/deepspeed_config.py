@@ -2,8 +2,9 @@
 
 Every ZeRO key with an equivalent here is translated; keys that only tune DeepSpeed's own
 implementation (its buffers, its bucketing of all-gathers) have no counterpart and are
-listed in one warning; what cannot be honoured (CPU/NVMe offload, fp16 and bf16 at once)
-is an error that says so. Trainer settings that live in the same file (batch sizes,
+listed in one warning; what cannot be honoured (parameter offload, fp16 and bf16 at once)
+is an error that says so. The optimizer's offload maps to `offload_optimizer` ("nvme" is
+the disk tier, its `nvme_path` the `offload_dir`). Trainer settings that live in the same file (batch sizes,
 optimizer, scheduler) belong to the training loop and are listed as ignored too.
 Hugging Face's `"auto"` placeholders keep the ZeroConfig default.
 """
@@ -50,7 +51,6 @@ _NO_COUNTERPART = {
     "stage3_model_persistence_threshold",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
-    "sub_group_size",
     "memory_efficient_linear",
     "elastic_checkpoint",
     "load_from_fp32_weights",
@@ -90,8 +90,12 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> Zero
             continue
         if key in _ZERO_KEYS:
             values[_ZERO_KEYS[key]] = _as_int(value) if key != "overlap_comm" else value
-        elif key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"):
+        elif key in ("offload_optimizer", "cpu_offload"):
+            _offload_optimizer(key, value, values, ignored)
+        elif key in ("offload_param", "cpu_offload_param"):
             _refuse_offload(key, value)
+        elif key == "sub_group_size":
+            values["offload_tile_size"] = _as_int(value)
         elif key in _NO_COUNTERPART:
             ignored.append(f"zero_optimization.{key}")
         else:
@@ -172,14 +176,55 @@ def _precision(config: Mapping[str, Any], values: dict[str, Any], ignored: list[
     ignored += [f"fp16.{k}" for k in fp16 if k not in mapped | {"min_loss_scale", "auto_cast"}]
 
 
+# offload_optimizer keys -> ZeroConfig field; the rest are listed as ignored, with why.
+_OFFLOAD_KEYS = {"device": None, "nvme_path": "offload_dir", "buffer_count": "offload_buffer_count"}
+_OFFLOAD_IGNORED = {
+    "pin_memory": "host buffers are pinned only for a CUDA device to copy from",
+    "pipeline_read": "reads and writes always overlap the step here",
+    "pipeline_write": "reads and writes always overlap the step here",
+    "pipeline": "reads and writes always overlap the step here",
+    "fast_init": "the state is created by the first step, a tile at a time",
+    "ratio": "the whole optimizer state is offloaded",
+}
+
+
+def _offload_optimizer(key: str, value: Any, values: dict[str, Any], ignored: list[str]) -> None:
+    """zero_optimization.offload_optimizer (or the deprecated cpu_offload flag)."""
+    settings = dict(value) if isinstance(value, Mapping) else {"device": "cpu" if value else None}
+    device = settings.get("device")
+    if device in (None, "none", False):
+        return
+    tiers = {"cpu": "cpu", "nvme": "disk"}
+    if device not in tiers:
+        raise ZeroConfigError(
+            f"The DeepSpeed config asks for zero_optimization.{key}.device {device!r}; use "
+            "'none', 'cpu' or 'nvme' (a directory on a local disk, in nvme_path)."
+        )
+    values["offload_optimizer"] = tiers[device]
+    for name, setting in settings.items():
+        if name in _OFFLOAD_KEYS:
+            if _OFFLOAD_KEYS[name] is not None and not _is_auto(setting):
+                values[_OFFLOAD_KEYS[name]] = (
+                    _as_int(setting) if name == "buffer_count" else str(setting)
+                )
+        elif name in _OFFLOAD_IGNORED:
+            ignored.append(f"zero_optimization.{key}.{name} ({_OFFLOAD_IGNORED[name]})")
+        else:
+            ignored.append(f"zero_optimization.{key}.{name} (unknown)")
+    if device == "cpu":
+        values.pop("offload_dir", None)  # nvme_path means nothing for host memory
+
+
 def _refuse_offload(key: str, value: Any) -> None:
     device = value.get("device", "none") if isinstance(value, Mapping) else value
     if device in (None, "none", False):
         return
     raise ZeroConfigError(
         f"The DeepSpeed config asks for zero_optimization.{key} to {device!r}; zero-strategy "
-        "keeps every shard on the training device and has no CPU/NVMe offload. Remove the "
-        "key, and spread the state over more ranks (stage 3 divides it by the world size)."
+        "keeps the parameters on the training device (offload_param is not implemented yet; "
+        "offload_optimizer is). Remove the key, offload the optimizer state instead "
+        "(offload_optimizer with device 'cpu' or 'nvme'), or spread the parameters over "
+        "more ranks (stage 3 divides them by the world size)."
     )
 
 

@@ -31,6 +31,9 @@ OPTIMIZER_STATE_BYTES = {
 }
 
 
+OFFLOADS = ("none", "disk", "cpu", "optimizer", "optimizer+params")
+
+
 class PlanError(ValueError):
     """Invalid planner input; the message names the field and the fix."""
 
@@ -45,6 +48,7 @@ class Plan:
     comm: dict[str, float] = field(default_factory=dict)  # bytes per step by collective
     device_memory: float | None = None
     host_memory: dict[str, float] = field(default_factory=dict)  # offloaded, per rank
+    disk: dict[str, float] = field(default_factory=dict)  # offloaded to files, per rank
 
     @property
     def model_state(self) -> float:
@@ -146,16 +150,21 @@ def plan(
         }
     if activations:
         memory["activations"] = activations
-    if offload not in ("none", "optimizer", "optimizer+params"):
+    if offload not in OFFLOADS:
         raise PlanError(
-            f"offload={offload!r} is invalid: use 'none', 'optimizer' (masters and optimizer "
-            "state in host memory, as ZeRO-Offload) or 'optimizer+params' (ZeRO-Infinity style)."
+            f"offload={offload!r} is invalid: use 'none', 'disk' (the optimizer state in "
+            "files, as ZeroConfig(offload_optimizer='disk')), 'cpu' or 'optimizer' (masters "
+            "and optimizer state in host memory, as ZeRO-Offload on a GPU) or "
+            "'optimizer+params' (parameters too, ZeRO-Infinity style)."
         )
     host: dict[str, float] = {}
-    moved = ("optimizer_state", "master_params") + (
-        ("parameters",) if offload == "optimizer+params" else ()
-    )
-    if offload != "none":
+    disk: dict[str, float] = {}
+    if offload == "disk":
+        disk["optimizer_state"] = memory.pop("optimizer_state")
+    elif offload != "none":
+        moved = ("optimizer_state", "master_params") + (
+            ("parameters",) if offload == "optimizer+params" else ()
+        )
         for kind in moved:
             if kind in memory:
                 host[kind] = memory.pop(kind)
@@ -173,7 +182,7 @@ def plan(
             comm["all_gather"] = full
         elif stage == 3:
             comm["all_gather"] = 2 * full - dtype_bytes * root_params
-    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host)
+    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host, disk)
 
 
 def cheapest_stage(params: int, world_size: int, device_memory: float, **kwargs) -> int | None:
@@ -220,6 +229,9 @@ def format_table(p: Plan) -> str:
     if p.host_memory:
         rows.append("offloaded to host memory per rank:")
         rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.host_memory.items()]
+    if p.disk:
+        rows.append("offloaded to disk per rank:")
+        rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.disk.items()]
     if p.device_memory is not None:
         rows.append(f"  fits in {p.device_memory / GB:.0f} GB: {'yes' if p.fits else 'NO'}")
     rows.append("communication per step:")
