@@ -8,8 +8,9 @@ through the disk tier.
 
 Every run: 2 ranks, gloo, one thread per rank, stage 3, fp32 AdamW, clipping 1.0 (the
 engine_bench worker). The disk tiers write under --offload-dir (default: a directory
-beside this checkout, on the same disk as /tmp here). DeepSpeed's rows need its CPU
-Adam / async-I/O ops; where they cannot run here, the table says why.
+beside this checkout, on the same disk as /tmp here). DeepSpeed's NVMe row needs its
+async-I/O op, which it compiles against libaio (`apt install libaio-dev`); where a peer
+cannot run, the table says why.
 
 The moonshot sizes the GPT (d 2560, vocab 16384, seq 128) from this machine: the fewest
 layers whose model state (16 bytes per parameter: fp32 weights, gradients, Adam's two

@@ -337,7 +337,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_by_its_checksum(tmp_path):
     from zero_strategy.consolidate import consolidate
 
     path, _ = _save_single(tmp_path)
-    _flip_last_byte(path)
+    _flip_a_weight_byte(path)
     with pytest.raises(
         CheckpointError, match=r"rank00000.safetensors: tensor .* fails its checksum"
     ):
@@ -367,10 +367,16 @@ def test_a_header_claiming_terabytes_is_refused_without_reading_it(tmp_path):
         _fresh_engine().load_checkpoint(path)
 
 
-def _flip_last_byte(path: str) -> None:
+def _flip_a_weight_byte(path: str) -> None:
+    """Flip one bit inside the last weight's data (what a load and a consolidation read)."""
     shard = Path(path, "rank00000.safetensors")
+    handle = SafetensorsFile(shard)
+    weights = [k for k in handle.tensors if "/" not in k]
+    last = max(weights, key=lambda k: handle.tensors[k]["data_offsets"][1])
+    end = handle.base + handle.tensors[last]["data_offsets"][1]
+    handle.close()
     data = bytearray(shard.read_bytes())
-    data[-5] ^= 0x01  # the last tensor's data, past the header
+    data[end - 1] ^= 0x01
     shard.write_bytes(bytes(data))
 
 
@@ -390,7 +396,7 @@ def _offsets_past_the_file(path: str) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "problem"),
     [
-        (_flip_last_byte, "fails its checksum"),
+        (_flip_a_weight_byte, "fails its checksum"),
         (_truncate, "truncated"),
         (_offsets_past_the_file, "index does not match the files"),
     ],

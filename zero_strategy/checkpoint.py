@@ -17,6 +17,7 @@ complete; an interrupted save leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from .optimizer import OptimizerView
 from .optimizer_set import OptimizerSet
 from .partition import ParamSlot, Stored
 from .safe_load import CheckpointError, safe_torch_load
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import LazyTensor, SafetensorsFile, lazy
 from .save_agreement import (
     attempt,
     client_state_bytes,
@@ -126,21 +127,26 @@ def _views_covering(
 def _elementwise_state(
     state: ShardedState, unit: FlatUnit, slot: ParamSlot, lo: int, hi: int
 ) -> dict[str, torch.Tensor]:
-    """The optimizer state tensors covering [lo, hi) of `slot`, as 1-D tensors."""
+    """The optimizer state covering [lo, hi) of `slot`, as 1-D tensors to be read when
+    written (from memory, or from the disk tier: one piece in memory at a time)."""
     flat_lo = slot.offset + lo - unit.opt_start
     flat_hi = slot.offset + hi - unit.opt_start
     views = _views_covering(state.views, unit, flat_lo, flat_hi)
     if not views:
         return {}
     store = state.optimizer_state
-    keys = store.keys(views[0])
-    if any(store.keys(v) != keys for v in views[1:]):
+    dtypes = store.dtypes(views[0])
+    if any(store.dtypes(v) != dtypes for v in views[1:]):
         return {}  # not one optimizer's state (cannot happen within one parameter)
-    pieces = {
-        k: [store.read(v, k, max(flat_lo, v.lo) - v.lo, min(flat_hi, v.hi) - v.lo) for v in views]
-        for k in keys
-    }
-    return {k: p[0] if len(p) == 1 else torch.cat(p) for k, p in pieces.items()}
+
+    def load(key: str) -> torch.Tensor:  # read when the writer reaches it
+        pieces = [
+            store.read(v, key, max(flat_lo, v.lo) - v.lo, min(flat_hi, v.hi) - v.lo) for v in views
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    shape = (flat_hi - flat_lo,)
+    return {k: LazyTensor(dtype, shape, functools.partial(load, k)) for k, dtype in dtypes.items()}
 
 
 def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
@@ -204,11 +210,13 @@ def save(
     # 2. Every rank writes its file. The index is built from what each rank reports it
     #    wrote (a rank may own no trainable range of some group: the state keys are the
     #    union over ranks).
-    crcs = {k: chunk_crcs(v) for k, v in tensors.items()}
+    crcs: dict[str, list[int]] = {}  # each tensor's, from the bytes as they are written
+    recorded = {name: _recording(name, value, crcs) for name, value in tensors.items()}
     error = attempt(
-        lambda: write_rank_file(tensors, tmp / rank_file(rank), needed_here), tmp, final
+        lambda: write_rank_file(recorded, tmp / rank_file(rank), needed_here), tmp, final
     )
-    tensors.clear()  # the copies, freed before the index exchange
+    tensors.clear()
+    recorded.clear()
     everyone = world.control_all_gather_json(
         {
             "wrote": written,
@@ -230,18 +238,29 @@ def save(
     _raise_agreed(errors, final, tmp if rank == 0 else None)
 
 
+def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> LazyTensor:
+    """`value`, whose chunk checksums land in `crcs[name]` when it is produced."""
+
+    def load() -> torch.Tensor:
+        tensor = value.load()
+        crcs[name] = chunk_crcs(tensor)
+        return tensor
+
+    return LazyTensor(value.dtype, value.shape, load)
+
+
 def _rank_tensors(
     state: ShardedState,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], set[str]]:
-    """What this rank writes: (tensors by name, each parameter range's index entry, the
-    optimizer's elementwise state keys)."""
-    tensors: dict[str, torch.Tensor] = {}
+) -> tuple[dict[str, LazyTensor], dict[str, dict[str, Any]], set[str]]:
+    """What this rank writes: (tensors by name, produced as the file is written; each
+    parameter range's index entry; the optimizer's elementwise state keys)."""
+    tensors: dict[str, LazyTensor] = {}
     state_keys: set[str] = set()
     written: dict[str, dict[str, Any]] = {}
     for unit, slot, lo, hi in _owned_pieces(state):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
         stored = state.stored(unit, slot.name, slot.shape)
-        tensors[stored.name] = unit.master[a:b]
+        tensors[stored.name] = lazy(unit.master[a:b])
         for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
             tensors[f"{key}/{stored.name}"] = value
             state_keys.add(key)
@@ -258,9 +277,8 @@ def _rank_tensors(
         }
     if state.world.rank == 0:
         for name, buf in persistent_buffers(state.module):
-            tensors[f"buffer/{name}"] = buf
-    # Slices of one master buffer share storage, which safetensors refuses: copy them.
-    return {k: v.detach().cpu().clone() for k, v in tensors.items()}, written, state_keys
+            tensors[f"buffer/{name}"] = lazy(buf)
+    return tensors, written, state_keys
 
 
 def _finish(tmp: Path, final: Path, index: dict[str, Any], client_bytes: bytes | None) -> None:

@@ -1,10 +1,16 @@
-"""Read element ranges of tensors in safetensors files with plain reads, no mmap.
+"""Read element ranges of tensors in safetensors files with plain reads, no mmap; write
+files one tensor at a time.
 
 safetensors' own `safe_open` maps the file: every page a reader touches then counts in its
 resident memory until the file is closed, so streaming through a checkpoint would grow
 RSS to the checkpoint's size. The format is a little-endian u64 header length, a JSON
 header of {name: {dtype, shape, data_offsets}}, then the data: reading a range is one
 seek and one readinto() into the destination tensor.
+
+Writing (`save_streaming`) lays the header out from each tensor's dtype and shape, then
+writes the tensors in order, asking for each (`LazyTensor.load`) only when its turn
+comes: a rank whose optimizer state lives on disk never holds more than one tensor of it,
+where `safetensors.torch.save_file` needs every tensor in memory at once.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +37,57 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor to be written, produced only when the writer reaches it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def lazy(tensor: torch.Tensor) -> LazyTensor:
+    return LazyTensor(tensor.dtype, tuple(tensor.shape), lambda: tensor)
+
+
+def save_streaming(
+    tensors: Mapping[str, torch.Tensor | LazyTensor], target: str | os.PathLike
+) -> None:
+    """Write a safetensors file of `tensors` (in this order), one at a time."""
+    entries = {k: v if isinstance(v, LazyTensor) else lazy(v) for k, v in tensors.items()}
+    header: dict[str, dict] = {}
+    at = 0
+    for name, entry in entries.items():
+        header[name] = {
+            "dtype": CODES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [at, at + entry.nbytes],
+        }
+        at += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    with open(target, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, entry in entries.items():
+            value = entry.load().detach()
+            if value.dtype != entry.dtype or tuple(value.shape) != entry.shape:
+                raise ValueError(
+                    f"'{name}' was announced as {entry.dtype} {entry.shape} and produced "
+                    f"{value.dtype} {tuple(value.shape)}"
+                )
+            if value.numel():
+                data = value.cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
 
 
 class SafetensorsFile:

@@ -51,8 +51,9 @@ class ResidentState:
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
         step(list(views), True, True)
 
-    def keys(self, view: OptimizerView) -> list[str]:
-        return elementwise_keys(self.state.get(view.param, {}), view.hi - view.lo)
+    def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
+        """The view's elementwise state: key -> dtype."""
+        return _dtypes_in_memory(self.state, view)
 
     def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key`'s state of `view` (a view of it, not a copy)."""
@@ -295,11 +296,12 @@ class DiskState:
             raise error
 
     # ------------------------------------------------------------------ checkpoints
-    def keys(self, view: OptimizerView) -> list[str]:
+    def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
+        """The view's elementwise state: key -> dtype (on disk, or still in memory)."""
         region = self._regions.get(id(view))
         if region is not None:
-            return [s.key for s in region.slots]
-        return elementwise_keys(self.state.get(view.param, {}), view.hi - view.lo)
+            return {s.key: s.dtype for s in region.slots}
+        return _dtypes_in_memory(self.state, view)
 
     def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key`'s state of `view`, read from the file (a new tensor)."""
@@ -318,13 +320,11 @@ class DiskState:
             return
         region = self._layout(view, entry)
         self._regions[id(view)] = region
-        buffer = self._take_buffer(region.nbytes)
-        try:
-            self._pack([view], buffer)
-            self.file.write(region.offset, buffer[: region.nbytes])
-        finally:
-            self._free.append(buffer)
+        buffer = aligned_empty(region.nbytes)  # this view's alone, dropped on return
+        self._pack([view], buffer)
+        self.file.write(region.offset, buffer[: region.nbytes])
         self._detach([view])
+        del buffer
         return_freed_memory()
 
     def clear(self) -> None:
@@ -351,6 +351,11 @@ class DiskState:
             self._writer.shutdown(wait=True)
             self._free.clear()
             self.file.close()
+
+
+def _dtypes_in_memory(state: MutableMapping[Any, Any], view: OptimizerView) -> dict:
+    entry = state.get(view.param, {})
+    return {k: entry[k].dtype for k in elementwise_keys(entry, view.hi - view.lo)}
 
 
 def _typed(buffer: torch.Tensor, at: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
