@@ -381,3 +381,30 @@ def test_fabric_accelerate_and_hydra_take_the_fields(tmp_path):
     for config in (fabric, accelerate, hydra):
         assert (config.offload_optimizer, config.offload_dir) == ("disk", str(tmp_path))
         assert config.offload_tile_size == 9
+
+
+def test_a_dropped_engine_closes_its_file(tmp_path):
+    """The file is held open (unlinked) by the engine alone: dropping the engine closes it,
+    and the finalizer that does so does not keep the engine alive."""
+    import gc
+
+    def open_files() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [os.readlink(fd) for fd in fds.iterdir() if str(tmp_path) in _link(fd)]
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(tmp_path)))
+    x, y = local_batch(0, 0, 0, 1)
+    engine.backward(engine(x, y))
+    engine.step()
+    assert len(open_files()) == 1 and "(deleted)" in open_files()[0]
+    del engine, model
+    gc.collect()
+    assert open_files() == []
+
+
+def _link(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except OSError:  # closed since it was listed
+        return ""

@@ -179,7 +179,7 @@ class ZeroEngine:
         self._opt_state = state_store(
             cfg, self._optimizer_set.state, self._opt_views, self.device, self.rank
         )
-        self._store_finalizer = weakref.finalize(self, self._opt_state.close)
+        self._store_finalizer = weakref.finalize(self, self._opt_state.closer())
         self.fused_step = self._fused[0]
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
         # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient

@@ -17,6 +17,7 @@ sharded checkpoints store and reshard, and what moves to disk here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,8 +72,8 @@ class ResidentState:
     def buffers(self) -> list[torch.Tensor]:
         return []
 
-    def close(self) -> None:
-        pass
+    def closer(self) -> Callable[[], None]:
+        return _nothing
 
 
 @dataclass(frozen=True)
@@ -343,14 +344,21 @@ class DiskState:
         """The staging buffers held now (host memory; none between steps)."""
         return list(self._free) + [b for b, _ in self._writing]
 
-    def close(self) -> None:
-        try:
-            self._drain_writes()
-        finally:
-            self._reader.shutdown(wait=True)
-            self._writer.shutdown(wait=True)
-            self._free.clear()
-            self.file.close()
+    def closer(self) -> Callable[[], None]:
+        """Closes the file and stops the threads. It holds nothing but them, so that a
+        finalizer can keep it without keeping the optimizer (and the engine) alive; no
+        write is in flight between steps."""
+        return functools.partial(_close, self._reader, self._writer, self.file)
+
+
+def _close(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, file: OffloadFile) -> None:
+    reader.shutdown(wait=True)
+    writer.shutdown(wait=True)
+    file.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _dtypes_in_memory(state: MutableMapping[Any, Any], view: OptimizerView) -> dict:
