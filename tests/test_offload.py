@@ -118,26 +118,53 @@ def test_memory_report_counts_the_disk_tier_exactly(tmp_path):
 
 
 def _hooked_run(rank, world, directory):
-    model = make_model()
-    optimizer = make_optimizer(model)
-    calls = []
-    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
-    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **_disk(Path(directory))))
-    for step in range(2):
-        x, y = local_batch(step, 0, rank, world)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-    tiles = len(engine._opt_state.tiles)
-    engine.close()
-    return calls, tiles
+    """A pre-hook that halves every gradient and a post-hook that looks at the state: the
+    same weights with the state on disk as in memory, each hook once per step."""
+    results = {}
+    for name, extra in (("memory", {}), ("disk", _disk(Path(directory)))):
+        model = make_model()
+        optimizer = make_optimizer(model)
+        calls = []
+
+        def halve(opt, args, kwargs, calls=calls):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            calls.append(("pre", sum(p.grad is not None for p in params)))
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+        def look(opt, args, kwargs, calls=calls):
+            meta = any(v.is_meta for s in opt.state.values() for v in s.values())
+            calls.append(("post", meta))
+
+        optimizer.register_step_pre_hook(halve)
+        optimizer.register_step_post_hook(look)
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **extra))
+        for step in range(2):
+            x, y = local_batch(step, 0, rank, world)
+            engine.backward(engine(x, y))
+            engine.step()
+            engine.zero_grad()
+        views = len(engine._opt_views)
+        tiles = len(getattr(engine._opt_state, "tiles", [[]]))
+        results[name] = (calls, engine.full_state_dict(), views, tiles)
+        engine.close()
+    return results
 
 
 def test_the_users_step_hooks_run_once_per_step_over_many_tiles(tmp_path):
-    for calls, tiles in run_world(_hooked_run, 2, str(tmp_path)):
+    """Pre-hooks see every gradient (and may change them), post-hooks the state: with
+    the state on disk the step runs a tile at a time, the hooks once around all tiles."""
+    for rank, results in enumerate(run_world(_hooked_run, 2, str(tmp_path))):
+        (mem_calls, mem_weights, mem_views, _), (calls, weights, views, tiles) = (
+            results["memory"],
+            results["disk"],
+        )
         assert tiles >= 3
-        assert calls == ["pre", "post", "pre", "post"]
+        assert calls == [("pre", views), ("post", True)] * 2  # state on disk: meta there
+        assert mem_calls == [("pre", mem_views), ("post", False)] * 2
+        if rank == 0:
+            assert all(torch.equal(weights[k], mem_weights[k]) for k in mem_weights)
 
 
 def _save_then_resume(tmp_path, name, save_world, save_extra, resume_world, resume_extra):
@@ -256,20 +283,32 @@ def _fails_mid_training(rank, world, directory, ckpt):
         message = None
     finally:
         offload_file_module.os.pwrite = real
+    # The file is behind the optimizer now: a save would write stale state, and refuses;
+    # loading the checkpoint makes the engine whole again.
+    try:
+        engine.save_checkpoint(ckpt + "-after")
+        refused = None
+    except Exception as e:
+        refused = str(e)
+    engine.load_checkpoint(ckpt)
+    engine.backward(engine(x, y))
+    engine.step()
     engine.close()
     fresh = make_model()
     again = ZeroEngine(fresh, make_optimizer(fresh), ZeroConfig(stage=2))
     again.load_checkpoint(ckpt)
     loaded = again.global_steps
     again.close()
-    return message, loaded
+    return message, loaded, refused
 
 
 def test_a_disk_that_fills_mid_training_fails_the_step_and_keeps_the_checkpoint(tmp_path):
     offload = tmp_path / "offload"
     offload.mkdir()
     ckpt = str(tmp_path / "ckpt")
-    for message, loaded in run_world(_fails_mid_training, 2, str(offload), ckpt):
+    for message, loaded, refused in run_world(_fails_mid_training, 2, str(offload), ckpt):
+        assert refused is not None and "incomplete since a step failed" in refused
+        assert "Load a checkpoint" in refused
         assert message is not None
         assert f"no space left on the device of offload_dir {offload}" in message
         assert "checkpoints already written are not affected" in message
@@ -408,3 +447,37 @@ def _link(fd: Path) -> str:
         return os.readlink(fd)
     except OSError:  # closed since it was listed
         return ""
+
+
+def _two_optimizers_run(rank, world, ckpt, load, save, steps, extra):
+    """AdamW over the blocks, SGD with momentum over the rest: two kinds of state."""
+    model = make_model()
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    optimizers = [torch.optim.AdamW(blocks, lr=3e-3), torch.optim.SGD(rest, lr=0.05, momentum=0.9)]
+    engine = ZeroEngine(model, optimizers, ZeroConfig(stage=3, **extra))
+    if load:
+        engine.load_checkpoint(ckpt)
+    for step in steps:
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    if save:
+        engine.save_checkpoint(ckpt)
+    weights = engine.full_state_dict()
+    engine.close()
+    return weights
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_two_kinds_of_optimizer_state_save_and_resume(tmp_path, offload):
+    """A checkpoint of AdamW and SGD-momentum state (each parameter has one kind) loads
+    back and continues bit for bit as the run never interrupted, with the state in memory
+    or on disk."""
+    extra = _disk(tmp_path) if offload else {}
+    ckpt = str(tmp_path / "ckpt")
+    whole = run_world(_two_optimizers_run, 2, "", False, False, range(4), extra)[0]
+    run_world(_two_optimizers_run, 2, ckpt, False, True, range(2), extra)
+    resumed = run_world(_two_optimizers_run, 2, ckpt, True, False, range(2, 4), extra)[0]
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)

@@ -137,7 +137,11 @@ def _elementwise_state(
     store = state.optimizer_state
     dtypes = store.dtypes(views[0])
     if any(store.dtypes(v) != dtypes for v in views[1:]):
-        return {}  # not one optimizer's state (cannot happen within one parameter)
+        raise CheckpointError(
+            f"The optimizer state of '{slot.name}' differs between the pieces it is stepped "
+            f"in ({[store.dtypes(v) for v in views]}); every piece of one parameter must "
+            "hold the same state. This is a bug: please report it."
+        )
 
     def load(key: str) -> torch.Tensor:  # read when the writer reaches it
         pieces = [
@@ -242,7 +246,7 @@ def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> Lazy
     """`value`, whose chunk checksums land in `crcs[name]` when it is produced."""
 
     def load() -> torch.Tensor:
-        tensor = value.load()
+        tensor = value.load().detach().cpu()  # the bytes written, checked from host memory
         crcs[name] = chunk_crcs(tensor)
         return tensor
 
@@ -442,6 +446,14 @@ class CheckpointReader:
             )
         return out
 
+    def holds(self, name: str, prefix: str) -> bool:
+        """Whether any rank file holds `prefix` state of `name` (an Adam parameter has no
+        "momentum_buffer/", an SGD one no "exp_avg/", when two optimizers were saved)."""
+        return any(
+            f"{prefix}{name}" in self._open(piece["rank"]).tensors
+            for piece in self.index["params"][name]["pieces"]
+        )
+
     def verify(
         self, name: str, lo: int, hi: int, prefix: str = "", dtype: torch.dtype = torch.float32
     ) -> None:
@@ -636,7 +648,7 @@ def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: boo
         reader.verify(name, lo, hi, dtype=unit.master_dtype)
     keys = reader.index["optimizer"]["elementwise_state"] if optimizer_states else []
     for view in state.views:
-        for key in keys:
+        for key in _keys_of(state, reader, view, keys):
             for name, lo, hi, _ in _state_ranges(state, view):
                 reader.verify(name, lo, hi, f"{key}/", dtype=view.unit.master_dtype)
     if optimizer_states:
@@ -701,13 +713,24 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
                 if spec["dtype"]
                 else spec["value"]
             )
-        for key in keys:
+        for key in _keys_of(state, reader, view, keys):
             dtype = view.unit.master_dtype
             buf = torch.empty(view.hi - view.lo, dtype=dtype, device=state.device)
             for name, lo, hi, at in _state_ranges(state, view):
                 buf[at : at + hi - lo].copy_(reader.read(name, lo, hi, f"{key}/", dtype=dtype))
             entry[key] = buf
         store.put(view, entry)
+
+
+def _keys_of(
+    state: ShardedState, reader: CheckpointReader, view: OptimizerView, keys: list[str]
+) -> list[str]:
+    """The elementwise state keys saved for the parameters of `view` (optimizers of
+    different kinds keep different ones)."""
+    names = [name for name, *_ in _state_ranges(state, view)]
+    if not names:  # an empty view (none of the group is this rank's): empty tensors of all
+        return keys
+    return [k for k in keys if any(reader.holds(name, f"{k}/") for name in names)]
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:

@@ -53,7 +53,8 @@ from .optimizer import (
     check_optimizer,
     group_index_of_params,
     repoint_optimizer,
-    step_hooks_only,
+    user_step_hooks,
+    without_user_step_hooks,
 )
 from .optimizer_set import OptimizerSet
 from .partition import (
@@ -622,15 +623,17 @@ class ZeroEngine:
         written = [True]  # whether every update also wrote the compute copies
 
         def step_tile(tile: list[OptimizerView], first: bool, last: bool) -> None:
-            written[0] &= self._step_optimizers(chosen, tile, first, last)
+            written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self._ema.update(self.config.ema_decay, groups, tile)
 
         chosen_groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
+        self._run_user_hooks(chosen, before=True)
         self._opt_state.apply(
             [v for v in self._opt_views if v.group_index in chosen_groups], step_tile
         )
         self._expose_grads()
+        self._run_user_hooks(chosen, before=False)
         self.scaler.update(False)
         self._memory.resync()  # the first step creates the optimizer state
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
@@ -642,14 +645,25 @@ class ZeroEngine:
         self.global_steps += 1
         return True
 
-    def _step_optimizers(
-        self, chosen: list[int], tile: list[OptimizerView], first: bool, last: bool
-    ) -> bool:
-        """Step the `chosen` optimizers over their views in `tile` (all of them, unless
-        the state is offloaded: one tile at a time, the others' gradients hidden so the
-        optimizer skips them; the user's step hooks run on the first and last tile only).
-        Returns whether every update also wrote the compute copies (the fused kernel)."""
-        partial = not (first and last)
+    def _run_user_hooks(self, chosen: list[int], before: bool) -> None:
+        """With the state offloaded, each optimizer's step runs in parts: the user's step
+        hooks run here instead, once, with every gradient in place, as around one
+        `optimizer.step()` (torch's order: global then own pre-hooks, own then global
+        post-hooks)."""
+        if not self._opt_state.offloaded:
+            return  # optimizer.step() runs them
+        for k in chosen:
+            opt = self.optimizers[k]
+            pre, post = user_step_hooks(opt, self._guards[k].id)
+            for hook in pre if before else post:
+                hook(opt, (), {})
+
+    def _step_optimizers(self, chosen: list[int], tile: list[OptimizerView]) -> bool:
+        """Step the `chosen` optimizers over their views in `tile`: all of them, or with
+        the state offloaded one tile at a time, the other views' gradients hidden so that
+        the optimizer skips them and the user's hooks left to `_run_user_hooks`. Returns
+        whether every update also wrote the compute copies (the fused kernel)."""
+        partial = self._opt_state.offloaded
         copies_written = True
         for k in chosen:
             opt, fused = self.optimizers[k], self._fused[k]
@@ -661,15 +675,17 @@ class ZeroEngine:
                 fused.step(self._fused_views(opt))
                 continue
             copies_written = False
+            hooks = contextlib.nullcontext()
             if partial:
                 shown = {id(v) for v in views}
                 for view in self._opt_views:
                     if view.group_index in groups:
                         grad = view.unit.grad_opt[view.lo : view.hi]
                         view.param.grad = grad if id(view) in shown else None
+                hooks = without_user_step_hooks(opt, self._guards[k].id)
             self._inside_step = True
             try:
-                with step_hooks_only(opt, self._guards[k].id, pre=first, post=last):
+                with hooks:
                     opt.step()
             finally:
                 self._inside_step = False

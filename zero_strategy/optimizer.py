@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,24 +108,49 @@ def repoint_optimizer(
     optimizer.state = defaultdict(dict)
 
 
+def user_step_hooks(
+    optimizer: torch.optim.Optimizer, own_hook: int
+) -> tuple[list[Callable], list[Callable]]:
+    """The pre- and post-step hooks `optimizer.step()` would run (global and the
+    optimizer's own, in torch's order), less the engine's guard (handle id `own_hook`)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    pre = [
+        *torch_optimizer._global_optimizer_pre_hooks.values(),
+        *(h for k, h in optimizer._optimizer_step_pre_hooks.items() if k != own_hook),
+    ]
+    post = [
+        *optimizer._optimizer_step_post_hooks.values(),
+        *torch_optimizer._global_optimizer_post_hooks.values(),
+    ]
+    return pre, post
+
+
 @contextlib.contextmanager
-def step_hooks_only(
-    optimizer: torch.optim.Optimizer, own_hook: int, pre: bool, post: bool
-) -> Iterator[None]:
-    """One step taken as several partial steps (offloaded state, a tile at a time) runs
-    the user's pre-step hooks before the first (`pre`) and post-step hooks after the last
-    (`post`) only, as one `optimizer.step()` would; the engine's own pre-hook (handle id
-    `own_hook`) guards every part."""
-    saved_pre = optimizer._optimizer_step_pre_hooks
-    saved_post = optimizer._optimizer_step_post_hooks
-    if not pre:
-        optimizer._optimizer_step_pre_hooks = OrderedDict(
-            (k, h) for k, h in saved_pre.items() if k == own_hook
-        )
-    if not post:
-        optimizer._optimizer_step_post_hooks = OrderedDict()
+def without_user_step_hooks(optimizer: torch.optim.Optimizer, own_hook: int) -> Iterator[None]:
+    """`optimizer.step()` inside runs the engine's guard (handle id `own_hook`) and no other
+    hook: one step taken as several partial steps (offloaded state, a tile at a time)
+    runs the user's hooks itself, once, around all of them (`user_step_hooks`)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    saved = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
+    optimizer._optimizer_step_pre_hooks = OrderedDict(
+        (k, h) for k, h in saved[0].items() if k == own_hook
+    )
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    torch_optimizer._global_optimizer_pre_hooks = OrderedDict()
+    torch_optimizer._global_optimizer_post_hooks = OrderedDict()
     try:
         yield
     finally:
-        optimizer._optimizer_step_pre_hooks = saved_pre
-        optimizer._optimizer_step_post_hooks = saved_post
+        (
+            optimizer._optimizer_step_pre_hooks,
+            optimizer._optimizer_step_post_hooks,
+            torch_optimizer._global_optimizer_pre_hooks,
+            torch_optimizer._global_optimizer_post_hooks,
+        ) = saved

@@ -87,7 +87,8 @@ class OffloadFile:
         """Reserve `nbytes` (rounded up to ALIGN) at the end of the file; its offset."""
         offset, size = self.size, round_up(nbytes)
         try:
-            os.posix_fallocate(self._fd, offset, size)
+            if hasattr(os, "posix_fallocate"):  # not on macOS: the writes will tell there
+                os.posix_fallocate(self._fd, offset, size)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # then the writes will tell
                 raise self._error("reserving space in", e, size) from e

@@ -17,6 +17,8 @@ sharded checkpoints store and reshard, and what moves to disk here.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +29,7 @@ import torch
 
 from ..optimizer import OptimizerView
 from .host_memory import return_freed_memory
-from .offload_file import ALIGN, OffloadFile, aligned_empty, round_up
+from .offload_file import ALIGN, OffloadError, OffloadFile, aligned_empty, round_up
 
 TileStep = Callable[[list[OptimizerView], bool, bool], None]  # (views, first, last)
 OptimizerStateStore = Union["ResidentState", "DiskState"]
@@ -116,17 +118,22 @@ class DiskState:
         self._free: list[torch.Tensor] = []  # staging buffers not in use
         self._writing: list[tuple[torch.Tensor, Future]] = []  # buffers being written
         self._allocated = 0  # staging buffers alive (free, in use or writing)
+        self._failed: str | None = None  # an I/O failure that left the file behind
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-write")
 
     # ------------------------------------------------------------------ the step
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
         """Run `step(tile, first, last)` over each tile of `views` with its state in
-        memory, reading the next tiles and writing the previous ones meanwhile."""
+        memory, reading the next tiles and writing the previous ones meanwhile. An I/O
+        failure leaves the file behind the optimizer: the store refuses further use until
+        a checkpoint is loaded (`clear`)."""
+        self._check_usable()
         chosen = {id(v) for v in views}
         tiles = [t for t in ([v for v in tile if id(v) in chosen] for tile in self.tiles) if t]
         ahead = max(1, self.buffer_count - 2)  # one buffer steps, one is written
         reads: dict[int, tuple[torch.Tensor | None, Future | None]] = {}
+        stepping: BaseException | None = None  # the optimizer's own error, not the tier's
         try:
             for i, tile in enumerate(tiles):
                 for j in range(i, min(len(tiles), i + 1 + ahead)):
@@ -138,21 +145,37 @@ class DiskState:
                 self._attach(tile, buffer)
                 try:
                     step(tile, i == 0, i == len(tiles) - 1)
+                except BaseException as e:
+                    stepping = e
+                    raise
                 finally:
                     self._store(tile, buffer)
+            self._drain_writes()
+        except BaseException as e:
+            if e is not stepping:
+                self._failed = f"{type(e).__name__}: {e}"
+            raise
         finally:
             for buffer, reading in reads.values():  # read ahead of a step that failed
                 if reading is not None:
                     reading.exception()
                 if buffer is not None:
                     self._free.append(buffer)
-            try:
+            with contextlib.suppress(BaseException):  # raised above already, if at all
                 self._drain_writes()
-            finally:
-                # Given back between steps: forward and backward, where activations peak,
-                # then hold none of the tier's memory.
-                self._free.clear()
-                self._allocated = 0
+            # Given back between steps: forward and backward, where activations peak, then
+            # hold none of the tier's memory.
+            self._free.clear()
+            self._allocated = 0
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise OffloadError(
+                errno.EIO,
+                f"the optimizer state in {self.file.path} is incomplete since a step failed "
+                f"to read or write it ({self._failed}). Load a checkpoint "
+                "(engine.load_checkpoint) to continue; saving now would write stale state.",
+            )
 
     def _submit_read(self, tile: list[OptimizerView]) -> tuple[torch.Tensor | None, Future | None]:
         need = sum(self._regions[id(v)].nbytes for v in tile if id(v) in self._regions)
@@ -211,6 +234,8 @@ class DiskState:
             if buffer is not None:
                 self._free.append(buffer)
             buffer = fresh
+        else:  # a tensor the optimizer replaced rather than updated in place
+            self._pack(tile, buffer)
         self._detach(tile)
         self._writing.append((buffer, self._writer.submit(self._write_tile, tile, buffer)))
         if relayout:  # the state the optimizer just created in memory is freed
@@ -246,7 +271,9 @@ class DiskState:
             entry = self.state[view.param]
             numel = view.hi - view.lo
             for slot in region.slots:
-                _typed(buffer, at + slot.at, slot.dtype, numel).copy_(entry[slot.key])
+                target = _typed(buffer, at + slot.at, slot.dtype, numel)
+                if entry[slot.key].data_ptr() != target.data_ptr():  # not already there
+                    target.copy_(entry[slot.key])
             at += region.nbytes
 
     def _detach(self, tile: list[OptimizerView]) -> None:
@@ -306,6 +333,7 @@ class DiskState:
 
     def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key`'s state of `view`, read from the file (a new tensor)."""
+        self._check_usable()
         region = self._regions.get(id(view))
         if region is None:
             return self.state[view.param][key][lo:hi]
@@ -329,11 +357,14 @@ class DiskState:
         return_freed_memory()
 
     def clear(self) -> None:
-        self._drain_writes()
+        """Forget every state (a checkpoint load follows, putting each view's)."""
+        with contextlib.suppress(BaseException):  # a failed write: its bytes are moot now
+            self._drain_writes()
         self.state.clear()
         self._regions.clear()
         self._placeholders.clear()
         self.file.reset()
+        self._failed = None
 
     # ------------------------------------------------------------------ accounting
     def disk_bytes(self) -> int:
