@@ -227,7 +227,7 @@ def test_disk_offload_without_a_directory_is_refused():
         ZeroConfig(offload_optimizer="nvme")
 
 
-def test_a_missing_or_unusable_directory_is_named(tmp_path):
+def test_a_missing_or_unusable_directory_is_named(tmp_path, monkeypatch):
     model = make_model()
     missing = tmp_path / "nope"
     with pytest.raises(OffloadError, match=rf"offload_dir {missing} does not exist.*mkdir -p"):
@@ -236,6 +236,10 @@ def test_a_missing_or_unusable_directory_is_named(tmp_path):
     a_file.write_text("")
     with pytest.raises(OffloadError, match=rf"offload_dir {a_file} does not exist or is not a"):
         ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(a_file)))
+    # Read-only for this process (root writes anywhere, so the permission check is told).
+    monkeypatch.setattr(offload_file_module.os, "access", lambda path, mode: False)
+    with pytest.raises(OffloadError, match=rf"offload_dir {tmp_path} is not writable by this"):
+        ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(tmp_path)))
 
 
 def test_a_disk_too_small_for_the_state_fails_the_first_step_naming_it(tmp_path):
