@@ -622,7 +622,7 @@ class ZeroEngine:
         self._expose_grads()
         written = [True]  # whether every update also wrote the compute copies
 
-        def step_tile(tile: list[OptimizerView], first: bool, last: bool) -> None:
+        def step_tile(tile: list[OptimizerView]) -> None:
             written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self._ema.update(self.config.ema_decay, groups, tile)
@@ -702,7 +702,7 @@ class ZeroEngine:
                 "(and an optimizer's state is created by its first step). Call it after "
                 "engine.step()."
             )
-        self._opt_state.apply(self._opt_views, lambda tile, *_: self._ema.update(decay, None, tile))
+        self._opt_state.apply(self._opt_views, lambda tile: self._ema.update(decay, None, tile))
 
     @property
     def ema_started(self) -> bool:
@@ -715,7 +715,7 @@ class ZeroEngine:
         self.wait_for_parameters()
         if not self._ema.started:
             self._ema.swap()  # raises, naming the fix
-        self._opt_state.apply(self._opt_views, lambda tile, *_: self._ema.swap(tile))
+        self._opt_state.apply(self._opt_views, lambda tile: self._ema.swap(tile))
         self.refresh_from_masters()
 
     @contextlib.contextmanager

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Union
@@ -31,7 +31,7 @@ from ..optimizer import OptimizerView
 from .host_memory import return_freed_memory
 from .offload_file import ALIGN, OffloadError, OffloadFile, aligned_empty, round_up
 
-TileStep = Callable[[list[OptimizerView], bool, bool], None]  # (views, first, last)
+TileStep = Callable[[list[OptimizerView]], None]  # steps the views of one tile
 OptimizerStateStore = Union["ResidentState", "DiskState"]
 
 
@@ -52,7 +52,7 @@ class ResidentState:
         self.state = state
 
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
-        step(list(views), True, True)
+        step(list(views))
 
     def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
         """The view's elementwise state: key -> dtype."""
@@ -124,7 +124,7 @@ class DiskState:
 
     # ------------------------------------------------------------------ the step
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
-        """Run `step(tile, first, last)` over each tile of `views` with its state in
+        """Run `step(tile)` over each tile of `views` with its state in
         memory, reading the next tiles and writing the previous ones meanwhile. An I/O
         failure leaves the file behind the optimizer: the store refuses further use until
         a checkpoint is loaded (`clear`)."""
@@ -144,7 +144,7 @@ class DiskState:
                     reading.result()
                 self._attach(tile, buffer)
                 try:
-                    step(tile, i == 0, i == len(tiles) - 1)
+                    step(tile)
                 except BaseException as e:
                     stepping = e
                     raise
@@ -188,34 +188,34 @@ class DiskState:
         for offset, at, nbytes in self._extents(tile):
             self.file.read(offset, buffer[at : at + nbytes])
 
-    def _extents(self, tile: list[OptimizerView]) -> list[tuple[int, int, int]]:
-        """(file offset, buffer offset, bytes) of the tile's regions, packed in the buffer
-        in tile order, neighbours in the file merged into one I/O."""
-        extents: list[list[int]] = []
+    def _placed(self, tile: list[OptimizerView]) -> Iterator[tuple[OptimizerView, _Region, int]]:
+        """(view, its region, its offset in the tile's buffer) of each laid-out view: the
+        regions packed back to back in tile order, the buffer's layout everywhere."""
         at = 0
         for view in tile:
             region = self._regions.get(id(view))
-            if region is None:
-                continue
+            if region is not None:
+                yield view, region, at
+                at += region.nbytes
+
+    def _extents(self, tile: list[OptimizerView]) -> list[tuple[int, int, int]]:
+        """(file offset, buffer offset, bytes) of the tile's regions, neighbours in the
+        file merged into one I/O."""
+        extents: list[list[int]] = []
+        for _, region, at in self._placed(tile):
             last = extents[-1] if extents else None
             if last is not None and last[0] + last[2] == region.offset:
                 last[2] += region.nbytes
             else:
                 extents.append([region.offset, at, region.nbytes])
-            at += region.nbytes
         return [(o, a, n) for o, a, n in extents]
 
     def _attach(self, tile: list[OptimizerView], buffer: torch.Tensor | None) -> None:
         """Point each laid-out view's state entries at its part of `buffer`."""
-        at = 0
-        for view in tile:
-            region = self._regions.get(id(view))
-            if region is None:
-                continue
+        for view, region, at in self._placed(tile):
             entry = self.state[view.param]
             for slot in region.slots:
                 entry[slot.key] = _typed(buffer, at + slot.at, slot.dtype, view.hi - view.lo)
-            at += region.nbytes
 
     def _store(self, tile: list[OptimizerView], buffer: torch.Tensor | None) -> None:
         """Write the tile's state back (laying out views whose keys are new: the first
@@ -263,24 +263,15 @@ class DiskState:
 
     def _pack(self, tile: list[OptimizerView], buffer: torch.Tensor) -> None:
         """Copy the tile's current state tensors into `buffer` at their regions' places."""
-        at = 0
-        for view in tile:
-            region = self._regions.get(id(view))
-            if region is None:
-                continue
+        for view, region, at in self._placed(tile):
             entry = self.state[view.param]
-            numel = view.hi - view.lo
             for slot in region.slots:
-                target = _typed(buffer, at + slot.at, slot.dtype, numel)
+                target = _typed(buffer, at + slot.at, slot.dtype, view.hi - view.lo)
                 if entry[slot.key].data_ptr() != target.data_ptr():  # not already there
                     target.copy_(entry[slot.key])
-            at += region.nbytes
 
     def _detach(self, tile: list[OptimizerView]) -> None:
-        for view in tile:
-            region = self._regions.get(id(view))
-            if region is None:
-                continue
+        for view, region, _ in self._placed(tile):
             entry = self.state[view.param]
             for slot in region.slots:
                 entry[slot.key] = self._placeholder(view, slot)
