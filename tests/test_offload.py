@@ -108,13 +108,16 @@ def test_memory_report_counts_the_disk_tier_exactly(tmp_path):
     """After the first step each optimizer view's exp_avg and exp_avg_sq (fp32) sit in
     the file, each rounded up to the 4 KiB blocks the file hands out; only the views' step
     counts (4-byte scalars) stay in memory, and the tier's host buffers are given back
-    after the step."""
+    after the step (their peak is in `peak_pooled`)."""
     for before, after, views in run_world(_report_run, 2, 2, str(tmp_path)):
         assert before["disk_optimizer_state"] == 0
         assert after["optimizer_state"] == 4 * len(views)
         blocks = [2 * (-(-4 * n // 4096) * 4096) for n in views]
         assert after["disk_optimizer_state"] == after["disk_total"] == sum(blocks)
         assert after["pooled"] == 0
+        # One tile here: the first step packs it into one buffer of all its regions, and
+        # the exact peak saw it.
+        assert after["peak_pooled"] == sum(blocks)
 
 
 def _hooked_run(rank, world, directory):

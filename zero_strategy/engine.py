@@ -176,9 +176,15 @@ class ZeroEngine:
         self._handles = list(self._guards)
         self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
         self._ema = ShardedEMA(self._opt_views, self._optimizer_set.state)
+        self._memory = MemoryPeaks(self._held_bytes, self._transient_bytes)
         # Where the optimizer's state lives (memory or a file); the step goes through it.
         self._opt_state = state_store(
-            cfg, self._optimizer_set.state, self._opt_views, self.device, self.rank
+            cfg,
+            self._optimizer_set.state,
+            self._opt_views,
+            self.device,
+            self.rank,
+            on_memory=self._memory.sample,
         )
         self._store_finalizer = weakref.finalize(self, self._opt_state.closer())
         self.fused_step = self._fused[0]
@@ -203,7 +209,6 @@ class ZeroEngine:
 
         self.scaler = LossScaler(cfg)
         self.gather: GatherManager | None = None
-        self._memory = MemoryPeaks(self._held_bytes, self._transient_bytes)
         self.reducer = GradReducer(
             self.units,
             self.stage,

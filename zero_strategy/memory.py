@@ -111,7 +111,8 @@ def memory_report(
     shard at stage 3); master_params: fp32 masters not shared with them; gradients;
     optimizer_state; gathered_parameters: stage-3 units gathered right now; comm_buffers:
     gradient buffers being filled or reduced; pooled: idle memory kept for reuse
-    (gradient buffers, and stage 3's gather memory); buffers: the model's buffers.
+    (gradient buffers, and stage 3's gather memory), and during a step the disk tier's
+    host buffers; buffers: the model's buffers.
     `total` sums them.
 
     With MoE experts (`expert_units`, and the optimizer parameters over them),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -25,8 +25,10 @@ def state_store(
     views: Sequence[OptimizerView],
     device: torch.device,
     rank: int,
+    on_memory: Callable[[], None] = lambda: None,
 ) -> ResidentState | DiskState:
-    """The store of `config.offload_optimizer` for this rank's optimizer state."""
+    """The store of `config.offload_optimizer` for this rank's optimizer state;
+    `on_memory` is told when its host buffers are taken or given back."""
     tier = config.offload_optimizer
     if tier != "none" and device.type != "cpu":
         raise OffloadError(
@@ -44,4 +46,5 @@ def state_store(
         OffloadFile(directory, name),
         config.offload_tile_size,
         config.offload_buffer_count,
+        on_memory,
     )

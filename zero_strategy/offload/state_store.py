@@ -108,8 +108,10 @@ class DiskState:
         file: OffloadFile,
         tile_elements: int,
         buffer_count: int,
+        on_memory: Callable[[], None] = lambda: None,
     ):
         self.state = state
+        self.on_memory = on_memory  # told after buffers are taken or given back
         self.file = file
         self.buffer_count = max(2, buffer_count)
         self.tiles = _tiles(views, tile_elements)
@@ -117,7 +119,7 @@ class DiskState:
         self._placeholders: dict[tuple[int, str], torch.Tensor] = {}
         self._free: list[torch.Tensor] = []  # staging buffers not in use
         self._writing: list[tuple[torch.Tensor, Future]] = []  # buffers being written
-        self._allocated = 0  # staging buffers alive (free, in use or writing)
+        self._live: list[torch.Tensor] = []  # every staging buffer (free, in use or writing)
         self._failed: str | None = None  # an I/O failure that left the file behind
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-write")
@@ -166,7 +168,8 @@ class DiskState:
             # Given back between steps: forward and backward, where activations peak, then
             # hold none of the tier's memory.
             self._free.clear()
-            self._allocated = 0
+            self._live.clear()
+            self.on_memory()
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -293,12 +296,13 @@ class DiskState:
                 if buffer.numel() >= nbytes:
                     return self._free.pop(i)
             if self._free:  # too small: drop it, a bigger one replaces it
-                self._free.pop()
-                self._allocated -= 1
+                small = self._free.pop()
+                self._live = [b for b in self._live if b is not small]
                 continue
-            if self._allocated < self.buffer_count or not self._writing:
-                self._allocated += 1
-                return aligned_empty(nbytes)
+            if len(self._live) < self.buffer_count or not self._writing:
+                self._live.append(aligned_empty(nbytes))
+                self.on_memory()
+                return self._live[-1]
             buffer, writing = self._writing.pop(0)
             self._free.append(buffer)
             writing.result()
@@ -364,7 +368,7 @@ class DiskState:
 
     def buffers(self) -> list[torch.Tensor]:
         """The staging buffers held now (host memory; none between steps)."""
-        return list(self._free) + [b for b, _ in self._writing]
+        return list(self._live)
 
     def closer(self) -> Callable[[], None]:
         """Closes the file and stops the threads. It holds nothing but them, so that a
