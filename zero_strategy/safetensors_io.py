@@ -58,7 +58,7 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def lazy(tensor: torch.Tensor) -> LazyTensor:

@@ -181,7 +181,7 @@ class DiskState:
             )
 
     def _submit_read(self, tile: list[OptimizerView]) -> tuple[torch.Tensor | None, Future | None]:
-        need = sum(self._regions[id(v)].nbytes for v in tile if id(v) in self._regions)
+        need = self._tile_bytes(tile)
         if need == 0:
             return None, None
         buffer = self._take_buffer(need)
@@ -200,6 +200,10 @@ class DiskState:
             if region is not None:
                 yield view, region, at
                 at += region.nbytes
+
+    def _tile_bytes(self, tile: list[OptimizerView]) -> int:
+        """The buffer size the tile's laid-out state needs."""
+        return sum(region.nbytes for _, region, _ in self._placed(tile))
 
     def _extents(self, tile: list[OptimizerView]) -> list[tuple[int, int, int]]:
         """(file offset, buffer offset, bytes) of the tile's regions, neighbours in the
@@ -228,7 +232,7 @@ class DiskState:
         ]
         for view in relayout:
             self._regions[id(view)] = self._layout(view, self.state[view.param])
-        need = sum(self._regions[id(v)].nbytes for v in tile if id(v) in self._regions)
+        need = self._tile_bytes(tile)
         if need == 0:
             return
         if relayout or buffer is None:  # pack the tile afresh into a buffer of its new size
@@ -333,7 +337,7 @@ class DiskState:
         if region is None:
             return self.state[view.param][key][lo:hi]
         slot = next(s for s in region.slots if s.key == key)
-        size = torch.empty((), dtype=slot.dtype).element_size()
+        size = slot.dtype.itemsize
         data = self.file.read_bytes(region.offset + slot.at + lo * size, (hi - lo) * size)
         return data.view(slot.dtype)
 
@@ -393,7 +397,7 @@ def _dtypes_in_memory(state: MutableMapping[Any, Any], view: OptimizerView) -> d
 
 
 def _typed(buffer: torch.Tensor, at: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     assert at % ALIGN == 0
     return buffer[at : at + numel * size].view(dtype)
 
