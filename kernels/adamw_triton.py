@@ -55,9 +55,10 @@ def _adam_chunk_kernel(
     bc2_sqrt = tl.load(coeffs + 1)
     scale = tl.load(coeffs + 2)
     skip = tl.load(coeffs + 3)
-    # A skipped step (overflow flag set on the device) masks every element off.
+    # A skipped step (overflow flag set on the device) runs no block; a tensor's last chunk
+    # runs only the blocks it fills.
     end = tl.where(skip == 0.0, tl.minimum(start + CHUNK, numel), start)
-    for off in tl.range(0, CHUNK, BLOCK):
+    for off in tl.range(0, end - start, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < end
         p = tl.load(p_ptr + idx, mask=mask, other=0.0)

@@ -31,7 +31,7 @@ def _sum_squares_kernel(
     end = tl.minimum(start + CHUNK, tl.load(numels + t))
     ptr = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in tl.range(0, CHUNK, BLOCK):
+    for off in tl.range(0, end - start, BLOCK):  # a tensor's last chunk: only its blocks
         idx = start + off + tl.arange(0, BLOCK)
         x = tl.load(ptr + idx, mask=idx < end, other=0.0).to(tl.float32)
         acc += x * x

@@ -35,7 +35,7 @@ from torch import nn
 from . import atomic_dir
 from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
 from .comm import Communicator
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, OneResident
 from .offload.state_store import OptimizerStateStore
 from .optimizer import OptimizerView
 from .optimizer_set import OptimizerSet
@@ -194,7 +194,9 @@ def save(
     rank = world.rank
     final = Path(path)
     tmp = atomic_dir.staging_dir(final)
-    tensors, written, state_keys = _rank_tensors(state)
+    # Offloaded shards are read in unit by unit as the file is written.
+    in_memory = OneResident()
+    tensors, written, state_keys = _rank_tensors(state, in_memory)
     needed = file_bytes(tensors)
     # 1. Rank 0 clears what an interrupted save left and checks the client state; every
     #    rank learns how much its host's ranks will write.
@@ -216,9 +218,12 @@ def save(
     #    union over ranks).
     crcs: dict[str, list[int]] = {}  # each tensor's, from the bytes as they are written
     recorded = {name: _recording(name, value, crcs) for name, value in tensors.items()}
-    error = attempt(
-        lambda: write_rank_file(recorded, tmp / rank_file(rank), needed_here), tmp, final
-    )
+    try:
+        error = attempt(
+            lambda: write_rank_file(recorded, tmp / rank_file(rank), needed_here), tmp, final
+        )
+    finally:
+        in_memory.close()
     tensors.clear()
     recorded.clear()
     everyone = world.control_all_gather_json(
@@ -253,8 +258,16 @@ def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> Lazy
     return LazyTensor(value.dtype, value.shape, load)
 
 
+def _master_piece(in_memory: OneResident, unit: FlatUnit, a: int, b: int) -> LazyTensor:
+    """Elements [a, b) of the unit's master, read when written (a copy when the shard is
+    offloaded: it leaves memory when the writer moves on to the next unit)."""
+    if unit.home is None:
+        return lazy(unit.master[a:b])
+    return LazyTensor(unit.master_dtype, (b - a,), lambda: in_memory(unit).master[a:b].clone())
+
+
 def _rank_tensors(
-    state: ShardedState,
+    state: ShardedState, in_memory: OneResident
 ) -> tuple[dict[str, LazyTensor], dict[str, dict[str, Any]], set[str]]:
     """What this rank writes: (tensors by name, produced as the file is written; each
     parameter range's index entry; the optimizer's elementwise state keys)."""
@@ -264,7 +277,7 @@ def _rank_tensors(
     for unit, slot, lo, hi in _owned_pieces(state):
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
         stored = state.stored(unit, slot.name, slot.shape)
-        tensors[stored.name] = lazy(unit.master[a:b])
+        tensors[stored.name] = _master_piece(in_memory, unit, a, b)
         for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
             tensors[f"{key}/{stored.name}"] = value
             state_keys.add(key)
@@ -608,9 +621,10 @@ def load(
         r, message = failed[0]
         raise CheckpointError(message if r == state.world.rank else f"rank {r}: {message}")
     assert reader is not None
-    for unit, name, lo, hi, at in _master_ranges(state):
-        values = reader.read(name, lo, hi, dtype=unit.master_dtype)
-        unit.master[at : at + hi - lo].copy_(values)
+    with OneResident(modified=True) as in_memory:  # offloaded shards: unit by unit
+        for unit, name, lo, hi, at in _master_ranges(state):
+            values = reader.read(name, lo, hi, dtype=unit.master_dtype)
+            in_memory(unit).master[at : at + hi - lo].copy_(values)
     if load_optimizer_states:
         _load_optimizer_state(state, reader)
     for name, buf in persistent_buffers(state.module):

@@ -120,9 +120,13 @@ class ZeroConfig:
     # rank under offload_dir, streamed tile by tile at each step, as ZeRO-Infinity's NVMe
     # tier does).
     offload_optimizer: str = "none"
-    # offload_optimizer="disk": a directory on a local disk with room for this rank's
-    # optimizer state (Adam: 8 bytes per parameter, split over the ranks). The engine
-    # removes its files when it closes.
+    # Stage 3: where each unit's parameter shard (and its fp32 master) lives between uses:
+    # "none", "cpu" (as above) or "disk" (a file per rank under offload_dir, read just
+    # before the unit's gather and its step, written back after the step).
+    offload_params: str = "none"
+    # offload_*="disk": a directory on a local disk with room for this rank's offloaded
+    # state (Adam: 8 bytes per parameter, the masters 4 more, split over the ranks). The
+    # engine removes its files when it closes.
     offload_dir: str | None = None
     # Parameter elements whose state is stepped at once (DeepSpeed's sub_group_size); a
     # tile never splits one optimizer view (a unit's part of a param group).
@@ -224,12 +228,24 @@ class ZeroConfig:
                 "offload_optimizer",
                 "use 'none' (in memory), 'cpu' (host memory) or 'disk' (files under offload_dir).",
             )
-        if self.offload_optimizer == "disk" and not self.offload_dir:
+        if self.offload_params not in OFFLOAD_TIERS:
             fail(
-                "offload_dir",
-                "offload_optimizer='disk' needs a directory on a local disk with room for "
-                "this rank's optimizer state, e.g. offload_dir='/local_nvme/offload'.",
+                "offload_params",
+                "use 'none' (in memory), 'cpu' (host memory) or 'disk' (files under offload_dir).",
             )
+        if self.offload_params != "none" and self.stage != 3:
+            fail(
+                "offload_params",
+                f"parameters are offloaded at stage 3 only (between their gathers); at stage "
+                f"{self.stage} every rank keeps them whole. Use stage=3, or offload_optimizer.",
+            )
+        for field_name in ("offload_optimizer", "offload_params"):
+            if getattr(self, field_name) == "disk" and not self.offload_dir:
+                fail(
+                    "offload_dir",
+                    f"{field_name}='disk' needs a directory on a local disk with room for "
+                    "this rank's offloaded state, e.g. offload_dir='/local_nvme/offload'.",
+                )
         if (
             not isinstance(self.offload_tile_size, int)
             or isinstance(self.offload_tile_size, bool)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from .moe.placement import (
     expert_placements,
     settle_expert_parallel,
 )
-from .offload import state_store
+from .offload import free_large_blocks_at_once, shard_store, state_store
 from .optimizer import (
     OptimizerView,
     check_optimizer,
@@ -120,8 +121,12 @@ class ZeroEngine:
         shutdown.close_at_exit(self)  # still alive when the script ends: close() first
         self._world = self.groups.world.comm  # every rank: control messages, buffers
         # One process has nothing to shard: every parameter and gradient stays in place,
-        # as in plain training, whatever stage was asked for (the checkpoints are the same).
-        self.stage = cfg.stage if self.world_size > 1 else 0
+        # as in plain training, whatever stage was asked for (the checkpoints are the same);
+        # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
+        offloads_params = cfg.offload_params == "disk"
+        self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
+        if offloads_params:  # before the shards are made: their memory must leave with them
+            free_large_blocks_at_once()
         self.module = model
 
         group_of = group_index_of_params(self._optimizer_set, [p.param for p in params])
@@ -235,6 +240,14 @@ class ZeroEngine:
                 on_backward_start=self.reducer.backward_started,
                 on_memory=self._memory.sample,
             )
+        # Stage 3 with offload_params="disk": each unit's shard in a file between uses
+        # (the gatherer has just decided which units stay gathered, and stay in memory).
+        self._shards = shard_store(
+            cfg, self.units, self.device, self.rank, on_memory=self._memory.sample
+        )
+        self._shards_finalizer = weakref.finalize(
+            self, self._shards.closer() if self._shards is not None else _nothing
+        )
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
         )
@@ -631,12 +644,17 @@ class ZeroEngine:
             written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self._ema.update(self.config.ema_decay, groups, tile)
+            if self._shards is not None:  # while the shards are in memory
+                for view in tile:
+                    view.unit.sync_compute_from_master(view.lo, view.hi)
 
         chosen_groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
         self._run_user_hooks(chosen, before=True)
         self._opt_state.apply(
-            [v for v in self._opt_views if v.group_index in chosen_groups], step_tile
+            [v for v in self._opt_views if v.group_index in chosen_groups],
+            self._unit_by_unit(step_tile),
         )
+        written[0] |= self._shards is not None
         self._expose_grads()
         self._run_user_hooks(chosen, before=False)
         self.scaler.update(False)
@@ -645,6 +663,8 @@ class ZeroEngine:
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
         self._publish_parameters(copies_written=written[0])
+        if self._shards is not None:
+            self._shards.flush()  # a write that failed fails this step
         self._grads_unscaled = False
         self._norms.clear()
         self.global_steps += 1
@@ -655,7 +675,7 @@ class ZeroEngine:
         hooks run here instead, once, with every gradient in place, as around one
         `optimizer.step()` (torch's order: global then own pre-hooks, own then global
         post-hooks)."""
-        if not self._opt_state.offloaded:
+        if not self._stepped_in_parts:
             return  # optimizer.step() runs them
         for k in chosen:
             opt = self.optimizers[k]
@@ -663,12 +683,35 @@ class ZeroEngine:
             for hook in pre if before else post:
                 hook(opt, (), {})
 
+    @property
+    def _stepped_in_parts(self) -> bool:
+        """Whether the optimizers step a few views at a time (offloaded state or shards)."""
+        return self._opt_state.offloaded or self._shards is not None
+
+    def _unit_by_unit(
+        self, step: Callable[[list[OptimizerView]], None]
+    ) -> Callable[[list[OptimizerView]], None]:
+        """`step` over a tile of views, run unit by unit with each unit's shard in memory
+        (and the next one read ahead) when the shards are offloaded; as is otherwise."""
+        if self._shards is None:
+            return step
+
+        def run(tile: list[OptimizerView]) -> None:
+            runs = [list(views) for _, views in itertools.groupby(tile, key=lambda v: v.unit)]
+            for i, views in enumerate(runs):
+                if i + 1 < len(runs):
+                    runs[i + 1][0].unit.prefetch()
+                with views[0].unit.resident(modified=True):
+                    step(views)
+
+        return run
+
     def _step_optimizers(self, chosen: list[int], tile: list[OptimizerView]) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
         the state offloaded one tile at a time, the other views' gradients hidden so that
         the optimizer skips them and the user's hooks left to `_run_user_hooks`. Returns
         whether every update also wrote the compute copies (the fused kernel)."""
-        partial = self._opt_state.offloaded
+        partial = self._stepped_in_parts
         copies_written = True
         for k in chosen:
             opt, fused = self.optimizers[k], self._fused[k]
@@ -707,7 +750,9 @@ class ZeroEngine:
                 "(and an optimizer's state is created by its first step). Call it after "
                 "engine.step()."
             )
-        self._opt_state.apply(self._opt_views, lambda tile: self._ema.update(decay, None, tile))
+        self._opt_state.apply(
+            self._opt_views, self._unit_by_unit(lambda tile: self._ema.update(decay, None, tile))
+        )
 
     @property
     def ema_started(self) -> bool:
@@ -720,7 +765,7 @@ class ZeroEngine:
         self.wait_for_parameters()
         if not self._ema.started:
             self._ema.swap()  # raises, naming the fix
-        self._opt_state.apply(self._opt_views, lambda tile: self._ema.swap(tile))
+        self._opt_state.apply(self._opt_views, self._unit_by_unit(self._ema.swap))
         self.refresh_from_masters()
 
     @contextlib.contextmanager
@@ -942,7 +987,10 @@ class ZeroEngine:
             expert_units=[u for u in self.units if not u.group.spec.replicated],
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
             peaks=self._memory.peaks,
-            disk={"optimizer_state": self._opt_state.disk_bytes()},
+            disk={
+                "optimizer_state": self._opt_state.disk_bytes(),
+                **(self._shards.disk_bytes() if self._shards is not None else {}),
+            },
         )
 
     def reset_memory_peaks(self, record_timeline: bool = False) -> None:
@@ -958,12 +1006,16 @@ class ZeroEngine:
 
     def _transient_bytes(self) -> dict[str, int]:
         comm, pooled = self.reducer.transient_bytes()
-        pooled += sum(b.numel() for b in self._opt_state.buffers())
+        pooled += sum(b.numel() for b in self._offload_buffers())
         gathered = 0
         if self.gather is not None:
             gathered = self.gather.gathered_bytes()
             pooled += self.gather.storage_pool.spare_bytes
         return {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
+
+    def _offload_buffers(self) -> list[torch.Tensor]:
+        shards = self._shards.buffers() if self._shards is not None else []
+        return [*self._opt_state.buffers(), *shards]
 
     def _pooled_storages(self) -> list[torch.UntypedStorage]:
         return self.gather.storage_pool.storages() if self.gather else []
@@ -975,7 +1027,7 @@ class ZeroEngine:
             self.module,
             self.stage,
             comm_tensors=self.reducer.comm_buffers(),
-            pooled_tensors=[*self.reducer.pooled_buffers(), *self._opt_state.buffers()],
+            pooled_tensors=[*self.reducer.pooled_buffers(), *self._offload_buffers()],
             pooled_storages=self._pooled_storages(),
         )
 
@@ -1029,6 +1081,8 @@ class ZeroEngine:
         returns the client state saved with it, if any. `load_optimizer_states=False`
         loads the model alone (evaluation, or fine-tuning with another optimizer)."""
         self.wait_for_parameters()
+        if self._shards is not None:
+            self._shards.recover()  # every shard is written afresh
         loaded = checkpoint.load(self._sharded_state(), path, load_optimizer_states)
         self.refresh_from_masters()
         if load_optimizer_states:
@@ -1086,7 +1140,8 @@ class ZeroEngine:
         if self.stage == 0:
             return unit.master
         full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device)
-        unit.group.comm.all_gather(full, unit.master)
+        with unit.resident():
+            unit.group.comm.all_gather(full, unit.master)
         return full
 
     def _full_copies(self, unit: FlatUnit) -> Iterator[tuple[int, torch.Tensor]]:
@@ -1162,6 +1217,7 @@ class ZeroEngine:
             owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again
         self.close()
         self._store_finalizer()  # the offloaded state's file, closed (its space freed)
+        self._shards_finalizer()
         return self.module
 
     def reopen(self) -> None:
@@ -1218,3 +1274,7 @@ def _resolve_device(params, device) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _nothing() -> None:
+    pass

@@ -17,12 +17,24 @@ in the unit's shard group) at stages 1-3, everything at stage 0.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from .partition import UnitLayout
 from .storage_pool import StoragePool
 from .topology import ShardGroup
+
+
+class ShardHome(Protocol):
+    """Where a stage-3 shard lives between uses (offload_params="disk")."""
+
+    def acquire(self, unit: FlatUnit) -> None: ...
+    def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
+    def prefetch(self, unit: FlatUnit) -> None: ...
 
 
 class FlatUnit:
@@ -58,6 +70,8 @@ class FlatUnit:
         self.pool: StoragePool | None = (
             None  # stage 3: recycles gather memory (set by the gatherer)
         )
+        # Stage 3 with offload_params="disk": the shard is in memory only while in use.
+        self.home: ShardHome | None = None
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:
@@ -120,6 +134,30 @@ class FlatUnit:
         return [self.grad_full, self.grad_opt]
 
     # ------------------------------------------------------------------ stage 3
+    def bring_in(self) -> None:
+        """The shard (master and compute copy) is needed: in memory until `let_go`."""
+        if self.home is not None:
+            self.home.acquire(self)
+
+    def let_go(self, modified: bool = False) -> None:
+        """One use of the shard is over (`modified`: it changed and must be kept)."""
+        if self.home is not None:
+            self.home.release(self, modified)
+
+    @contextlib.contextmanager
+    def resident(self, modified: bool = False) -> Iterator[None]:
+        """The shard in memory inside the block."""
+        self.bring_in()
+        try:
+            yield
+        finally:
+            self.let_go(modified)
+
+    def prefetch(self) -> None:
+        """The shard will be needed soon: start reading it if it is offloaded."""
+        if self.home is not None:
+            self.home.prefetch(self)
+
     @property
     def gathered(self) -> bool:
         return self.full is not None
@@ -166,11 +204,41 @@ class FlatUnit:
         return self._buf.untyped_storage()
 
     # ------------------------------------------------------------------ after the step
-    def sync_compute_from_master(self) -> None:
-        """Write the updated fp32 master into the compute-dtype copy this rank holds."""
+    def sync_compute_from_master(self, lo: int = 0, hi: int | None = None) -> None:
+        """Write the updated fp32 master (elements [lo, hi) of this rank's slice) into the
+        compute-dtype copy this rank holds."""
         if self.stage < 3:
             mine = self.full[self.opt_start : self.opt_end]
             if mine.data_ptr() != self.master.data_ptr():
-                mine.copy_(self.master)
-        elif self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master)
+                mine[lo:hi].copy_(self.master[lo:hi])
+        elif self.shard is not self.master:
+            with self.resident(modified=True):
+                if self.shard.data_ptr() != self.master.data_ptr():
+                    self.shard[lo:hi].copy_(self.master[lo:hi])
+
+
+class OneResident:
+    """Keeps one unit's shard in memory at a time, for walks over pieces in unit order (a
+    checkpoint's): each unit is read once, not once per piece."""
+
+    def __init__(self, modified: bool = False):
+        self.modified = modified
+        self.unit: FlatUnit | None = None
+
+    def __call__(self, unit: FlatUnit) -> FlatUnit:
+        if unit is not self.unit:
+            self.close()
+            unit.bring_in()
+            self.unit = unit
+        return unit
+
+    def close(self) -> None:
+        if self.unit is not None:
+            unit, self.unit = self.unit, None
+            unit.let_go(self.modified)
+
+    def __enter__(self) -> OneResident:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

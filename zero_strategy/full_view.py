@@ -94,15 +94,16 @@ def write_back_unit(unit: FlatUnit) -> None:
     stage 3, its compute-dtype shard. In reduced precision only the elements that differ
     from the master's rounding are written, so reading alone never rounds a master."""
     view = unit.full[unit.opt_start : unit.opt_end]
-    master = unit.master
-    if view.data_ptr() != master.data_ptr():
-        if view.dtype == master.dtype:
-            master.copy_(view)
-        else:
-            changed = view != master.to(view.dtype)
-            master[changed] = view[changed].to(master.dtype)
-    if unit.shard is not None and unit.shard.data_ptr() != master.data_ptr():
-        unit.shard.copy_(view)
+    with unit.resident(modified=True):  # an offloaded shard: read, updated, written
+        master = unit.master
+        if view.data_ptr() != master.data_ptr():
+            if view.dtype == master.dtype:
+                master.copy_(view)
+            else:
+                changed = view != master.to(view.dtype)
+                master[changed] = view[changed].to(master.dtype)
+        if unit.shard is not None and unit.shard.data_ptr() != master.data_ptr():
+            unit.shard.copy_(view)
 
 
 class FullGrads:

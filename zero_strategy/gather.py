@@ -226,8 +226,11 @@ class GatherManager:
     def _prefetch_forward(self, unit: FlatUnit) -> None:
         if self.order is None or not self.prefetch_depth:
             return
-        for idx in self.order[self._cursor : self._cursor + self.prefetch_depth]:
+        window = self.order[self._cursor : self._cursor + self.prefetch_depth + 1]
+        for idx in window[: self.prefetch_depth]:
             self.start_gather(self.units[idx], FORWARD)
+        for idx in window[self.prefetch_depth :]:  # an offloaded shard: read it ahead
+            self.units[idx].prefetch()
 
     def _prefetch_backward(self, unit: FlatUnit) -> None:
         if self.order is None or not self.prefetch_depth or unit.layout.index not in self.order:
@@ -235,6 +238,8 @@ class GatherManager:
         pos = self.order.index(unit.layout.index)
         for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
+        if pos > self.prefetch_depth:  # an offloaded shard: read it ahead
+            self.units[self.order[pos - self.prefetch_depth - 1]].prefetch()
 
     # ---------------------------------------------------------------- gather / free
     def start_gather(self, unit: FlatUnit, phase: int) -> None:
@@ -246,6 +251,7 @@ class GatherManager:
             self._verify(unit, phase)
         target = unit.gather_target()
         self._live.add(idx)
+        unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
         self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
         self.on_memory()
 
@@ -268,15 +274,18 @@ class GatherManager:
             return False
         started = unit.layout.index not in self.pending
         self.start_gather(unit, phase)
-        self.pending.pop(unit.layout.index).wait()
-        unit.expose_full()
+        self._finish(unit)
         return started
+
+    def _finish(self, unit: FlatUnit) -> None:
+        self.pending.pop(unit.layout.index).wait()
+        unit.let_go()
+        unit.expose_full()
 
     def release_all(self) -> None:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""
-        for idx, work in list(self.pending.items()):
-            work.wait()
-            self.units[idx].expose_full()
+        for idx in list(self.pending):
+            self._finish(self.units[idx])
         self.abandon()
 
     def abandon(self) -> None:
@@ -292,7 +301,8 @@ class GatherManager:
         """After an optimizer step, refresh units that are never freed."""
         for unit in self.units:
             if unit.persistent and unit.gathered:
-                unit.group.comm.all_gather(unit.full, unit.shard)
+                with unit.resident():
+                    unit.group.comm.all_gather(unit.full, unit.shard)
 
     # ---------------------------------------------------------------- divergence check
     def _verify(self, unit: FlatUnit, phase: int) -> None:

@@ -157,8 +157,9 @@ def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
     else:
         return
     local = slice(lo - unit.opt_start, hi - unit.opt_start)
-    master = unit.master[local]
-    if master.data_ptr() != values.data_ptr():
-        master.copy_(values)
-    if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
-        unit.shard[local].copy_(values)
+    with unit.resident(modified=True):  # an offloaded shard: read, updated, written
+        master = unit.master[local]
+        if master.data_ptr() != values.data_ptr():
+            master.copy_(values)
+        if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
+            unit.shard[local].copy_(values)

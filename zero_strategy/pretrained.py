@@ -75,7 +75,8 @@ def load_pretrained(
             if lo < hi:
                 at = place.offset - slot.offset
                 values = tensors.read_range(source, at + lo, at + hi)
-                unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
+                with unit.resident(modified=True):  # an offloaded shard: read, written
+                    unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                 read += hi - lo
     buffers = dict(module.named_buffers())
     unexpected = sorted(available - wanted - set(buffers))

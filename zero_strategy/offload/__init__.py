@@ -1,6 +1,6 @@
-"""Tiers for the optimizer's state: memory, or a file on a local disk (ZeRO-Infinity's NVMe
-tier). `state_store` picks one from the config; the engine steps through it and never
-knows where the bytes were."""
+"""Tiers for the optimizer's state and stage 3's parameter shards: memory, or a file on a
+local disk (ZeRO-Infinity's NVMe tier). `state_store` and `shard_store` pick one from the
+config; the engine steps and gathers through them and never knows where the bytes were."""
 
 from __future__ import annotations
 
@@ -12,11 +12,22 @@ from typing import Any
 import torch
 
 from ..config import ZeroConfig
+from ..flat_unit import FlatUnit
 from ..optimizer import OptimizerView
+from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
+from .shard_store import DiskShards
 from .state_store import DiskState, ResidentState
 
-__all__ = ["DiskState", "OffloadError", "ResidentState", "state_store"]
+__all__ = [
+    "DiskShards",
+    "DiskState",
+    "OffloadError",
+    "ResidentState",
+    "free_large_blocks_at_once",
+    "shard_store",
+    "state_store",
+]
 
 
 def state_store(
@@ -29,22 +40,50 @@ def state_store(
 ) -> ResidentState | DiskState:
     """The store of `config.offload_optimizer` for this rank's optimizer state;
     `on_memory` is told when its host buffers are taken or given back."""
-    tier = config.offload_optimizer
-    if tier != "none" and device.type != "cpu":
-        raise OffloadError(
-            f"offload_optimizer={tier!r} runs the optimizer step on the CPU and is "
-            f"implemented for CPU training devices only so far; this engine trains on "
-            f"{device}. Use offload_optimizer='none' there."
-        )
-    if tier != "disk":  # "cpu" on a CPU device: the state is in host memory already
-        return ResidentState(state)
-    directory = check_directory(config.offload_dir, "offload_optimizer='disk'")
-    name = f"zero-optimizer-rank{rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    if _tier(config, "offload_optimizer", device) != "disk":
+        return ResidentState(state)  # "cpu" on a CPU device: in host memory already
     return DiskState(
         state,
         views,
-        OffloadFile(directory, name),
+        _file(config, "offload_optimizer", "optimizer", rank),
         config.offload_tile_size,
         config.offload_buffer_count,
         on_memory,
     )
+
+
+def shard_store(
+    config: ZeroConfig,
+    units: Sequence[FlatUnit],
+    device: torch.device,
+    rank: int,
+    on_memory: Callable[[], None] = lambda: None,
+) -> DiskShards | None:
+    """Stage 3 with offload_params="disk": the tier that keeps `units`' shards (those not
+    kept gathered) in a file between uses; None when they stay in memory."""
+    if _tier(config, "offload_params", device) != "disk":
+        return None
+    offloaded = [u for u in units if not u.persistent and u.layout.numel]
+    return DiskShards(
+        offloaded,
+        _file(config, "offload_params", "params", rank),
+        config.offload_buffer_count,
+        on_memory,
+    )
+
+
+def _tier(config: ZeroConfig, field_name: str, device: torch.device) -> str:
+    tier = getattr(config, field_name)
+    if tier != "none" and device.type != "cpu":
+        raise OffloadError(
+            f"{field_name}={tier!r} is implemented for CPU training devices only so far "
+            f"(on a GPU the copies to and from the host are not built yet); this engine "
+            f"trains on {device}. Use {field_name}='none' there."
+        )
+    return tier
+
+
+def _file(config: ZeroConfig, field_name: str, what: str, rank: int) -> OffloadFile:
+    directory = check_directory(config.offload_dir, f"{field_name}='disk'")
+    name = f"zero-{what}-rank{rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    return OffloadFile(directory, name)

@@ -46,7 +46,7 @@ def check_directory(directory: str | os.PathLike | None, purpose: str) -> Path:
     if directory is None or str(directory) == "":
         raise OffloadError(
             f"{purpose} needs a directory: set ZeroConfig(offload_dir=...) to a directory on "
-            "a local disk with room for this rank's optimizer state."
+            "a local disk with room for this rank's offloaded state."
         )
     path = Path(directory).expanduser()
     if not path.is_dir():

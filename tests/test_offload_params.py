@@ -1,0 +1,213 @@
+"""Stage 3's parameter shards on disk (offload_params="disk"): training identical to
+keeping them in memory, exact figures for what moved, checkpoints that move between the
+two at another world size, a failing disk, the memory it frees (measured), and the
+config's doors."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_offload import _peak_rss, _save_then_resume
+
+from distributed import run_world
+from training import local_batch, make_model, make_optimizer, train_zero, train_zero_resumable
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.config import ZeroConfigError
+from zero_strategy.offload import OffloadError
+from zero_strategy.offload import offload_file as offload_file_module
+from zero_strategy.offload.offload_file import round_up
+
+STEPS, ACCUM, CLIP = 10, 2, 0.5
+
+
+def _params_on_disk(directory: Path, **extra) -> dict:
+    return {"offload_params": "disk", "offload_dir": str(directory), **extra}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        # the optimizer's state on disk too, in small tiles with the fewest buffers
+        {"offload_optimizer": "disk", "offload_tile_size": 700, "offload_buffer_count": 2},
+        # bf16 compute (a master and a compute copy per shard), the EMA, deeper prefetch
+        {"compute_dtype": "bf16", "ema_decay": 0.8, "prefetch_depth": 2},
+    ],
+    ids=["params", "params+optimizer", "bf16+ema"],
+)
+def test_param_offload_trains_bit_identically_to_memory(extra, tmp_path):
+    """10 steps with accumulation (no_sync) and clipping at stage 3 on 2 ranks: the same
+    losses and weights, bit for bit, as the shards kept in memory."""
+    memory_extra = {k: v for k, v in extra.items() if not k.startswith("offload")}
+    memory = run_world(train_zero, 2, STEPS, ACCUM, CLIP, 3, **memory_extra)
+    disk = run_world(train_zero, 2, STEPS, ACCUM, CLIP, 3, **_params_on_disk(tmp_path, **extra))
+    (mem_losses, mem_state), (disk_losses, disk_state) = memory[0], disk[0]
+    assert disk_losses == mem_losses
+    assert all(torch.equal(disk_state[k], mem_state[k]) for k in mem_state)
+    assert os.listdir(tmp_path) == []  # the scratch files were never visible, nor are left
+
+
+def _report_run(rank, world, directory, compute_dtype):
+    model = make_model()
+    config = ZeroConfig(stage=3, compute_dtype=compute_dtype, **_params_on_disk(directory))
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    report = engine.memory_report()
+    shards = [u.opt_end - u.opt_start for u in engine.units if not u.persistent]
+    buffers = len(engine._shards.buffers())
+    gather_spares = engine.gather.storage_pool.spare_bytes  # stage 3's own pooled memory
+    engine.close()
+    return report, shards, buffers, gather_spares, engine.stage
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_memory_report_counts_the_offloaded_shards_exactly(tmp_path, world):
+    """Between steps no shard is in memory: each is in the file, rounded up to 4 KiB
+    blocks (fp32: the master is the compute copy; bf16: a master and a copy). One process
+    keeps stage 3 here, since its parameters are offloaded unit by unit."""
+    for compute_dtype, copy_bytes in (("fp32", 0), ("bf16", 2)):
+        for report, shards, buffers, gather_spares, stage in run_world(
+            _report_run, world, str(tmp_path), compute_dtype
+        ):
+            assert stage == 3
+            assert report["parameters"] == report["master_params"] == 0
+            masters = sum(round_up(4 * n) for n in shards)
+            copies = sum(round_up(copy_bytes * n) for n in shards)
+            if copy_bytes:
+                assert report["disk_master_params"] == masters
+                assert report["disk_parameters"] == copies
+            else:
+                assert report["disk_parameters"] == masters
+            assert report["disk_total"] == masters + copies
+            # The host buffers, each of the largest shard's region, stay for the next
+            # gathers (pooled memory); never more than offload_buffer_count of them.
+            largest = max(round_up(4 * n) + round_up(copy_bytes * n) for n in shards)
+            assert 1 <= buffers <= 4
+            assert report["pooled"] == buffers * largest + gather_spares
+
+
+@pytest.mark.parametrize(("save_world", "resume_world"), [(2, 1), (1, 2)])
+def test_a_checkpoint_moves_between_offloaded_and_resident_shards(
+    tmp_path, save_world, resume_world
+):
+    """Saved with the shards on disk at one world size, resumed with them in memory at
+    the other, and the other way round: the continuation is bit for bit the one without
+    offload on either side, and within 1e-5 of the run never interrupted."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    on_disk = _params_on_disk(offload)
+    plain = _save_then_resume(tmp_path, "plain", save_world, {}, resume_world, {})
+    # Offloaded at the 2-rank end: one process with its shards offloaded runs stage 3
+    # where the plain one is not sharded at all (equal within rounding, not bit for bit).
+    saved, resumed = (on_disk, {}) if save_world == 2 else ({}, on_disk)
+    moved = _save_then_resume(tmp_path, "moved", save_world, saved, resume_world, resumed)
+    assert moved[0] == plain[0]
+    assert all(torch.equal(moved[1][k], plain[1][k]) for k in plain[1])
+    whole = run_world(train_zero_resumable, 1, 3, range(6), "", False, False)[0]
+    assert moved[0] == pytest.approx(whole[0][3:], rel=1e-5)
+    num = sum(((moved[1][k] - v) ** 2).sum() for k, v in whole[1].items())
+    den = sum((v**2).sum() for v in whole[1].values())
+    assert (num / den).sqrt() < 1e-5
+
+
+def test_a_save_reads_each_offloaded_shard_once_and_matches_memory(tmp_path):
+    """The same training saved with the shards in memory and on disk: identical files."""
+    from zero_strategy.safetensors_io import SafetensorsFile
+
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    for name, extra in (("memory", {}), ("disk", _params_on_disk(offload))):
+        run_world(train_zero_resumable, 2, 3, range(2), str(tmp_path / name), False, True, **extra)
+    for rank in (0, 1):
+        a = SafetensorsFile(tmp_path / "memory" / f"rank{rank:05d}.safetensors")
+        b = SafetensorsFile(tmp_path / "disk" / f"rank{rank:05d}.safetensors")
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())  # noqa: SIM118
+
+
+def _fails_mid_training(rank, world, directory, ckpt):
+    model = make_model()
+    config = ZeroConfig(stage=3, **_params_on_disk(Path(directory)))
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    for step in range(2):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    engine.save_checkpoint(ckpt)
+    expected = engine.full_state_dict(rank0_only=False)
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    x, y = local_batch(2, 0, rank, world)
+    engine.backward(engine(x, y))
+    offload_file_module.os.pwrite = full
+    try:
+        engine.step()
+    except OffloadError as e:
+        message = str(e)
+    else:
+        message = None
+    finally:
+        offload_file_module.os.pwrite = real
+    # The file is behind the training now: the shards are refused until a load.
+    try:
+        engine.save_checkpoint(ckpt + "-after")
+        refused = None
+    except Exception as e:
+        refused = str(e)
+    engine.load_checkpoint(ckpt)
+    restored = engine.full_state_dict(rank0_only=False)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
+    same = all(torch.equal(restored[k], expected[k]) for k in expected)
+    return message, refused, same
+
+
+def test_a_disk_that_fills_fails_the_step_and_a_load_recovers(tmp_path):
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    for message, refused, same in run_world(_fails_mid_training, 2, str(offload), ckpt):
+        assert message is not None
+        assert f"no space left on the device of offload_dir {offload}" in message
+        assert refused is not None and "Load a checkpoint" in refused
+        assert same  # the load put every shard back: the weights of the checkpoint
+    assert json.loads(Path(ckpt, "index.json").read_text())["step"] == 2
+
+
+def test_param_offload_outside_stage_3_or_without_a_directory_is_refused():
+    with pytest.raises(ZeroConfigError, match=r"offload_params='disk' is invalid: .*stage 3"):
+        ZeroConfig(stage=2, offload_params="disk", offload_dir="/tmp")
+    with pytest.raises(ZeroConfigError, match=r"offload_dir=None is invalid: offload_params="):
+        ZeroConfig(stage=3, offload_params="disk")
+    with pytest.raises(ZeroConfigError, match=r"offload_params='nvme' is invalid: use 'none'"):
+        ZeroConfig(stage=3, offload_params="nvme")
+
+
+def test_param_offload_lowers_peak_rss_by_most_of_the_masters(tmp_path):
+    """25M parameters on one process (100 MB of fp32 masters, which are the parameters):
+    with the optimizer's state on disk in both runs, moving the shards there too lowers
+    peak RSS by at least 60% of the masters' size (the host buffers hold four units' worth,
+    16 MB, and stage 3 gathers a unit at a time)."""
+    optimizer_on_disk = {
+        "offload_optimizer": "disk",
+        "offload_dir": str(tmp_path),
+        "offload_tile_size": 1_000_000,
+    }
+    state_only = _peak_rss({"stage": 3, **optimizer_on_disk}, tmp_path / "a")
+    both = _peak_rss({"stage": 3, "offload_params": "disk", **optimizer_on_disk}, tmp_path / "b")
+    masters = 4 * 24 * (1024 * 1024 + 1024)
+    assert both["disk_parameters"] >= masters
+    drop = state_only["training_peak_rss"] - both["training_peak_rss"]
+    assert drop >= 0.6 * masters, (state_only, both)

@@ -1,0 +1,295 @@
+"""Stage 3: each unit's parameter shard in a file between its uses (offload_params="disk").
+
+A unit's shard (its fp32 master, and its compute-dtype copy when that is a tensor of its
+own) is needed at its gathers, at its step and by checkpoints; in between it lives in the
+file. Its storages are resized to nothing rather than replaced, so every view of them
+(the optimizer's parameters are views of the master) stays the same tensor and sees the
+values again once they are read back.
+
+`acquire` and `release` count a unit's uses. The first use reads the shard back (or takes
+it from a buffer read ahead, or from the buffer of its last write); the last one writes it
+out when it changed (on a writer thread: the write is not waited for until its buffer is
+needed) and frees the memory. `prefetch` reads a unit ahead on a reader thread, so that
+its gather, in the order the gatherer recorded, finds it in memory. At most
+`buffer_count` host buffers of the largest unit's size take part.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..flat_unit import FlatUnit
+from .host_memory import return_freed_memory
+from .offload_file import OffloadError, OffloadFile, aligned_empty, round_up
+
+
+@dataclass(frozen=True, eq=False)
+class _Region:
+    """A unit's shard in the file: its tensors (master, then the compute copy if apart)
+    back to back, each at an aligned byte offset."""
+
+    offset: int
+    nbytes: int
+    tensors: tuple[tuple[torch.Tensor, int], ...]  # (tensor, byte offset in the region)
+
+
+def shard_tensors(unit: FlatUnit) -> list[torch.Tensor]:
+    """The tensors that make up `unit`'s shard: the master, and the compute copy when it
+    is not the master itself (bf16/fp16 compute)."""
+    tensors = [unit.master]
+    if unit.shard is not None and unit.shard is not unit.master:
+        tensors.append(unit.shard)
+    return tensors
+
+
+class DiskShards:
+    """The shards of `units` (stage 3, not persistent) in `file`."""
+
+    offloaded = True
+
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        file: OffloadFile,
+        buffer_count: int,
+        on_memory: Callable[[], None] = lambda: None,
+    ):
+        self.file = file
+        self.on_memory = on_memory  # told after memory is taken or given back
+        self.buffer_count = max(2, buffer_count)
+        self._regions: dict[int, _Region] = {}
+        self._uses: dict[int, int] = {}
+        self._dirty: set[int] = set()  # in use, and changed by one of its users
+        self._reads: dict[int, tuple[torch.Tensor, Future]] = {}  # read ahead
+        # The last write of each unit, with the buffer that holds its values: a use that
+        # comes before the buffer is taken for something else copies from it.
+        self._writes: dict[int, tuple[torch.Tensor, Future]] = {}
+        self._retired: list[tuple[torch.Tensor, Future]] = []  # superseded writes
+        self._free: list[torch.Tensor] = []
+        self._live = 0  # buffers in existence
+        self._failed: str | None = None
+        self._error: BaseException | None = None  # the first failed write
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-write")
+        for unit in units:
+            self._lay_out(unit)
+        self._buffer_bytes = max((r.nbytes for r in self._regions.values()), default=0)
+        return_freed_memory()
+
+    def _lay_out(self, unit: FlatUnit) -> None:
+        tensors, at = [], 0
+        for tensor in shard_tensors(unit):
+            storage = tensor.untyped_storage()
+            if tensor.storage_offset() or storage.nbytes() != tensor.nbytes:
+                raise RuntimeError(  # the engine's own tensors: a bug, not bad input
+                    f"unit {unit.layout.name}: its shard does not own its storage"
+                )
+            tensors.append((tensor, at))
+            at += round_up(tensor.nbytes)
+        region = _Region(self.file.allocate(at), at, tuple(tensors))
+        buffer = aligned_empty(at)
+        self._pack(region, buffer)
+        self.file.write(region.offset, buffer[:at])
+        del buffer
+        self._regions[unit.layout.index] = region
+        self._uses[unit.layout.index] = 0
+        _free_storages(region)
+        unit.home = self
+
+    # ------------------------------------------------------------------ uses
+    def acquire(self, unit: FlatUnit) -> None:
+        """Make the unit's shard usable (it stays so until the matching `release`)."""
+        index = unit.layout.index
+        uses = self._uses[index]
+        if not uses:
+            self._check_usable()
+        self._uses[index] = uses + 1
+        if uses:
+            return
+        region = self._regions[index]
+        for tensor, _ in region.tensors:
+            tensor.untyped_storage().resize_(tensor.nbytes)
+        try:
+            if index in self._writes:  # its latest values are still in that buffer
+                self._unpack(region, self._writes[index][0])
+            elif index in self._reads:
+                buffer, reading = self._reads.pop(index)
+                try:
+                    reading.result()
+                    self._unpack(region, buffer)
+                finally:
+                    self._free.append(buffer)
+            else:
+                buffer = self._take_buffer()
+                try:
+                    self.file.read(region.offset, buffer[: region.nbytes])
+                    self._unpack(region, buffer)
+                finally:
+                    self._free.append(buffer)
+        except BaseException:
+            self._uses[index] = 0
+            _free_storages(region)
+            raise
+        self.on_memory()
+
+    def release(self, unit: FlatUnit, modified: bool = False) -> None:
+        """One use of the unit's shard is over; after the last, the shard goes back to
+        the file (written only if some use changed it) and its memory is freed."""
+        index = unit.layout.index
+        if modified:
+            self._dirty.add(index)
+        self._uses[index] -= 1
+        if self._uses[index]:
+            return
+        region = self._regions[index]
+        try:
+            if index in self._dirty:
+                self._dirty.discard(index)
+                buffer = self._take_buffer()
+                self._pack(region, buffer)
+                if index in self._writes:
+                    self._retired.append(self._writes.pop(index))
+                writing = self._writer.submit(
+                    self.file.write, region.offset, buffer[: region.nbytes]
+                )
+                self._writes[index] = (buffer, writing)
+        finally:
+            _free_storages(region)
+            self.on_memory()
+
+    def prefetch(self, unit: FlatUnit) -> None:
+        """Start reading the unit's shard, if it is in the file only and a buffer is
+        free for it (reads ahead never hold more than all but two buffers)."""
+        index = unit.layout.index
+        if (
+            index not in self._regions
+            or self._uses[index]
+            or index in self._reads
+            or index in self._writes
+            or self._error is not None
+            or len(self._reads) >= self.buffer_count - 2
+        ):
+            return
+        region = self._regions[index]
+        buffer = self._take_buffer()
+        reading = self._reader.submit(self.file.read, region.offset, buffer[: region.nbytes])
+        self._reads[index] = (buffer, reading)
+
+    def holds(self, unit: FlatUnit) -> bool:
+        return unit.layout.index in self._regions
+
+    def flush(self) -> None:
+        """Wait for every write (the end of a step, a save): the first failure is raised
+        once all have finished, and the tier refuses further use until a load."""
+        for _, writing in [*self._retired, *self._writes.values()]:
+            failure = writing.exception()
+            if failure is not None:
+                self._fail(failure)
+        for buffer, _ in self._retired:
+            self._free.append(buffer)
+        self._retired.clear()
+        if self._error is not None:  # from now on the tier refuses to be used
+            self._failed = f"{type(self._error).__name__}: {self._error}"
+            raise self._error
+
+    # ------------------------------------------------------------------ buffers
+    def _take_buffer(self) -> torch.Tensor:
+        """A free buffer, a new one while fewer than `buffer_count` exist, else the
+        buffer of the oldest write once it is done."""
+        if self._free:
+            return self._free.pop()
+        if self._live < self.buffer_count or not (self._retired or self._writes):
+            self._live += 1
+            buffer = aligned_empty(self._buffer_bytes)
+            self.on_memory()
+            return buffer
+        if self._retired:
+            buffer, writing = self._retired.pop(0)
+        else:
+            index = next(iter(self._writes))
+            buffer, writing = self._writes.pop(index)
+        failure = writing.exception()
+        if failure is not None:  # raised by `flush` at the end of the step, on every rank
+            self._fail(failure)
+        return buffer
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers held now (pooled memory)."""
+        return [
+            *self._free,
+            *(b for b, _ in self._reads.values()),
+            *(b for b, _ in self._writes.values()),
+            *(b for b, _ in self._retired),
+        ]
+
+    def _pack(self, region: _Region, buffer: torch.Tensor) -> None:
+        for tensor, at in region.tensors:
+            buffer[at : at + tensor.nbytes].copy_(tensor.view(-1).view(torch.uint8))
+
+    def _unpack(self, region: _Region, buffer: torch.Tensor) -> None:
+        for tensor, at in region.tensors:
+            tensor.view(-1).view(torch.uint8).copy_(buffer[at : at + tensor.nbytes])
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, error: BaseException) -> None:
+        """Remember the first failed write. It is raised at the end of the step (`flush`),
+        where every rank is at the same point: raising mid-step would leave the ranks in
+        different collectives."""
+        if self._error is None:
+            self._error = error
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise OffloadError(
+                errno.EIO,
+                f"the parameter shards in {self.file.path} are incomplete since a write "
+                f"failed ({self._failed}). Load a checkpoint (engine.load_checkpoint) to "
+                "continue: the values in the file are older than the training.",
+            )
+
+    def recover(self) -> None:
+        """A checkpoint load follows, writing every shard afresh: forget a failure and
+        the writes that failed with it."""
+        for index, (buffer, writing) in list(self._writes.items()):
+            if writing.exception() is not None:
+                del self._writes[index]
+                self._free.append(buffer)
+        for buffer, _ in self._retired:
+            self._free.append(buffer)
+        self._retired.clear()
+        self._failed = self._error = None
+
+    # ------------------------------------------------------------------ accounting
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes in the file by kind: the compute copies as `parameters`, the masters as
+        `master_params` (as `parameters` when they are the compute copy)."""
+        out = {"parameters": 0, "master_params": 0}
+        for region in self._regions.values():
+            (_, first), *rest = region.tensors
+            if rest:
+                out["master_params"] += rest[0][1] - first
+                out["parameters"] += region.nbytes - rest[0][1]
+            else:
+                out["parameters"] += region.nbytes
+        return out
+
+    def closer(self) -> Callable[[], None]:
+        """Closes the file and stops the threads (it holds nothing else)."""
+        return functools.partial(_close, self._reader, self._writer, self.file)
+
+
+def _free_storages(region: _Region) -> None:
+    for tensor, _ in region.tensors:
+        tensor.untyped_storage().resize_(0)
+
+
+def _close(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, file: OffloadFile) -> None:
+    reader.shutdown(wait=True)
+    writer.shutdown(wait=True)
+    file.close()
