@@ -10,9 +10,9 @@ clipping are the ones the DeepSpeed run had:
 
 - `ACCELERATE_DEEPSPEED_ZERO_STAGE` (unset: 2, Accelerate's default);
 - `ACCELERATE_GRADIENT_CLIPPING` (unset: 1.0, the value Accelerate fills its "auto" with);
-- `ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE` ("cpu", or "nvme" with
-  `_OFFLOAD_OPTIMIZER_NVME_PATH`): `offload_optimizer`, as in a DeepSpeed config;
-  `_OFFLOAD_PARAM_DEVICE` other than "none" is refused (no parameter offload yet);
+- `ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE` and `_OFFLOAD_PARAM_DEVICE` ("cpu", or
+  "nvme" with `_OFFLOAD_OPTIMIZER_NVME_PATH` / `_OFFLOAD_PARAM_NVME_PATH`):
+  `offload_optimizer` and `offload_params`, as in a DeepSpeed config;
 - `ACCELERATE_DEEPSPEED_CONFIG_FILE`: a ds_config.json, used instead of the variables
   above, which fill only its "auto" values (as Accelerate does);
 - `ACCELERATE_DEEPSPEED_ZERO3_INIT`, `ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL` and
@@ -50,6 +50,7 @@ ENV_CLIPPING = "ACCELERATE_GRADIENT_CLIPPING"
 ENV_OFFLOAD_OPTIMIZER = "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"
 ENV_OFFLOAD_OPTIMIZER_PATH = "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"
 ENV_OFFLOAD_PARAM = "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"
+ENV_OFFLOAD_PARAM_PATH = "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"
 ENV_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 ENV_ZERO3_INIT = "ACCELERATE_DEEPSPEED_ZERO3_INIT"
 ENV_SAVE_16BIT = "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"
@@ -78,13 +79,7 @@ def deepspeed_env_values() -> dict[str, Any]:
         settings = ", ".join(
             f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ACCELERATE_DEEP")
         )
-        fix = (
-            " With accelerate launch: --offload_param_device none, or the same in the "
-            "accelerate config."
-            if "offload" in str(e)
-            else ""
-        )
-        raise ZeroConfigError(f"Accelerate's DeepSpeed settings ({settings}): {e}{fix}") from None
+        raise ZeroConfigError(f"Accelerate's DeepSpeed settings ({settings}): {e}") from None
     _warn_unhonoured(config, translated["stage"])
     defaults = vars(ZeroConfig())
     return {k: v for k, v in translated.items() if v != defaults[k]}
@@ -98,10 +93,12 @@ def _deepspeed_config() -> dict[str, Any]:
         "zero_optimization.offload_optimizer.device": _env(ENV_OFFLOAD_OPTIMIZER, "none"),
         "zero_optimization.offload_param.device": _env(ENV_OFFLOAD_PARAM, "none"),
     }
-    if ENV_OFFLOAD_OPTIMIZER_PATH in os.environ:
-        env["zero_optimization.offload_optimizer.nvme_path"] = os.environ[
-            ENV_OFFLOAD_OPTIMIZER_PATH
-        ]
+    for section, variable in (
+        ("offload_optimizer", ENV_OFFLOAD_OPTIMIZER_PATH),
+        ("offload_param", ENV_OFFLOAD_PARAM_PATH),
+    ):
+        if variable in os.environ:
+            env[f"zero_optimization.{section}.nvme_path"] = os.environ[variable]
     path = os.environ.get(ENV_CONFIG_FILE, "none")
     if path == "none":
         config: dict[str, Any] = {}

@@ -122,15 +122,20 @@ def test_unhonoured_settings_are_named_with_what_happens_instead(monkeypatch):
     assert "ACCELERATE_DEEPSPEED_ZERO3_INIT" in message and "sharded by prepare()" in message
     assert "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL" in message
     assert "consolidate the whole model" in message
-    # The optimizer's offload is taken, as in a DeepSpeed config; the parameters' is
-    # refused, naming the variable and the fix.
+    # The optimizer's and the parameters' offload are taken, as in a DeepSpeed config; two
+    # different directories cannot both be honoured, and the error names the variables.
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", "/local/nvme")
     config = _accelerator(monkeypatch, {}).zero_config
     assert (config.offload_optimizer, config.offload_dir) == ("disk", "/local/nvme")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "nvme")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", "/local/nvme")
+    config = _accelerator(monkeypatch, {}).zero_config
+    assert (config.offload_params, config.offload_dir) == ("disk", "/local/nvme")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", "/elsewhere")
     with pytest.raises(
-        ZeroConfigError, match=r"OFFLOAD_PARAM_DEVICE=cpu.*not implemented yet.*--offload_param"
+        ZeroConfigError, match=r"OFFLOAD_PARAM_NVME_PATH=/elsewhere.*Use the same value"
     ):
         _accelerator(monkeypatch, {})
 

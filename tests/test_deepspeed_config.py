@@ -72,8 +72,8 @@ def test_fp16_loss_scaling_keys_map(tmp_path):
     "config,match",
     [
         (
-            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-            "offload_param to 'cpu'.*offload_param is not implemented yet",
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+            r"offload_param\.device 'gpu'; use 'none', 'cpu' or 'nvme'",
         ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both fp16 and bf16"),
         ({"zero_optimization": {"stage": 4}}, r"ZeroConfig\.stage=4 is invalid"),
@@ -140,7 +140,7 @@ def test_the_lightning_strategy_and_the_accelerate_plugin_take_a_ds_config(tmp_p
 
 def test_deepspeed_defaults_and_spellings():
     """No stage means DeepSpeed's stage 0; null means DeepSpeed decides; the stage3_ keys
-    work without their prefix; the deprecated offload flag is refused like the new one."""
+    work without their prefix; the deprecated offload flag maps like the new one."""
     with pytest.warns(UserWarning, match="sets no gradient_clipping"):
         plain = from_deepspeed_config({"fp16": {"enabled": True, "loss_scale_window": 1e3}})
     assert (plain.stage, plain.compute_dtype, plain.loss_scale_window) == (0, "fp16", 1000)
@@ -150,8 +150,8 @@ def test_deepspeed_defaults_and_spellings():
     }
     config = from_deepspeed_config(cfg)
     assert (config.overlap_comm, config.max_reuse_distance) == (True, 500_000_000)
-    with pytest.raises(ZeroConfigError, match="cpu_offload_param"):
-        from_deepspeed_config({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+    deprecated = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "cpu_offload_param": True}}
+    assert from_deepspeed_config(deprecated).offload_params == "cpu"
     with pytest.raises(ZeroConfigError, match="torch_autocast"):
         from_deepspeed_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
     with pytest.raises(
@@ -169,3 +169,45 @@ def test_a_precision_the_trainer_overrides_is_named():
     with pytest.warns(UserWarning, match=r"compute_dtype='bf16'.*Trainer\(precision='32-true'\)"):
         assert compute_dtype_for("32-true", Config(compute_dtype="bf16"), "Trainer") == "fp32"
     assert compute_dtype_for("bf16-true", Config(compute_dtype="bf16"), "Trainer") == "bf16"
+
+
+def test_parameter_offload_maps_to_the_tiers(tmp_path):
+    """offload_param: nvme is the disk tier, in the same offload_dir as the optimizer's;
+    two different nvme_paths cannot both be honoured; below stage 3 it is ignored (as
+    DeepSpeed does), with a warning."""
+    both = {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "buffer_count": 6,
+                "buffer_size": 1e8,
+                "max_in_cpu": 1e9,
+                "pin_memory": True,
+            },
+        },
+    }
+    with pytest.warns(UserWarning) as caught:
+        config = from_deepspeed_config(both)
+    assert (config.offload_params, config.offload_optimizer) == ("disk", "disk")
+    assert (config.offload_dir, config.offload_buffer_count) == (str(tmp_path), 6)
+    message = str(caught[0].message)
+    for key in ("buffer_size", "max_in_cpu", "pin_memory"):
+        assert f"zero_optimization.offload_param.{key} (" in message
+    both["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path / "other")
+    with pytest.raises(ZeroConfigError, match=r"offload_param\.nvme_path .*Use the same value"):
+        from_deepspeed_config(both)
+    cpu = {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }
+    assert from_deepspeed_config(cpu).offload_params == "cpu"
+    stage2 = {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
+    }
+    with pytest.warns(UserWarning, match=r"offload_param \(parameters are offloaded at stage 3\)"):
+        assert from_deepspeed_config(stage2).offload_params == "none"

@@ -211,3 +211,51 @@ def test_param_offload_lowers_peak_rss_by_most_of_the_masters(tmp_path):
     assert both["disk_parameters"] >= masters
     drop = state_only["training_peak_rss"] - both["training_peak_rss"]
     assert drop >= 0.6 * masters, (state_only, both)
+
+
+# ---------------------------------------------------------------- the doors
+def test_lightning_trains_identically_with_the_shards_on_disk(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning_helpers import fit
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    plain = run_world(fit, 2, "zero3")
+    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_params_on_disk(tmp_path)))
+    assert [r["losses"] for r in disk] == [r["losses"] for r in plain]
+
+
+def test_fabric_accelerate_and_hydra_take_the_field(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    pytest.importorskip("hydra")
+    from hydra.utils import instantiate
+    from test_hydra import _compose
+
+    from zero_strategy.integrations.accelerate import ZeroPlugin
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    fields = _params_on_disk(tmp_path)
+    fabric = ZeroFabricStrategy(stage=3, **fields)._zero_base
+    accelerate = ZeroPlugin(stage=3, options=fields).resolve("no")
+    cfg = _compose(
+        "trainer/strategy=zero3",
+        "trainer.strategy.offload_params=disk",
+        f"trainer.strategy.offload_dir={tmp_path}",
+        "trainer.devices=1",
+        "hydra.runtime.output_dir=/tmp",
+    )
+    hydra = instantiate(cfg.trainer.strategy).engine_config
+    for config in (fabric, accelerate, hydra):
+        assert (config.offload_params, config.offload_dir) == ("disk", str(tmp_path))
+
+
+def test_moe_experts_shards_on_disk_train_identically(tmp_path):
+    """Expert units (sharded over their expert-data-parallel groups) go to the file like
+    any other: 2 ranks, experts split over both (ep 2), stage 3."""
+    from test_moe import _train
+
+    memory = run_world(_train, 2, 2, 3)[0]
+    disk = run_world(_train, 2, 2, 3, **_params_on_disk(tmp_path))[0]
+    assert disk[0] == memory[0]
+    assert all(torch.equal(disk[1][k], memory[1][k]) for k in memory[1])

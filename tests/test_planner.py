@@ -175,9 +175,9 @@ def test_offload_moves_optimizer_state_to_host():
 WIDER = GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=256)
 
 
-def _measure_disk(rank, world, stage, directory):
+def _measure_disk(rank, world, stage, directory, **extra):
     model = make_model(cfg=WIDER)
-    config = ZeroConfig(stage=stage, offload_optimizer="disk", offload_dir=directory)
+    config = ZeroConfig(stage=stage, offload_optimizer="disk", offload_dir=directory, **extra)
     engine = ZeroEngine(model, make_optimizer(model), config)
     x, y = local_batch(0, 0, rank, world, WIDER)
     engine.backward(engine(x, y))
@@ -201,3 +201,23 @@ def test_planner_matches_disk_offload_within_2_percent(stage, tmp_path, capsys):
     assert main(["estimate", "--params", "7B", "--world-size", "8", "--stage", "3",
                  "--offload", "disk"]) == 0  # fmt: skip
     assert "offloaded to disk per rank:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(2, "fp32"), (1, "bf16")])
+def test_planner_matches_parameter_offload_within_2_percent(world, dtype, tmp_path):
+    """`estimate --offload disk+params` (stage 3): the optimizer state and the parameter
+    shards (with their masters in bf16) on disk, only the gradients' shards in memory; one
+    process keeps stage 3 then."""
+    params, root = count_params(make_model(cfg=WIDER))
+    predicted = plan(params, world, 3, dtype, root_params=root, offload="disk+params")
+    m = run_world(
+        _measure_disk, world, 3, str(tmp_path), offload_params="disk", compute_dtype=dtype
+    )[0]
+    in_memory = m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
+    assert abs(predicted.model_state - in_memory) <= 0.02 * in_memory, (predicted, m)
+    for kind in ("parameters", "master_params", "optimizer_state"):
+        measured = m[f"disk_{kind}"]
+        assert abs(predicted.disk.get(kind, 0) - measured) <= 0.02 * measured, (kind, predicted, m)
+    assert (dtype == "bf16") == ("master_params" in predicted.disk)
+    with pytest.raises(PlanError, match="offload='disk\\+params' is invalid at stage 2"):
+        plan(params, world, 2, offload="disk+params")

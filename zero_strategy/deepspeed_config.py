@@ -2,10 +2,11 @@
 
 Every ZeRO key with an equivalent here is translated; keys that only tune DeepSpeed's own
 implementation (its buffers, its bucketing of all-gathers) have no counterpart and are
-listed in one warning; what cannot be honoured (parameter offload, fp16 and bf16 at once)
-is an error that says so. The optimizer's offload maps to `offload_optimizer` ("nvme" is
-the disk tier, its `nvme_path` the `offload_dir`). Trainer settings that live in the same file (batch sizes,
-optimizer, scheduler) belong to the training loop and are listed as ignored too.
+listed in one warning; what cannot be honoured (fp16 and bf16 at once) is an error that
+says so. The optimizer's and the parameters' offload map to `offload_optimizer` and
+`offload_params` ("nvme" is the disk tier, its `nvme_path` the `offload_dir`). Trainer
+settings that live in the same file (batch sizes, optimizer, scheduler) belong to the
+training loop and are listed as ignored too.
 Hugging Face's `"auto"` placeholders keep the ZeroConfig default.
 """
 
@@ -91,15 +92,18 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike) -> Zero
         if key in _ZERO_KEYS:
             values[_ZERO_KEYS[key]] = _as_int(value) if key != "overlap_comm" else value
         elif key in ("offload_optimizer", "cpu_offload"):
-            _offload_optimizer(key, value, values, ignored)
+            _offload(key, value, "offload_optimizer", values, ignored)
         elif key in ("offload_param", "cpu_offload_param"):
-            _refuse_offload(key, value)
+            _offload(key, value, "offload_params", values, ignored)
         elif key == "sub_group_size":
             values["offload_tile_size"] = _as_int(value)
         elif key in _NO_COUNTERPART:
             ignored.append(f"zero_optimization.{key}")
         else:
             ignored.append(f"zero_optimization.{key} (unknown)")
+    if values.get("offload_params", "none") != "none" and values.get("stage") != 3:
+        values.pop("offload_params")  # DeepSpeed, too, offloads parameters at stage 3 only
+        ignored.append("zero_optimization.offload_param (parameters are offloaded at stage 3)")
     _precision(config, values, ignored)
     if "gradient_clipping" not in config:
         warnings.warn(
@@ -180,6 +184,8 @@ def _precision(config: Mapping[str, Any], values: dict[str, Any], ignored: list[
 _OFFLOAD_KEYS = {"device": None, "nvme_path": "offload_dir", "buffer_count": "offload_buffer_count"}
 _OFFLOAD_IGNORED = {
     "pin_memory": "host buffers are pinned only for a CUDA device to copy from",
+    "buffer_size": "each buffer holds the largest unit's shard",
+    "max_in_cpu": "a shard is in memory only while it is in use",
     "pipeline_read": "reads and writes always overlap the step here",
     "pipeline_write": "reads and writes always overlap the step here",
     "pipeline": "reads and writes always overlap the step here",
@@ -188,8 +194,11 @@ _OFFLOAD_IGNORED = {
 }
 
 
-def _offload_optimizer(key: str, value: Any, values: dict[str, Any], ignored: list[str]) -> None:
-    """zero_optimization.offload_optimizer (or the deprecated cpu_offload flag)."""
+def _offload(
+    key: str, value: Any, field_name: str, values: dict[str, Any], ignored: list[str]
+) -> None:
+    """zero_optimization.offload_optimizer / offload_param (or the deprecated cpu_offload
+    and cpu_offload_param flags) -> the `field_name` tier and its settings."""
     settings = dict(value) if isinstance(value, Mapping) else {"device": "cpu" if value else None}
     device = settings.get("device")
     if device in (None, "none", False):
@@ -200,32 +209,24 @@ def _offload_optimizer(key: str, value: Any, values: dict[str, Any], ignored: li
             f"The DeepSpeed config asks for zero_optimization.{key}.device {device!r}; use "
             "'none', 'cpu' or 'nvme' (a directory on a local disk, in nvme_path)."
         )
-    values["offload_optimizer"] = tiers[device]
+    values[field_name] = tiers[device]
     for name, setting in settings.items():
         if name in _OFFLOAD_KEYS:
-            if _OFFLOAD_KEYS[name] is not None and not _is_auto(setting):
-                values[_OFFLOAD_KEYS[name]] = (
-                    _as_int(setting) if name == "buffer_count" else str(setting)
+            target = _OFFLOAD_KEYS[name]
+            if target is None or _is_auto(setting) or (name == "nvme_path" and device == "cpu"):
+                continue  # nvme_path means nothing for host memory
+            setting = _as_int(setting) if name == "buffer_count" else str(setting)
+            if values.get(target, setting) != setting:
+                raise ZeroConfigError(
+                    f"The DeepSpeed config sets zero_optimization.{key}.{name} to {setting!r} "
+                    f"and the other offload's to {values[target]!r}; zero-strategy has one "
+                    f"ZeroConfig.{target} for both. Use the same value in both."
                 )
+            values[target] = setting
         elif name in _OFFLOAD_IGNORED:
             ignored.append(f"zero_optimization.{key}.{name} ({_OFFLOAD_IGNORED[name]})")
         else:
             ignored.append(f"zero_optimization.{key}.{name} (unknown)")
-    if device == "cpu":
-        values.pop("offload_dir", None)  # nvme_path means nothing for host memory
-
-
-def _refuse_offload(key: str, value: Any) -> None:
-    device = value.get("device", "none") if isinstance(value, Mapping) else value
-    if device in (None, "none", False):
-        return
-    raise ZeroConfigError(
-        f"The DeepSpeed config asks for zero_optimization.{key} to {device!r}; zero-strategy "
-        "keeps the parameters on the training device (offload_param is not implemented yet; "
-        "offload_optimizer is). Remove the key, offload the optimizer state instead "
-        "(offload_optimizer with device 'cpu' or 'nvme'), or spread the parameters over "
-        "more ranks (stage 3 divides them by the world size)."
-    )
 
 
 def _is_auto(value: Any) -> bool:

@@ -31,7 +31,7 @@ OPTIMIZER_STATE_BYTES = {
 }
 
 
-OFFLOADS = ("none", "disk", "cpu", "optimizer", "optimizer+params")
+OFFLOADS = ("none", "disk", "disk+params", "cpu", "optimizer", "optimizer+params")
 
 
 class PlanError(ValueError):
@@ -138,7 +138,8 @@ def plan(
     else:
         c = _DTYPE_BYTES[compute_dtype]
         mixed = c != 4
-        ran = stage if world_size > 1 else 0  # one process keeps everything in place
+        # One process keeps everything in place, unless its parameters are offloaded.
+        ran = stage if world_size > 1 or offload == "disk+params" else 0
         opt_range = psi if ran == 0 else shard  # what this rank's optimizer steps
         memory = {
             "parameters": c * (shard if ran == 3 else psi),
@@ -153,14 +154,24 @@ def plan(
     if offload not in OFFLOADS:
         raise PlanError(
             f"offload={offload!r} is invalid: use 'none', 'disk' (the optimizer state in "
-            "files, as ZeroConfig(offload_optimizer='disk')), 'cpu' or 'optimizer' (masters "
+            "files, as ZeroConfig(offload_optimizer='disk')), 'disk+params' (stage 3's "
+            "parameter shards too, offload_params='disk'), 'cpu' or 'optimizer' (masters "
             "and optimizer state in host memory, as ZeRO-Offload on a GPU) or "
             "'optimizer+params' (parameters too, ZeRO-Infinity style)."
         )
     host: dict[str, float] = {}
     disk: dict[str, float] = {}
-    if offload == "disk":
+    if offload == "disk+params" and stage != 3:
+        raise PlanError(
+            f"offload='disk+params' is invalid at stage {stage}: parameters are offloaded at "
+            "stage 3 only. Use stage=3, or offload='disk'."
+        )
+    if offload in ("disk", "disk+params"):
         disk["optimizer_state"] = memory.pop("optimizer_state")
+    if offload == "disk+params":
+        disk["parameters"] = memory.pop("parameters")
+        if memory.get("master_params"):
+            disk["master_params"] = memory.pop("master_params")
     elif offload != "none":
         moved = ("optimizer_state", "master_params") + (
             ("parameters",) if offload == "optimizer+params" else ()
