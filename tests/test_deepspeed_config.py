@@ -150,7 +150,10 @@ def test_deepspeed_defaults_and_spellings():
     }
     config = from_deepspeed_config(cfg)
     assert (config.overlap_comm, config.max_reuse_distance) == (True, 500_000_000)
-    deprecated = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "cpu_offload_param": True}}
+    deprecated = {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "cpu_offload_param": True},
+    }
     assert from_deepspeed_config(deprecated).offload_params == "cpu"
     with pytest.raises(ZeroConfigError, match="torch_autocast"):
         from_deepspeed_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
