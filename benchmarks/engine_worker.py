@@ -158,11 +158,18 @@ def plain_torch_step_and_state(model: torch.nn.Module):
 
 def offload_of(impl: str) -> str:
     """The optimizer-state tier an implementation name asks for: "-cpu", "-disk" (ours) or
-    "-nvme" (DeepSpeed's name for its disk tier) at its end; "none" otherwise."""
+    "-nvme" (DeepSpeed's name for its disk tier) at its end (before "+params"); "none"
+    otherwise."""
+    base = impl.removesuffix("+params")
     for tier in ("cpu", "disk", "nvme"):
-        if impl.endswith(f"-{tier}"):
+        if base.endswith(f"-{tier}"):
             return tier
     return "none"
+
+
+def params_offloaded(impl: str) -> bool:
+    """"+params" at the end: stage 3's parameters on the same tier as the optimizer's."""
+    return impl.endswith("+params")
 
 
 def offload_dir() -> str:
@@ -183,6 +190,8 @@ def deepspeed_config(impl: str) -> dict:
     if tier != "none":
         zero["offload_optimizer"] = {"device": tier, "nvme_path": offload_dir()}
         config["zero_force_ds_cpu_optimizer"] = False  # the same torch AdamW as everyone
+    if params_offloaded(impl):
+        zero["offload_param"] = {"device": tier, "nvme_path": offload_dir()}
     return config
 
 
@@ -253,6 +262,7 @@ def build(impl: str, model: torch.nn.Module):
                 max_reuse_distance=DEEPSPEED_REUSE_DISTANCE if impl.endswith("-reuse") else 0,
                 compute_dtype="bf16" if bf16 else "fp32",
                 offload_optimizer=tier,
+                offload_params=tier if params_offloaded(impl) else "none",
                 offload_dir=offload_dir() if tier == "disk" else None,
             ),
         )

@@ -1,6 +1,6 @@
-"""The optimizer's state in memory, "cpu" and on disk, beside DeepSpeed's CPU and NVMe
-offload; then a model whose model state is larger than this machine's RAM, trained
-through the disk tier.
+"""The optimizer's state in memory, "cpu" and on disk (and stage 3's parameters on disk
+too, "+params"), beside DeepSpeed's CPU and NVMe offload; then a model whose model state
+is larger than this machine's RAM, trained through the disk tier.
 
     python benchmarks/offload_bench.py --rounds 2              # step time, ~82M GPT
     python benchmarks/offload_bench.py --moonshot              # model state > RAM
@@ -14,9 +14,10 @@ cannot run, the table says why.
 
 The moonshot sizes the GPT (d 2560, vocab 16384, seq 128) from this machine: the fewest
 layers whose model state (16 bytes per parameter: fp32 weights, gradients, Adam's two
-moments) exceeds the RAM, provided the part kept in memory (8 bytes per parameter over the
-ranks, plus per-rank working memory) fits what is available and the disk has room for the
-rest. Otherwise it refuses to start, saying how much it needs.
+moments) exceeds 1.25 times the RAM, provided the part kept in memory (the gradients'
+shards, 4 bytes per parameter over the ranks, plus per-rank working memory) fits what is
+available and the disk has room for the rest (12 bytes per parameter: the weights and
+Adam's moments). Otherwise it refuses to start, saying how much it needs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.engine_bench import run_one  # noqa: E402
 from benchmarks.launch import interleaved_rounds  # noqa: E402
 
-IMPLS = ["zero3", "zero3-cpu", "zero3-disk", "ds3", "ds3-cpu", "ds3-nvme"]
+IMPLS = [
+    "zero3",
+    "zero3-cpu",
+    "zero3-disk",
+    "zero3-disk+params",
+    "ds3",
+    "ds3-cpu",
+    "ds3-nvme",
+    "ds3-nvme+params",
+]
+MOON_IMPL = "zero3-disk+params"
+OVER_RAM = 1.25  # the moonshot's model state, in RAMs
 GB = 1e9
 WORKING_MEMORY = 3.0 * GB  # per rank beyond its shards: gathered units, activations, torch
 
@@ -58,9 +70,9 @@ def moon_layers(ram: float, available: float, ranks: int) -> tuple[int, int, flo
 
     per_layer = params(2) - params(1)
     fixed = params(1) - per_layer
-    layers = max(1, int((ram / 16 - fixed) // per_layer) + 1)  # 16 B/param > RAM
+    layers = max(1, int((OVER_RAM * ram / 16 - fixed) // per_layer) + 1)  # 16 B/param
     n = params(layers)
-    in_memory = 8 * n + ranks * WORKING_MEMORY  # stage 3: weights + gradients, sharded
+    in_memory = 4 * n + ranks * WORKING_MEMORY  # stage 3: the gradients' fp32 shards
     if in_memory > available:
         raise SystemExit(
             f"The moonshot needs {n / 1e9:.2f}B parameters ({16 * n / GB:.1f} GB of model "
@@ -102,7 +114,7 @@ def moonshot(args) -> dict:
 
     memory = psutil.virtual_memory()
     layers, n, in_memory = moon_layers(memory.total, memory.available, args.nproc)
-    disk_need = 8 * n * 1.02  # Adam's two fp32 moments, rounded per view
+    disk_need = 12 * n * 1.02  # fp32 weights and Adam's two moments, rounded per view
     free = shutil.disk_usage(args.offload_dir).free
     print(
         f"moonshot: {layers} layers, {n / 1e9:.2f}B parameters, model state "
@@ -113,7 +125,8 @@ def moonshot(args) -> dict:
     )
     if disk_need > free:
         raise SystemExit(
-            f"{args.offload_dir} has {free / GB:.1f} GB free; the optimizer state needs "
+            f"{args.offload_dir} has {free / GB:.1f} GB free; the weights and the optimizer "
+            "state need "
             f"{disk_need / GB:.1f} GB. Point --offload-dir at a larger disk."
         )
     result = {"layers": layers, "params": n, "ram": memory.total, "disk_free": free}
@@ -128,7 +141,7 @@ def moonshot(args) -> dict:
         nproc=args.nproc, timeout=args.timeout, skipped={},
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
-        got = run_one("zero3-disk", run_args, out)
+        got = run_one(MOON_IMPL, run_args, out)
     if got is None:
         raise SystemExit(f"the moonshot run failed: {run_args.skipped}")
     step_phase = got["phases"]["step"]
@@ -146,7 +159,7 @@ def print_moonshot(res: dict) -> None:
     print(
         f"\nModel state > RAM: GPT {res['params'] / 1e9:.2f}B ({res['layers']} layers, d 2560), "
         f"{16 * res['params'] / GB:.1f} GB of model state, RAM {res['ram'] / GB:.1f} GB; "
-        "stage 3, offload_optimizer='disk', 2 ranks"
+        "stage 3, offload_optimizer='disk', offload_params='disk', 2 ranks"
     )
     print("| figure | value |\n|---|---|")
     rows = [

@@ -139,16 +139,19 @@ def test_cli_errors_name_the_problem(tmp_path, trained):
 
 
 # ------------------------------------------------------------------ pretrained weights
-def _load_pretrained(rank, world, path, stage):
+def _load_pretrained(rank, world, path, stage, **extra):
     with torch.device("meta"):
         model = GPT(TINY)
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **extra))
     stats = engine.load_pretrained(path)
     return stats["elements_read"], engine.full_state_dict()
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_pretrained_safetensors_load_into_stage3_reading_only_own_ranges(tmp_path, sharded):
+@pytest.mark.parametrize(("sharded", "offload"), [(False, False), (True, False), (False, True)])
+def test_pretrained_safetensors_load_into_stage3_reading_only_own_ranges(
+    tmp_path, sharded, offload
+):
+    """Also with the shards on disk (offload_params): written there unit by unit."""
     source = make_model(seed=5)
     state = {
         k: v for k, v in source.state_dict().items() if k != "lm_head.weight"
@@ -162,7 +165,11 @@ def test_pretrained_safetensors_load_into_stage3_reading_only_own_ranges(tmp_pat
     else:
         save_file(state, tmp_path / "w.safetensors")
         path = str(tmp_path / "w.safetensors")
-    results = run_world(_load_pretrained, 2, path, 3)
+    extra = {}
+    if offload:
+        (tmp_path / "offload").mkdir()
+        extra = {"offload_params": "disk", "offload_dir": str(tmp_path / "offload")}
+    results = run_world(_load_pretrained, 2, path, 3, **extra)
     total = sum(v.numel() for v in state.values())
     for read, _ in results:  # its own half (padding aside), never the model
         assert read <= total // 2 + 1, (read, total)

@@ -259,3 +259,24 @@ def test_moe_experts_shards_on_disk_train_identically(tmp_path):
     disk = run_world(_train, 2, 2, 3, **_params_on_disk(tmp_path))[0]
     assert disk[0] == memory[0]
     assert all(torch.equal(disk[1][k], memory[1][k]) for k in memory[1])
+
+
+def test_a_dropped_engine_closes_its_shard_file(tmp_path):
+    """The shards' file is held (unlinked) by the engine alone, and closed with it."""
+    import gc
+
+    from test_offload import _link
+
+    def open_files() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [_link(fd) for fd in fds.iterdir() if str(tmp_path) in _link(fd)]
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(**_params_on_disk(tmp_path)))
+    x, y = local_batch(0, 0, 0, 1)
+    engine.backward(engine(x, y))
+    engine.step()
+    assert len(open_files()) == 1 and "(deleted)" in open_files()[0]
+    del engine, model
+    gc.collect()
+    assert open_files() == []

@@ -31,7 +31,7 @@ from torch import nn
 from . import checkpoint, fused_step, meta_init, shutdown
 from .config import ZeroConfig
 from .ema import ShardedEMA
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, OneResident
 from .full_view import FullGrads, FullParameters
 from .gather import STATE_DICT, GatherManager, in_backward
 from .generation_sync import keep_generation_in_step
@@ -450,6 +450,8 @@ class ZeroEngine:
             for gi, segs in by_group.items()
             for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
+        if self.config.offload_params == "disk":  # stepped unit by unit, each read once
+            self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue
     def _on_unit_grads_ready(self, unit: FlatUnit) -> None:
@@ -650,10 +652,7 @@ class ZeroEngine:
 
         chosen_groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
         self._run_user_hooks(chosen, before=True)
-        self._opt_state.apply(
-            [v for v in self._opt_views if v.group_index in chosen_groups],
-            self._unit_by_unit(step_tile),
-        )
+        self._apply([v for v in self._opt_views if v.group_index in chosen_groups], step_tile)
         written[0] |= self._shards is not None
         self._expose_grads()
         self._run_user_hooks(chosen, before=False)
@@ -688,23 +687,29 @@ class ZeroEngine:
         """Whether the optimizers step a few views at a time (offloaded state or shards)."""
         return self._opt_state.offloaded or self._shards is not None
 
-    def _unit_by_unit(
-        self, step: Callable[[list[OptimizerView]], None]
-    ) -> Callable[[list[OptimizerView]], None]:
-        """`step` over a tile of views, run unit by unit with each unit's shard in memory
-        (and the next one read ahead) when the shards are offloaded; as is otherwise."""
+    def _apply(
+        self, views: list[OptimizerView], step: Callable[[list[OptimizerView]], None]
+    ) -> None:
+        """`step` over `views`, a tile at a time through the optimizer state's store. With
+        the shards offloaded, each unit's shard is in memory while its views step (from
+        its first tile to its last: the views are in unit order then) and the next unit's
+        is read ahead."""
         if self._shards is None:
-            return step
+            self._opt_state.apply(views, step)
+            return
+        units = [unit for unit, _ in itertools.groupby(views, key=lambda v: v.unit)]
+        following = dict(itertools.pairwise(units))
 
-        def run(tile: list[OptimizerView]) -> None:
-            runs = [list(views) for _, views in itertools.groupby(tile, key=lambda v: v.unit)]
-            for i, views in enumerate(runs):
-                if i + 1 < len(runs):
-                    runs[i + 1][0].unit.prefetch()
-                with views[0].unit.resident(modified=True):
-                    step(views)
+        with OneResident(modified=True) as in_memory:
 
-        return run
+            def run(tile: list[OptimizerView]) -> None:
+                for unit, unit_views in itertools.groupby(tile, key=lambda v: v.unit):
+                    if in_memory.unit is not unit and unit in following:
+                        following[unit].prefetch()
+                    in_memory(unit)
+                    step(list(unit_views))
+
+            self._opt_state.apply(views, run)
 
     def _step_optimizers(self, chosen: list[int], tile: list[OptimizerView]) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
@@ -750,9 +755,7 @@ class ZeroEngine:
                 "(and an optimizer's state is created by its first step). Call it after "
                 "engine.step()."
             )
-        self._opt_state.apply(
-            self._opt_views, self._unit_by_unit(lambda tile: self._ema.update(decay, None, tile))
-        )
+        self._apply(self._opt_views, lambda tile: self._ema.update(decay, None, tile))
 
     @property
     def ema_started(self) -> bool:
@@ -765,7 +768,7 @@ class ZeroEngine:
         self.wait_for_parameters()
         if not self._ema.started:
             self._ema.swap()  # raises, naming the fix
-        self._opt_state.apply(self._opt_views, self._unit_by_unit(self._ema.swap))
+        self._apply(self._opt_views, self._ema.swap)
         self.refresh_from_masters()
 
     @contextlib.contextmanager

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, OneResident
 from .partition import Stored
 from .safetensors_io import SafetensorsFile
 
@@ -57,27 +57,27 @@ def load_pretrained(
     missing: list[str] = []
     shape_errors: list[str] = []
     read = 0
-    for unit in units:
-        for slot in unit.layout.slots:
-            places = [stored(unit, n, slot.shape) for n in (slot.name, *slot.aliases)]
-            place = next((p for p in places if p.name in available), None)
-            if place is None:
-                missing.append(places[0].name)
-                continue
-            source = place.name
-            wanted.update({p.name for p in places} & available)
-            if tensors.shape(source) != tuple(place.shape):
-                shape_errors.append(
-                    f"{source}: file {tensors.shape(source)} vs model {tuple(place.shape)}"
-                )
-                continue
-            lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
-            if lo < hi:
-                at = place.offset - slot.offset
-                values = tensors.read_range(source, at + lo, at + hi)
-                with unit.resident(modified=True):  # an offloaded shard: read, written
-                    unit.master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
-                read += hi - lo
+    with OneResident(modified=True) as in_memory:  # offloaded shards: unit by unit
+        for unit in units:
+            for slot in unit.layout.slots:
+                places = [stored(unit, n, slot.shape) for n in (slot.name, *slot.aliases)]
+                place = next((p for p in places if p.name in available), None)
+                if place is None:
+                    missing.append(places[0].name)
+                    continue
+                source = place.name
+                wanted.update({p.name for p in places} & available)
+                if tensors.shape(source) != tuple(place.shape):
+                    shape_errors.append(
+                        f"{source}: file {tensors.shape(source)} vs model {tuple(place.shape)}"
+                    )
+                    continue
+                lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
+                if lo < hi:
+                    at = place.offset - slot.offset
+                    values = tensors.read_range(source, at + lo, at + hi)
+                    in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
+                    read += hi - lo
     buffers = dict(module.named_buffers())
     unexpected = sorted(available - wanted - set(buffers))
     if shape_errors or (strict and (missing or unexpected)):
