@@ -688,19 +688,22 @@ class ZeroEngine:
         return self._opt_state.offloaded or self._shards is not None
 
     def _apply(
-        self, views: list[OptimizerView], step: Callable[[list[OptimizerView]], None]
+        self,
+        views: list[OptimizerView],
+        step: Callable[[list[OptimizerView]], None],
+        changes_weights: bool = True,
     ) -> None:
         """`step` over `views`, a tile at a time through the optimizer state's store. With
         the shards offloaded, each unit's shard is in memory while its views step (from
-        its first tile to its last: the views are in unit order then) and the next unit's
-        is read ahead."""
+        its first tile to its last: the views are in unit order then), the next unit's is
+        read ahead, and it is written back if `changes_weights`."""
         if self._shards is None:
             self._opt_state.apply(views, step)
             return
         units = [unit for unit, _ in itertools.groupby(views, key=lambda v: v.unit)]
         following = dict(itertools.pairwise(units))
 
-        with OneResident(modified=True) as in_memory:
+        with OneResident(modified=changes_weights) as in_memory:
 
             def run(tile: list[OptimizerView]) -> None:
                 for unit, unit_views in itertools.groupby(tile, key=lambda v: v.unit):
@@ -755,7 +758,9 @@ class ZeroEngine:
                 "(and an optimizer's state is created by its first step). Call it after "
                 "engine.step()."
             )
-        self._apply(self._opt_views, lambda tile: self._ema.update(decay, None, tile))
+        self._apply(
+            self._opt_views, lambda tile: self._ema.update(decay, None, tile), changes_weights=False
+        )
 
     @property
     def ema_started(self) -> bool:

@@ -30,6 +30,9 @@ from .module_hooks import EngineHook
 from .storage_pool import StoragePool
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
+# Offloaded shards (offload_params="disk") asked for beyond the gather prefetch; the tier
+# reads as many of them ahead as its buffers allow.
+READ_AHEAD = 3
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
 
 
@@ -226,10 +229,10 @@ class GatherManager:
     def _prefetch_forward(self, unit: FlatUnit) -> None:
         if self.order is None or not self.prefetch_depth:
             return
-        window = self.order[self._cursor : self._cursor + self.prefetch_depth + 1]
+        window = self.order[self._cursor : self._cursor + self.prefetch_depth + READ_AHEAD]
         for idx in window[: self.prefetch_depth]:
             self.start_gather(self.units[idx], FORWARD)
-        for idx in window[self.prefetch_depth :]:  # an offloaded shard: read it ahead
+        for idx in window[self.prefetch_depth :]:  # offloaded shards: read them ahead
             self.units[idx].prefetch()
 
     def _prefetch_backward(self, unit: FlatUnit) -> None:
@@ -238,8 +241,9 @@ class GatherManager:
         pos = self.order.index(unit.layout.index)
         for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
-        if pos > self.prefetch_depth:  # an offloaded shard: read it ahead
-            self.units[self.order[pos - self.prefetch_depth - 1]].prefetch()
+        stop = max(0, pos - self.prefetch_depth)
+        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]):
+            self.units[idx].prefetch()  # offloaded shards: read them ahead
 
     # ---------------------------------------------------------------- gather / free
     def start_gather(self, unit: FlatUnit, phase: int) -> None:
