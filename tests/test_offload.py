@@ -360,6 +360,7 @@ PEAK_RSS_SCRIPT = textwrap.dedent(
     sampler.join()
     engine.close()
     print(json.dumps({"peak_rss": peak_rss, "training_peak_rss": training_peak_rss,
+                      "rss_between_steps": before,
                       "save_growth": max(samples) - before,
                       "disk": report["disk_optimizer_state"],
                       "disk_parameters": report["disk_parameters"],
