@@ -36,8 +36,8 @@ def test_a_rank_killed_mid_step_ends_the_others_with_an_error_naming_the_collect
 def test_a_rank_that_hangs_ends_the_others_within_the_collective_timeout():
     """A stopped (SIGSTOP) rank holds its sockets open: the survivor raises once the
     engine's collective timeout (5 s) runs out, naming the collective."""
-    (rc0, out0, took0), _ = run_processes(
-        [sys.executable, WORKER, "die", "backward", "SIGSTOP", "4"], 2, timeout=120
+    (rc0, out0, took0), _ = run_processes(  # the stopped rank never ends: no grace for it
+        [sys.executable, WORKER, "die", "backward", "SIGSTOP", "4"], 2, timeout=120, grace=1
     )
     assert rc0 == 1, out0
     assert "PeerLostError: A peer stopped answering during " in out0

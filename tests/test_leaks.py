@@ -13,7 +13,7 @@ from distributed import run_world
 from training import local_batch, make_model, make_optimizer
 from zero_strategy import ZeroConfig, ZeroEngine
 
-STEPS, WARMUP, SAVE_EVERY = 2000, 300, 100
+STEPS, WARMUP, SAVE_EVERY = 1500, 300, 100
 
 
 def _rss_bytes() -> int:
@@ -48,7 +48,7 @@ def _long_run(rank: int, world: int, ckpt: str):
     return after_warmup, _held(engine)
 
 
-def test_a_2000_step_stage3_run_with_checkpoints_holds_steady(tmp_path):
+def test_a_1500_step_stage3_run_with_checkpoints_holds_steady(tmp_path):
     for rank, (start, end) in enumerate(
         run_world(_long_run, 2, str(tmp_path / "ckpt"), timeout=900)
     ):
