@@ -1,9 +1,15 @@
-"""Small real file systems for the full-disk tests."""
+"""Small real file systems, and a disk that fills mid-training, for the full-disk tests."""
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 from pathlib import Path
+
+from training import local_batch
+from zero_strategy.offload import OffloadError
+from zero_strategy.offload import offload_file as offload_file_module
 
 
 def mount_small_tmpfs(mount: Path, size: str) -> bool:
@@ -15,3 +21,38 @@ def mount_small_tmpfs(mount: Path, size: str) -> bool:
 
 def unmount(mount: Path) -> None:
     subprocess.run(["umount", str(mount)], check=True)
+
+
+def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str) -> tuple:
+    """Two steps, a checkpoint, then a step whose offload writes all fail as on a full
+    disk (ENOSPC), a save attempted after it, and the checkpoint loaded back: (the step's
+    error message or None, the save's or None). The engine is left after the load."""
+    for step in range(2):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    engine.save_checkpoint(ckpt)
+    x, y = local_batch(2, 0, rank, world)
+    engine.backward(engine(x, y))
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    offload_file_module.os.pwrite = full
+    try:
+        message = _error_of(engine.step, OffloadError)
+    finally:
+        offload_file_module.os.pwrite = real
+    refused = _error_of(lambda: engine.save_checkpoint(ckpt + "-after"), Exception)
+    engine.load_checkpoint(ckpt)
+    return message, refused
+
+
+def _error_of(action, kind: type[BaseException]) -> str | None:
+    try:
+        action()
+    except kind as e:
+        return str(e)
+    return None

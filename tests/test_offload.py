@@ -5,7 +5,6 @@ disk that fills."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disks import mount_small_tmpfs, unmount
+from disks import fill_the_disk_mid_training, mount_small_tmpfs, unmount
 from distributed import run_world
 from training import (
     local_batch,
@@ -268,36 +267,10 @@ def test_a_disk_too_small_for_the_state_fails_the_first_step_naming_it(tmp_path)
 def _fails_mid_training(rank, world, directory, ckpt):
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2, **_disk(Path(directory))))
-    for step in range(2):
-        x, y = local_batch(step, 0, rank, world)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-    engine.save_checkpoint(ckpt)
-    real = os.pwrite
-
-    def full(fd, data, offset):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
+    # The file is behind the optimizer after the failed step: a save would write stale
+    # state, and refuses; loading the checkpoint makes the engine whole again.
+    message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt)
     x, y = local_batch(2, 0, rank, world)
-    engine.backward(engine(x, y))
-    offload_file_module.os.pwrite = full
-    try:
-        engine.step()
-    except OffloadError as e:
-        message = str(e)
-    else:
-        message = None
-    finally:
-        offload_file_module.os.pwrite = real
-    # The file is behind the optimizer now: a save would write stale state, and refuses;
-    # loading the checkpoint makes the engine whole again.
-    try:
-        engine.save_checkpoint(ckpt + "-after")
-        refused = None
-    except Exception as e:
-        refused = str(e)
-    engine.load_checkpoint(ckpt)
     engine.backward(engine(x, y))
     engine.step()
     engine.close()
