@@ -181,9 +181,6 @@ class DiskShards:
         reading = self._reader.submit(self.file.read, region.offset, buffer[: region.nbytes])
         self._reads[index] = (buffer, reading)
 
-    def holds(self, unit: FlatUnit) -> bool:
-        return unit.layout.index in self._regions
-
     def flush(self) -> None:
         """Wait for every write (the end of a step, a save): the first failure is raised
         once all have finished, and the tier refuses further use until a load."""
