@@ -245,3 +245,41 @@ def test_a_dropped_engine_closes_its_shard_file(tmp_path):
     del engine, model
     gc.collect()
     assert open_files() == []
+
+
+def _writes_from_outside(rank, world, directory, offloaded):
+    """Weights written through gathered_parameters (rank 1's, broadcast) and through
+    load_state_dict, bf16 compute, then one more step."""
+    extra = _params_on_disk(Path(directory)) if offloaded else {}
+    model = make_model()
+    config = ZeroConfig(stage=3, compute_dtype="bf16", **extra)
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    for step in range(2):
+        if step == 1:
+            block = engine.module.blocks[1]
+            with engine.gathered_parameters(block, modifier_rank=1), torch.no_grad():
+                for p in block.parameters():
+                    p.data.fill_(0.5 if rank == 1 else -7.0)
+            model.blocks[0].load_state_dict(make_model(seed=1).blocks[0].state_dict())
+            written = engine.full_state_dict(rank0_only=False)
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    final = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return written, final
+
+
+def test_writes_from_outside_reach_the_offloaded_shards(tmp_path):
+    """gathered_parameters and load_state_dict write into shards that live on disk: the
+    masters take the values, and training goes on exactly as with the shards in memory."""
+    memory = run_world(_writes_from_outside, 2, str(tmp_path), False)
+    disk = run_world(_writes_from_outside, 2, str(tmp_path), True)
+    donor = make_model(seed=1).blocks[0].state_dict()
+    for (mem_written, mem_final), (written, final) in zip(memory, disk):
+        for name, value in donor.items():
+            assert torch.equal(written[f"blocks.0.{name}"], value), name
+        assert all((v == 0.5).all() for k, v in written.items() if k.startswith("blocks.1."))
+        assert all(torch.equal(written[k], mem_written[k]) for k in mem_written)
+        assert all(torch.equal(final[k], mem_final[k]) for k in mem_final)
