@@ -134,7 +134,7 @@ def build(arch: str) -> torch.nn.Module:
     return MODELS[arch]()
 
 
-def _train(rank, world, arch, stage, steps=3, checkpointing=None):
+def _train(rank, world, arch, stage, steps=3, checkpointing=None, **config):
     model = build(arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if checkpointing is not None:  # activation recomputation, as HF Trainer users enable it
@@ -145,7 +145,7 @@ def _train(rank, world, arch, stage, steps=3, checkpointing=None):
             model, find_unused_parameters=arch == "mixtral"
         )
     else:
-        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage, **config))
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)

@@ -283,3 +283,13 @@ def test_writes_from_outside_reach_the_offloaded_shards(tmp_path):
         assert all((v == 0.5).all() for k, v in written.items() if k.startswith("blocks.1."))
         assert all(torch.equal(written[k], mem_written[k]) for k in mem_written)
         assert all(torch.equal(final[k], mem_final[k]) for k in mem_final)
+
+
+def test_a_hugging_face_llama_with_recomputation_trains_like_ddp(tmp_path):
+    """Llama (transformers) with activation recomputation, its shards on disk: the
+    recomputed forwards inside backward read their units again, and losses and weights
+    are DDP's to the bit."""
+    pytest.importorskip("transformers")
+    from test_hf_models import _assert_trains_like_ddp
+
+    _assert_trains_like_ddp(arch, 3, checkpointing="non-reentrant", **_params_on_disk(tmp_path))
