@@ -292,4 +292,4 @@ def test_a_hugging_face_llama_with_recomputation_trains_like_ddp(tmp_path):
     pytest.importorskip("transformers")
     from test_hf_models import _assert_trains_like_ddp
 
-    _assert_trains_like_ddp(arch, 3, checkpointing="non-reentrant", **_params_on_disk(tmp_path))
+    _assert_trains_like_ddp("llama", 3, checkpointing="non-reentrant", **_params_on_disk(tmp_path))
