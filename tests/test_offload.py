@@ -1,7 +1,8 @@
 """The optimizer's state on disk (offload_optimizer="disk"): training identical to keeping
 it in memory, at every stage; checkpoints that move between the two at any world size;
 the memory it frees, measured; and clear errors for a directory that cannot be used or a
-disk that fills."""
+disk that fills. The doors (Lightning, Fabric, Accelerate, Hydra) and the file's lifetime
+are tested here for the parameters' tier too."""
 
 from __future__ import annotations
 
@@ -373,14 +374,17 @@ def test_disk_offload_lowers_peak_rss_by_most_of_the_optimizer_state(tmp_path):
 
 
 # ---------------------------------------------------------------- the doors
-def test_lightning_trains_identically_with_the_state_on_disk(tmp_path):
+@pytest.mark.parametrize("params", [False, True], ids=["state", "state+params"])
+def test_lightning_trains_identically_with_the_state_on_disk(tmp_path, params):
+    """The optimizer's state on disk, and stage 3's parameter shards too."""
     pytest.importorskip("lightning")
     from lightning_helpers import fit
 
     from zero_strategy.integrations.lightning import ZeroStrategy
 
     plain = run_world(fit, 2, "zero3")
-    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_disk(tmp_path)))
+    extra = {"offload_params": "disk"} if params else {}
+    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_disk(tmp_path), **extra))
     assert [r["losses"] for r in disk] == [r["losses"] for r in plain]
 
 
@@ -394,12 +398,18 @@ def test_fabric_accelerate_and_hydra_take_the_fields(tmp_path):
     from zero_strategy.integrations.accelerate import ZeroPlugin
     from zero_strategy.integrations.fabric import ZeroFabricStrategy
 
-    fields = {"offload_optimizer": "disk", "offload_dir": str(tmp_path), "offload_tile_size": 9}
-    fabric = ZeroFabricStrategy(stage=2, **fields)._zero_base
-    accelerate = ZeroPlugin(stage=2, options=fields).resolve("no")
+    fields = {
+        "offload_optimizer": "disk",
+        "offload_params": "disk",
+        "offload_dir": str(tmp_path),
+        "offload_tile_size": 9,
+    }
+    fabric = ZeroFabricStrategy(stage=3, **fields)._zero_base
+    accelerate = ZeroPlugin(stage=3, options=fields).resolve("no")
     cfg = _compose(
-        "trainer/strategy=zero2",
+        "trainer/strategy=zero3",
         "trainer.strategy.offload_optimizer=disk",
+        "trainer.strategy.offload_params=disk",
         f"trainer.strategy.offload_dir={tmp_path}",
         "trainer.strategy.offload_tile_size=9",
         "trainer.devices=1",
@@ -408,12 +418,14 @@ def test_fabric_accelerate_and_hydra_take_the_fields(tmp_path):
     hydra = instantiate(cfg.trainer.strategy).engine_config
     for config in (fabric, accelerate, hydra):
         assert (config.offload_optimizer, config.offload_dir) == ("disk", str(tmp_path))
-        assert config.offload_tile_size == 9
+        assert (config.offload_params, config.offload_tile_size) == ("disk", 9)
 
 
-def test_a_dropped_engine_closes_its_file(tmp_path):
-    """The file is held open (unlinked) by the engine alone: dropping the engine closes it,
-    and the finalizer that does so does not keep the engine alive."""
+@pytest.mark.parametrize("params", [False, True], ids=["state", "params"])
+def test_a_dropped_engine_closes_its_file(tmp_path, params):
+    """The file (the optimizer state's, or the parameter shards') is held open (unlinked)
+    by the engine alone: dropping the engine closes it, and the finalizer that does so does
+    not keep the engine alive."""
     import gc
 
     def open_files() -> list[str]:
@@ -421,7 +433,12 @@ def test_a_dropped_engine_closes_its_file(tmp_path):
         return [os.readlink(fd) for fd in fds.iterdir() if str(tmp_path) in _link(fd)]
 
     model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, **_disk(tmp_path)))
+    offload = (
+        {"stage": 3, "offload_params": "disk", "offload_dir": str(tmp_path)}
+        if params
+        else {"stage": 0, **_disk(tmp_path)}
+    )
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(**offload))
     x, y = local_batch(0, 0, 0, 1)
     engine.backward(engine(x, y))
     engine.step()

@@ -1,7 +1,8 @@
 """Stage 3's parameter shards on disk (offload_params="disk"): training identical to
 keeping them in memory, exact figures for what moved, checkpoints that move between the
-two at another world size, a failing disk, the memory it frees (measured), and the
-config's doors."""
+two at another world size, a failing disk, the memory it frees (measured), and writes
+from outside the step. Lightning, Fabric, Accelerate and Hydra, and the file's lifetime,
+are tested with the optimizer's tier in test_offload.py."""
 
 from __future__ import annotations
 
@@ -178,43 +179,6 @@ def test_param_offload_frees_most_of_the_masters_between_steps(tmp_path):
     assert both["training_peak_rss"] < state_only["training_peak_rss"], (state_only, both)
 
 
-# ---------------------------------------------------------------- the doors
-def test_lightning_trains_identically_with_the_shards_on_disk(tmp_path):
-    pytest.importorskip("lightning")
-    from lightning_helpers import fit
-
-    from zero_strategy.integrations.lightning import ZeroStrategy
-
-    plain = run_world(fit, 2, "zero3")
-    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_params_on_disk(tmp_path)))
-    assert [r["losses"] for r in disk] == [r["losses"] for r in plain]
-
-
-def test_fabric_accelerate_and_hydra_take_the_field(tmp_path):
-    pytest.importorskip("lightning")
-    pytest.importorskip("accelerate")
-    pytest.importorskip("hydra")
-    from hydra.utils import instantiate
-    from test_hydra import _compose
-
-    from zero_strategy.integrations.accelerate import ZeroPlugin
-    from zero_strategy.integrations.fabric import ZeroFabricStrategy
-
-    fields = _params_on_disk(tmp_path)
-    fabric = ZeroFabricStrategy(stage=3, **fields)._zero_base
-    accelerate = ZeroPlugin(stage=3, options=fields).resolve("no")
-    cfg = _compose(
-        "trainer/strategy=zero3",
-        "trainer.strategy.offload_params=disk",
-        f"trainer.strategy.offload_dir={tmp_path}",
-        "trainer.devices=1",
-        "hydra.runtime.output_dir=/tmp",
-    )
-    hydra = instantiate(cfg.trainer.strategy).engine_config
-    for config in (fabric, accelerate, hydra):
-        assert (config.offload_params, config.offload_dir) == ("disk", str(tmp_path))
-
-
 def test_moe_experts_shards_on_disk_train_identically(tmp_path):
     """Expert units (sharded over their expert-data-parallel groups) go to the file like
     any other: 2 ranks, experts split over both (ep 2), stage 3."""
@@ -224,27 +188,6 @@ def test_moe_experts_shards_on_disk_train_identically(tmp_path):
     disk = run_world(_train, 2, 2, 3, **_params_on_disk(tmp_path))[0]
     assert disk[0] == memory[0]
     assert all(torch.equal(disk[1][k], memory[1][k]) for k in memory[1])
-
-
-def test_a_dropped_engine_closes_its_shard_file(tmp_path):
-    """The shards' file is held (unlinked) by the engine alone, and closed with it."""
-    import gc
-
-    from test_offload import _link
-
-    def open_files() -> list[str]:
-        fds = Path("/proc/self/fd")
-        return [_link(fd) for fd in fds.iterdir() if str(tmp_path) in _link(fd)]
-
-    model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(**_params_on_disk(tmp_path)))
-    x, y = local_batch(0, 0, 0, 1)
-    engine.backward(engine(x, y))
-    engine.step()
-    assert len(open_files()) == 1 and "(deleted)" in open_files()[0]
-    del engine, model
-    gc.collect()
-    assert open_files() == []
 
 
 def _writes_from_outside(rank, world, directory, offloaded):
