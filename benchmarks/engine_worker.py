@@ -168,7 +168,7 @@ def offload_of(impl: str) -> str:
 
 
 def params_offloaded(impl: str) -> bool:
-    """"+params" at the end: stage 3's parameters on the same tier as the optimizer's."""
+    """ "+params" at the end: stage 3's parameters on the same tier as the optimizer's."""
     return impl.endswith("+params")
 
 
