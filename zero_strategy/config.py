@@ -115,6 +115,10 @@ class ZeroConfig:
     # MoE layers built with ep_size=None split their experts over this many contiguous
     # ranks (expert parallelism); 1 keeps every expert on every rank.
     expert_parallel_size: int = 1
+    # Tensor parallelism (torch's, applied by the user's plan): ranks per tensor-parallel
+    # group, contiguous; ZeRO shards over the data-parallel ranks at each position. Give
+    # the engine a 2-D device_mesh instead for another layout. 1 = none.
+    tensor_parallel_size: int = 1
     # Where the optimizer's state lives: "none" (in memory, beside the masters), "cpu"
     # (host memory: the same memory when training on the CPU) or "disk" (one file per
     # rank under offload_dir, streamed tile by tile at each step, as ZeRO-Infinity's NVMe
@@ -159,15 +163,10 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(name, "use a positive number of elements, e.g. 25_000_000.")
-        if (
-            not isinstance(self.expert_parallel_size, int)
-            or isinstance(self.expert_parallel_size, bool)
-            or self.expert_parallel_size <= 0
-        ):
-            fail(
-                "expert_parallel_size",
-                "use a positive number of ranks that divides the world size.",
-            )
+        for name in ("expert_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                fail(name, "use a positive number of ranks that divides the world size.")
         for name in ("prefetch_depth", "persistence_threshold", "max_reuse_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

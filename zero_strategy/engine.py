@@ -73,6 +73,8 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
+from .tensor_parallel import check_parameters as check_tensor_parameters
+from .tensor_parallel import local_tensor
 from .topology import ProcessGroups
 
 
@@ -86,6 +88,7 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         param_init_fn: meta_init.InitFn | None = None,
         placement: PlacementFn | None = None,
+        device_mesh: Any = None,
     ):
         """`placement(module_path, module)` may return a `ShardSpec` for a module whose
         parameters are sharded over groups other than the whole world (None elsewhere).
@@ -93,7 +96,12 @@ class ZeroEngine:
         expert-data-parallel groups whatever it says.
 
         Several optimizers over disjoint parameter sets (a GAN's) are each sharded, and
-        step on their own: `step(optimizer)`, `optimizer.zero_grad()`."""
+        step on their own: `step(optimizer)`, `optimizer.zero_grad()`.
+
+        Tensor parallelism: apply torch's plan (`parallelize_module`) on the tensor
+        dimension of a 2-D (data, tensor) `device_mesh` and pass that mesh, or set
+        `ZeroConfig.tensor_parallel_size` (contiguous tensor groups). ZeRO then shards over
+        the data dimension only (`zero_strategy.tensor_parallel`)."""
         self.config = _coerce_config(config)
         cfg = self.config
         optimizers = _optimizer_list(optimizer, cfg)
@@ -115,7 +123,10 @@ class ZeroEngine:
             cfg.collective_timeout,
             cfg.reduce_scatter_via_all_reduce,
             cfg.all_gather_via_broadcast,
+            cfg.tensor_parallel_size,
+            device_mesh,
         )
+        self._check_tensor_parallel(model, cfg)
         # Dropping the engine (with its module) destroys its groups; so does close().
         self._finalizer = weakref.finalize(self, self.groups.close)
         shutdown.close_at_exit(self)  # still alive when the script ends: close() first
@@ -158,6 +169,7 @@ class ZeroEngine:
                 self.groups.shard_group(lay.spec),
                 self.device,
                 cfg.compute_torch_dtype,
+                [local_tensor(model.get_parameter(s.name)) for s in lay.slots],
             )
             for lay in layouts
         ]
@@ -268,8 +280,29 @@ class ZeroEngine:
 
     @property
     def world_size(self) -> int:
-        """Data-parallel ranks (the processes of the default group)."""
+        """Data-parallel ranks (the processes of the default group, or with tensor
+        parallelism the ranks at this rank's tensor-parallel position)."""
         return self.groups.world_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.groups.mesh.tensor_size
+
+    def _check_tensor_parallel(self, model: nn.Module, cfg: ZeroConfig) -> None:
+        """Refuse, before any other collective, what tensor parallelism cannot do here."""
+        check_tensor_parameters(list(model.named_parameters()), self.groups.mesh)
+        if self.tensor_parallel_size == 1:
+            return
+        if expert_layers(model) or cfg.expert_parallel_size > 1:
+            raise ValueError(
+                "Tensor parallelism with MoE layers is not supported yet: use "
+                "tensor_parallel_size=1 with expert parallelism, or a dense model."
+            )
+        if meta_init.has_meta_params(model):
+            raise ValueError(
+                "Tensor parallelism with a model on the meta device is not supported yet: "
+                "build the model on the device, apply the plan, then the engine."
+            )
 
     @property
     def rank(self) -> int:
@@ -351,7 +384,7 @@ class ZeroEngine:
             return
         desc = (
             "|".join(
-                f"{p.names[0]}:{tuple(p.param.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}"
+                f"{p.names[0]}:{tuple(p.local.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}:{p.tensor}"
                 for p in params
             )
             + "|"
@@ -378,17 +411,24 @@ class ZeroEngine:
             )
 
         def point(unit: FlatUnit, flat: torch.Tensor) -> None:
-            for slot, p in zip(unit.layout.slots, unit.params):
-                p.data = flat[slot.offset : slot.end].view(slot.shape)
+            for slot, local in zip(unit.layout.slots, unit.locals):
+                local.data = flat[slot.offset : slot.end].view(slot.shape)
 
         def copy_in(unit: FlatUnit, flat: torch.Tensor) -> None:
-            for slot, p in zip(unit.layout.slots, unit.params):
-                flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+            for slot, local in zip(unit.layout.slots, unit.locals):
+                flat[slot.offset : slot.end].copy_(local.detach().reshape(-1))
 
         def agree(unit: FlatUnit, flat: torch.Tensor) -> None:
             unit.group.comm.broadcast(flat, src=0)
             if unit.group.summed_over_copies is not None:  # every copy starts from copy 0's
                 unit.group.summed_over_copies.broadcast(flat, src=0)
+            if self.groups.tensor is not None:  # whole parameters: position 0's values
+                whole = [flat[s.offset : s.end] for s in unit.layout.slots if not s.tensor_sharded]
+                if whole:
+                    values = torch.cat(whole)
+                    self.groups.tensor.broadcast(values, src=0)
+                    for piece, value in zip(whole, values.split([w.numel() for w in whole])):
+                        piece.copy_(value)
 
         if on_meta and self.stage < 3:
             flats = [flat_for(u) for u in self.units]
@@ -889,11 +929,12 @@ class ZeroEngine:
         # Each element once: a unit with several copies counts its first copy's shards (all
         # of distinct copies); at stage 0 only a copy's first rank counts its whole copy.
         shards = [
-            unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
+            unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start]
             for unit in self.units
             if unit.group.primary and (self.stage > 0 or unit.group.rank == 0)
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
             if groups is None or seg.group_index in groups
+            for lo, hi in self._counted_in_norm(unit, seg.start, seg.end)
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
         master_dtype = self.config.master_torch_dtype
@@ -903,7 +944,7 @@ class ZeroEngine:
             sq = torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().reshape(1)
         else:
             sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
-        self._world.control_all_reduce(sq)
+        self.groups.everyone.control_all_reduce(sq)  # tensor-parallel ranks too
         scale = 1.0 if self._grads_unscaled else self.scaler.scale
         norm = sq.sqrt()[0] / scale
         overflow = not bool(torch.isfinite(norm))
@@ -914,6 +955,18 @@ class ZeroEngine:
         self._grads_unscaled = True
         self._norms[key] = norm
         return norm, False
+
+    def _counted_in_norm(self, unit: FlatUnit, start: int, end: int) -> list[tuple[int, int]]:
+        """The ranges of [start, end) this rank counts in the global norm: all of them,
+        but with tensor parallelism a parameter whole on every tensor-parallel rank only
+        at position 0 (its shards count everywhere: each position holds its own)."""
+        if self.groups.tensor is None or self.groups.tensor.rank == 0:
+            return [(start, end)]
+        return [
+            (max(start, s.offset), min(end, s.end))
+            for s in unit.layout.slots
+            if s.tensor_sharded and max(start, s.offset) < min(end, s.end)
+        ]
 
     def _grad_parts(self, groups: set[int] | None) -> list[torch.Tensor]:
         """The gradient tensors of every param group (or of `groups`), each element once:
@@ -1213,8 +1266,8 @@ class ZeroEngine:
         with torch.no_grad():
             for unit in self.units:
                 full = self._gather_master(unit)
-                for slot, p in zip(unit.layout.slots, unit.params):
-                    p.data = full[slot.offset : slot.end].view(slot.shape).clone()
+                for slot, p, local in zip(unit.layout.slots, unit.params, unit.locals):
+                    local.data = full[slot.offset : slot.end].view(slot.shape).clone()
                     p.grad = None
         hooks = [self._handles, self.reducer.handles, self._module_state.handles]
         hooks += [self.gather.handles] if self.gather is not None else []

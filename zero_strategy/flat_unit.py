@@ -26,6 +26,7 @@ from torch import nn
 
 from .partition import UnitLayout
 from .storage_pool import StoragePool
+from .tensor_parallel import set_local_grad
 from .topology import ShardGroup
 
 
@@ -46,9 +47,13 @@ class FlatUnit:
         group: ShardGroup,
         device: torch.device,
         compute_dtype: torch.dtype,
+        local_tensors: list[torch.Tensor] | None = None,
     ):
         self.layout = layout
         self.params = params  # aligned with layout.slots
+        # What holds each parameter's values on this rank: the parameter, or a DTensor
+        # parameter's local shard (tensor parallelism), whose memory the unit provides.
+        self.locals = params if local_tensors is None else local_tensors
         self.stage = stage
         self.group = group  # who shards, reduces and gathers this unit
         self.rank = group.rank if stage else 0  # this rank's slice of the layout
@@ -105,19 +110,19 @@ class FlatUnit:
             self.attach_param_grads()
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
-        for slot, p in zip(self.layout.slots, self.params):
-            p.data = flat[slot.offset : slot.end].view(slot.shape)
+        for slot, local in zip(self.layout.slots, self.locals):
+            local.data = flat[slot.offset : slot.end].view(slot.shape)
 
     def _free_storage_views(self) -> None:
-        for p in self.params:
-            p.data = self._empty
+        for local in self.locals:
+            local.data = self._empty
 
     def attach_param_grads(self) -> None:
         """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,
         so autograd accumulates in place and the bucket is reduced without a copy."""
         for slot, p in zip(self.layout.slots, self.params):
             if slot.trainable:
-                p.grad = self.grad_full[slot.offset : slot.end].view(slot.shape)
+                set_local_grad(p, self.grad_full[slot.offset : slot.end].view(slot.shape))
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """Every distinct gradient tensor of this unit, each element once: scaling or

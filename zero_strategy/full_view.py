@@ -28,6 +28,7 @@ from torch import nn
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
 from .partition import ParamSlot
+from .tensor_parallel import set_local_grad
 
 
 def units_of(
@@ -183,7 +184,7 @@ class FullGrads:
             self._shown[unit.layout.index] = full
             for slot, p in zip(unit.layout.slots, unit.params):
                 if slot.trainable:
-                    p.grad = full[slot.offset : slot.end].view(slot.shape)
+                    set_local_grad(p, full[slot.offset : slot.end].view(slot.shape))
 
     def _parts(self, groups: set[int] | None) -> list[torch.Tensor]:
         """The shown gradients of every param group, or of `groups`."""
@@ -210,7 +211,9 @@ class FullGrads:
             self._shown[unit.layout.index] = unit.grad_full
             for i in slots:
                 slot = unit.layout.slots[i]
-                unit.params[i].grad = unit.grad_full[slot.offset : slot.end].view(slot.shape)
+                set_local_grad(
+                    unit.params[i], unit.grad_full[slot.offset : slot.end].view(slot.shape)
+                )
 
     def scale(self, factor: float, groups: set[int] | None = None) -> None:
         for grad in self._parts(groups):

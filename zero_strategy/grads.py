@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .tensor_parallel import local_grad, set_local_grad
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
 # with the one being filled, that bounds the transient gradient memory to three units.
@@ -163,15 +164,17 @@ class GradReducer:
     def _on_grad(self, unit: FlatUnit, slot_index: int, p: nn.Parameter) -> None:
         slot = unit.layout.slots[slot_index]
         self.backward_started()
-        if p.grad is None:
+        grad = local_grad(p)  # a DTensor parameter's: its local shard
+        if grad is None:
             return
         if self.stage < 2:
             view = unit.grad_full[slot.offset : slot.end].view(slot.shape)
-            if p.grad.data_ptr() != view.data_ptr():  # .grad was reset to None
-                view.copy_(p.grad)
-                p.grad = view
+            if grad.data_ptr() != view.data_ptr():  # .grad was reset to None
+                view.copy_(grad)
+                set_local_grad(p, view)
         elif self._reduces_directly(unit):
-            self._launch_slot(unit, slot_index, p.grad)
+            del grad  # autograd's own tensor: reduced in place when nothing else holds it
+            self._launch_slot(unit, slot_index, local_grad(p))
             p.grad = None
         else:
             if unit.grad_full is None:
@@ -183,9 +186,9 @@ class GradReducer:
             written = self._written[unit.layout.index]
             target = unit.grad_full[slot.offset : slot.end]
             if slot_index in written:
-                target.add_(p.grad.reshape(-1))
+                target.add_(grad.reshape(-1))
             else:  # first gradient of this window: no zero-fill pass needed
-                target.copy_(p.grad.reshape(-1))
+                target.copy_(grad.reshape(-1))
                 written.add(slot_index)
             p.grad = None
         idx = unit.layout.index

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .placement import ShardSpec, owner_of, within
+from .tensor_parallel import TensorPlacement, local_tensor, placement_of
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
 
@@ -35,10 +36,18 @@ class ParamSlot:
     dtype: torch.dtype
     offset: int
     group_index: int  # index into the optimizer's param groups, or FROZEN_GROUP
+    # Tensor parallelism: where this rank's values sit in the full parameter (None: the
+    # parameter is whole on every tensor-parallel rank, or there is no tensor parallelism).
+    tensor: TensorPlacement | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def tensor_sharded(self) -> bool:
+        """Each tensor-parallel rank holds different values (a shard) of this parameter."""
+        return self.tensor is not None and self.tensor.sharded
 
     @property
     def end(self) -> int:
@@ -127,6 +136,8 @@ class UnitLayout:
 class _Param:
     param: nn.Parameter
     names: list[str]
+    local: torch.Tensor  # its values on this rank (a DTensor's local shard)
+    tensor: TensorPlacement | None  # a DTensor's placement
 
 
 def unique_parameters(model: nn.Module) -> list[_Param]:
@@ -135,7 +146,7 @@ def unique_parameters(model: nn.Module) -> list[_Param]:
     for name, param in model.named_parameters(remove_duplicate=False):
         entry = seen.get(id(param))
         if entry is None:
-            seen[id(param)] = _Param(param, [name])
+            seen[id(param)] = _Param(param, [name], local_tensor(param), placement_of(param))
         else:
             entry.names.append(name)
     return list(seen.values())
@@ -149,18 +160,18 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
 
     slots, offset = [], 0
     for p in sorted(params, key=key):
-        t = p.param
         slots.append(
             ParamSlot(
                 name=p.names[0],
                 aliases=tuple(p.names[1:]),
-                shape=t.shape,
-                dtype=t.dtype,
+                shape=p.local.shape,
+                dtype=p.local.dtype,
                 offset=offset,
-                group_index=group_of.get(id(t), FROZEN_GROUP),
+                group_index=group_of.get(id(p.param), FROZEN_GROUP),
+                tensor=p.tensor,
             )
         )
-        offset += t.numel()
+        offset += p.local.numel()
     return slots
 
 
@@ -177,11 +188,12 @@ def bucket_layouts(
     filled = 0
     for p in reversed(params):
         spec = spec_of(p)
-        if not buckets or buckets[-1][0] != spec or filled + p.param.numel() > bucket_size:
+        numel = p.local.numel()
+        if not buckets or buckets[-1][0] != spec or filled + numel > bucket_size:
             buckets.append((spec, []))
             filled = 0
         buckets[-1][1].append(p)
-        filled += p.param.numel()
+        filled += numel
     return [
         UnitLayout(
             index=i,

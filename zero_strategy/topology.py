@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import elastic_store
 from .comm import Communicator
 from .placement import ShardSpec
+from .tensor_parallel import MeshLayout
 
 
 def backend_for(device: torch.device) -> str:
@@ -109,7 +110,13 @@ class ProcessGroups:
         timeout_s: float,
         reduce_scatter_via_all_reduce: bool | None,
         all_gather_via_broadcast: bool | None,
+        tensor_parallel_size: int = 1,
+        device_mesh=None,
     ):
+        """With tensor parallelism (`tensor_parallel_size` contiguous ranks, or a 2-D
+        `device_mesh`), the engine's world is this rank's data-parallel world: the ranks
+        at its tensor-parallel position. `rank`, `world_size` and every spec count in it;
+        each position's groups are made alike."""
         self.timeout = timedelta(seconds=timeout_s)
         self._made: list[tuple[CommGroup, tuple[tuple[int, ...], ...]]] = []  # creation order
         self._groups: dict[ShardSpec, ShardGroup] = {}
@@ -126,8 +133,26 @@ class ProcessGroups:
                     f"'{default_backend}'. Initialize it with backend='nccl' (or "
                     "'cpu:gloo,cuda:nccl')."
                 )
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             elastic_store.warn_if_restarts_share_a_store()
+        global_rank, global_world = (
+            (dist.get_rank(), dist.get_world_size()) if self.backend != "none" else (0, 1)
+        )
+        if device_mesh is not None:
+            self.mesh = MeshLayout.from_device_mesh(device_mesh, global_rank)
+            if tensor_parallel_size not in (1, self.mesh.tensor_size):
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} disagrees with the "
+                    f"device_mesh's tensor dimension ({self.mesh.tensor_size}); set one."
+                )
+        else:
+            self.mesh = MeshLayout.contiguous(global_world, tensor_parallel_size, global_rank)
+        if self.mesh.world_size != global_world:
+            raise ValueError(
+                f"device_mesh covers {self.mesh.world_size} ranks; the world has "
+                f"{global_world}. Build the mesh over every rank."
+            )
+        self.global_rank, self.global_world_size = global_rank, global_world
+        self.rank, self.world_size = self.mesh.data_index, self.mesh.data_size
         on_gloo = self.backend == "gloo"
         self._rs_via_ar = (
             on_gloo if reduce_scatter_via_all_reduce is None else reduce_scatter_via_all_reduce
@@ -141,6 +166,11 @@ class ProcessGroups:
         world = self.communicator(world_spec.groups)
         self.world = ShardGroup(world_spec, world, None, world, 0)
         self._groups[world_spec] = self.world
+        # Tensor parallelism: the ranks at the other positions (the gradient norm spans
+        # them), and every rank (agreement on what the whole model does).
+        tp = self.mesh.tensor_size > 1
+        self.tensor = self._communicator(self.mesh.tensor_partition()) if tp else None
+        self.everyone = self._communicator(self.mesh.everyone()) if tp else world
 
     # ------------------------------------------------------------------ groups
     def shard_group(self, spec: ShardSpec) -> ShardGroup:
@@ -154,18 +184,34 @@ class ProcessGroups:
         return self._groups[spec]
 
     def communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
-        """The communicator of this rank's group in `partition` (the ranks split into
-        groups), created once (collective the first time, as `shard_group`)."""
+        """The communicator of this rank's group in `partition` (the data-parallel ranks
+        split into groups), created once (collective the first time, as `shard_group`)."""
+        return self._communicator(self.mesh.expand(partition), partition)
+
+    def _communicator(
+        self,
+        partition: tuple[tuple[int, ...], ...],
+        numbered: tuple[tuple[int, ...], ...] | None = None,
+    ) -> Communicator:
+        """`partition` in global ranks; `numbered`, the same groups as the engine numbers
+        their ranks (data-parallel indices), for the messages and lookups that use them."""
         if partition not in self._comms:
             self._comms[partition] = Communicator(
-                self._create(partition), self._rs_via_ar, self._ag_via_bcast, self.refresh
+                self._create(partition, numbered or partition),
+                self._rs_via_ar,
+                self._ag_via_bcast,
+                self.refresh,
             )
         return self._comms[partition]
 
-    def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
+    def _create(
+        self, partition: tuple[tuple[int, ...], ...], numbered: tuple[tuple[int, ...], ...]
+    ) -> CommGroup:
         """This rank's group of `partition` (every rank creates every group of it)."""
-        mine = next(g for g in partition if self.rank in g)
-        comm_group = CommGroup(mine, mine.index(self.rank), None)
+        position = next(i for i, g in enumerate(partition) if self.global_rank in g)
+        mine = partition[position]
+        ranks = numbered[position % len(numbered)]  # `expand` repeats them per position
+        comm_group = CommGroup(ranks, mine.index(self.global_rank), None)
         if comm_group.distributed:
             comm_group.group = self._new_group(partition)
             self._made.append((comm_group, partition))
@@ -212,11 +258,15 @@ class ProcessGroups:
                 "Call torch.distributed.init_process_group() again (same world size) before "
                 "using the engine, or close() it first."
             )
-        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+        if (
+            dist.get_world_size() != self.global_world_size
+            or dist.get_rank() != self.global_rank
+        ):
             raise RuntimeError(
                 f"The default process group was re-created with rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}; this engine was built as rank {self.rank} of "
-                f"{self.world_size}. Build a new engine (or load its checkpoint) for a new "
+                f"{dist.get_world_size()}; this engine was built as rank {self.global_rank} "
+                f"of {self.global_world_size}. Build a new engine (or load its checkpoint) "
+                "for a new "
                 "world."
             )
         for comm_group, _ in self._made:

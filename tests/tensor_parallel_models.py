@@ -1,0 +1,59 @@
+"""A tiny Hugging Face Llama and the standard tensor-parallel plan for it (attention and
+MLP column-/row-wise), shared by the tensor-parallel tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, SEQ, HIDDEN, HEADS = 96, 16, 32, 4
+
+
+def llama(seed: int = 0, layers: int = 2) -> nn.Module:
+    import transformers as T
+
+    torch.manual_seed(seed)
+    config = T.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    return T.LlamaForCausalLM(config)
+
+
+def apply_llama_plan(model: nn.Module, tensor_mesh) -> nn.Module:
+    """Attention q/k/v and MLP gate/up column-wise, o and down row-wise: every matmul of a
+    block is split over the tensor dimension, activations between blocks are whole."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, tensor_mesh, plan)
+    return model
+
+
+def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss

@@ -1,0 +1,223 @@
+"""Tensor parallelism beside ZeRO: a 2-D (data x tensor) mesh of ranks.
+
+Tensor parallelism itself is torch's (`torch.distributed.tensor.parallel`): the user's
+plan turns some parameters into DTensors, each rank holding its shard along the mesh's
+tensor dimension. The engine then runs ZeRO over the data dimension alone, on each
+parameter's *local* tensor: the ranks at one tensor-parallel position form a
+data-parallel world of their own and shard, reduce and gather exactly as without tensor
+parallelism. Only what spans positions crosses the tensor dimension: the gradient norm
+(tensor-sharded parameters counted at every position, replicated ones once), agreement on
+a skipped step, and checkpoints.
+
+This module holds what the engine needs to know about that: the mesh's ranks
+(`MeshLayout`), each parameter's local tensor and placement (`TensorPlacement`), and the
+gradient of a DTensor parameter as a plain local tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The world's ranks as a (data, tensor) grid: `grid[d][t]` is the global rank at
+    data-parallel index d and tensor-parallel position t."""
+
+    grid: tuple[tuple[int, ...], ...]
+    global_rank: int
+
+    @classmethod
+    def data_only(cls, world_size: int, rank: int) -> MeshLayout:
+        return cls(tuple((r,) for r in range(world_size)), rank)
+
+    @classmethod
+    def contiguous(cls, world_size: int, tensor_size: int, rank: int) -> MeshLayout:
+        """Tensor-parallel groups of consecutive ranks (the usual layout: a node's GPUs)."""
+        if tensor_size <= 0 or world_size % tensor_size:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tensor_size} does not divide the world size "
+                f"{world_size}; use one of {divisors}."
+            )
+        return cls(
+            tuple(
+                tuple(range(d, d + tensor_size)) for d in range(0, world_size, tensor_size)
+            ),
+            rank,
+        )
+
+    @classmethod
+    def from_device_mesh(cls, mesh, rank: int) -> MeshLayout:
+        """A 2-D DeviceMesh: its first dimension is data parallel, its last tensor parallel
+        (as Lightning's ModelParallelStrategy and torchtitan name them)."""
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"device_mesh has {mesh.ndim} dimension(s) {mesh.mesh_dim_names}; pass a 2-D "
+                "mesh (data, tensor), e.g. init_device_mesh('cpu', (dp, tp), "
+                "mesh_dim_names=('data', 'tensor'))."
+            )
+        grid = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+        if any(list(column) != sorted(column) for column in zip(*grid)):
+            raise ValueError(
+                f"device_mesh {mesh.mesh.tolist()}: the ranks along its data dimension must "
+                "rise (torch numbers a group's ranks in rising order); build it with "
+                "init_device_mesh."
+            )
+        return cls(grid, rank)
+
+    @property
+    def data_size(self) -> int:
+        return len(self.grid)
+
+    @property
+    def tensor_size(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.data_size * self.tensor_size
+
+    @property
+    def data_index(self) -> int:
+        return next(d for d, row in enumerate(self.grid) if self.global_rank in row)
+
+    @property
+    def tensor_index(self) -> int:
+        return self.grid[self.data_index].index(self.global_rank)
+
+    @property
+    def tensor_group(self) -> tuple[int, ...]:
+        """The global ranks of this rank's tensor-parallel group."""
+        return self.grid[self.data_index]
+
+    def expand(self, partition: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """A split of data-parallel indices, as global ranks at every tensor position: each
+        position's data-parallel world is split alike (group creation is collective over
+        the whole world, so every rank creates every position's groups)."""
+        return tuple(
+            tuple(self.grid[d][t] for d in group)
+            for t in range(self.tensor_size)
+            for group in partition
+        )
+
+    def tensor_partition(self) -> tuple[tuple[int, ...], ...]:
+        return self.grid
+
+    def everyone(self) -> tuple[tuple[int, ...], ...]:
+        return (tuple(sorted(r for row in self.grid for r in row)),)
+
+
+# ---------------------------------------------------------------------------- parameters
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a parameter's values live in on this rank: a DTensor's local
+    shard (the same object for the DTensor's lifetime: the engine re-points its `.data`),
+    the parameter itself otherwise."""
+    return p._local_tensor if is_dtensor(p) else p
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where a DTensor parameter's local shard sits in its full (logical) tensor: the
+    block `[starts[i], starts[i] + local_shape[i])` along each dimension."""
+
+    full_shape: tuple[int, ...]
+    starts: tuple[int, ...]
+    placements: tuple[str, ...]  # e.g. ("Shard(0)",), for the checkpoint's index
+
+    @property
+    def sharded(self) -> bool:
+        return any(s.startswith("Shard") for s in self.placements)
+
+
+def placement_of(p: torch.Tensor) -> TensorPlacement | None:
+    """A DTensor parameter's placement on its (1-D) tensor-parallel mesh; None for a plain
+    one. Shards follow torch.chunk, as DTensor's do: the first positions take the larger
+    pieces, the last may be empty."""
+    if not is_dtensor(p):
+        return None
+    full = tuple(p.shape)
+    starts = [0] * len(full)
+    position, size = p.device_mesh.get_local_rank(), p.device_mesh.size()
+    for placement in p.placements:
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(full)
+            chunk = -(-full[dim] // size)
+            starts[dim] = min(position * chunk, full[dim])
+    names = tuple(
+        f"Shard({x.dim % len(full)})" if isinstance(x, Shard) else "Replicate()"
+        for x in p.placements
+    )
+    return TensorPlacement(full, tuple(starts), names)
+
+
+def check_parameters(named: Sequence[tuple[str, torch.Tensor]], layout: MeshLayout) -> None:
+    """DTensor parameters must be tensor-parallel over this rank's tensor group of the
+    engine's mesh, and a model with any needs a mesh: refuse anything else, naming it."""
+    dtensors = [(n, p) for n, p in named if is_dtensor(p)]
+    if not dtensors:
+        return
+    name, p = dtensors[0]
+    if layout.tensor_size == 1:
+        ranks = p.device_mesh.mesh.flatten().tolist()
+        raise ValueError(
+            f"Parameter {name!r} is a DTensor (tensor parallel over ranks {ranks}), but the "
+            "engine was given no tensor-parallel mesh. Pass device_mesh=<the 2-D (data, "
+            "tensor) mesh the plan was applied on>, or tensor_parallel_size="
+            f"{len(ranks)}."
+        )
+    for name, p in dtensors:
+        mesh = p.device_mesh
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        if mesh.ndim != 1 or ranks != layout.tensor_group:
+            raise ValueError(
+                f"Parameter {name!r} is a DTensor on a mesh of ranks "
+                f"{mesh.mesh.tolist()}, but this rank's tensor-parallel group is "
+                f"{list(layout.tensor_group)}. Apply the tensor-parallel plan on the mesh's "
+                "'tensor' dimension (device_mesh['tensor']); a model already sharded by "
+                "fully_shard cannot be sharded again."
+            )
+        if any(not isinstance(x, (Shard, Replicate)) for x in p.placements):
+            raise ValueError(
+                f"Parameter {name!r} has placements {p.placements}; a parameter is either "
+                "sharded (Shard) or replicated (Replicate) over the tensor dimension."
+            )
+
+
+# ---------------------------------------------------------------------------- gradients
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as a plain tensor of its local shape. A DTensor gradient
+    with another placement than its parameter (a replicated weight used on sequence
+    shards has a Partial one) is first brought to the parameter's (a collective over the
+    tensor group)."""
+    grad = p.grad
+    if grad is None or not is_dtensor(grad):
+        return grad
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+        p.grad = grad
+    return grad._local_tensor
+
+
+def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:
+    """Point a parameter's `.grad` at `local` (a view of the engine's buffer): as a
+    DTensor of the parameter's placement for a DTensor parameter, so that autograd keeps
+    accumulating into the same memory."""
+    if local is None or not is_dtensor(p):
+        p.grad = local
+        return
+    p.grad = DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
