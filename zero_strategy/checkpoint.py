@@ -49,6 +49,7 @@ from .save_agreement import (
     file_bytes,
     write_rank_file,
 )
+from .tensor_parallel import TensorPlacement, read_block
 
 FORMAT = "zero-strategy/1"
 INDEX = "index.json"
@@ -78,6 +79,9 @@ class ShardedState:
     model_names: set[str]  # every rank's stored names (other expert-parallel ranks' experts)
     # Where the optimizer's elementwise state is read and put (memory or the disk tier).
     optimizer_state: OptimizerStateStore
+    # Tensor parallelism: this rank's position (parameters whole on every position are
+    # written by position 0 alone; `world` is then every rank, numbered globally).
+    tensor_position: int = 0
 
 
 @dataclass
@@ -102,6 +106,8 @@ def _owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, in
         else:
             start, end = unit.layout.shard_range(unit.rank)
         for slot in unit.layout.slots:
+            if state.tensor_position and not slot.tensor_sharded:
+                continue  # the same values at every tensor-parallel position
             lo, hi = max(start, slot.offset), min(end, slot.end)
             if lo < hi:
                 yield unit, slot, lo - slot.offset, hi - slot.offset
@@ -292,6 +298,11 @@ def _rank_tensors(
             "start": stored.offset + lo,
             "end": stored.offset + hi,
         }
+        if slot.tensor_sharded:  # stored block after block: each position's, flattened
+            written[stored.name]["tensor_parallel"] = {
+                "placements": list(slot.tensor.placements),
+                "blocks": [[list(a), list(b)] for a, b in slot.tensor.blocks()],
+            }
     if state.world.rank == 0:
         for name, buf in persistent_buffers(state.module):
             tensors[f"buffer/{name}"] = lazy(buf)
@@ -335,8 +346,9 @@ def _index(
     params: dict[str, Any] = {}
     for r, report in enumerate(reports):
         for name, piece in report["wrote"].items():
+            kept = ("shape", "dtype", "aliases", "group", "tensor_parallel")
             entry = params.setdefault(
-                name, {k: piece[k] for k in ("shape", "dtype", "aliases", "group")} | {"pieces": []}
+                name, {k: piece[k] for k in kept if k in piece} | {"pieces": []}
             )
             entry["pieces"].append({"rank": r, "start": piece["start"], "end": piece["end"]})
     for entry in params.values():
@@ -393,6 +405,9 @@ class CheckpointReader:
         self.path = located(path)
         self.index = read_index(self.path)
         self._files: dict[str, Any] = {}
+        # A tensor-parallel block assembled from another layout's blocks, by what it is.
+        self._block_key: tuple | None = None
+        self._block: torch.Tensor | None = None
 
     def _open(self, rank: int) -> SafetensorsFile:
         name = rank_file(rank)
@@ -414,11 +429,57 @@ class CheckpointReader:
         prefix: str = "",
         out: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
+        layout: TensorPlacement | None = None,
     ) -> torch.Tensor:
         """Elements [lo, hi) of flattened parameter `name` (or its `prefix` state) in
         `dtype`, read straight into the result (no mmap, no intermediate copy when the
         stored dtype is the same); into `out` (a contiguous tensor of hi - lo elements)
-        when given. Masters are stored fp32, or fp64 by fp64 training."""
+        when given. Masters are stored fp32, or fp64 by fp64 training.
+
+        `layout`: the reader's tensor-parallel placement of the parameter (None: whole),
+        in whose stored coordinates [lo, hi) is; a checkpoint written with another one
+        is translated (its overlapping blocks read, `TensorPlacement`)."""
+        sources = _stored_blocks(self.index["params"][name])
+        wanted = None if layout is None or not layout.sharded else layout
+        if (wanted.blocks() if wanted else None) != sources:
+            return self._translated(name, lo, hi, prefix, out, dtype, wanted, sources)
+        return self._read_stored(name, lo, hi, prefix, out, dtype)
+
+    def _translated(self, name, lo, hi, prefix, out, dtype, wanted, sources) -> torch.Tensor:
+        """[lo, hi) of this reader's block of `name`, assembled from the stored blocks
+        (kept for the next range of the same block)."""
+        shape = tuple(self.index["params"][name]["shape"])
+        target = wanted.block(wanted.position) if wanted else ((0,) * len(shape), shape)
+        key = (name, prefix, target, dtype)
+        if self._block_key != key:
+            self._block_key, self._block = None, None  # the previous one goes first
+            stored = sources or [((0,) * len(shape), shape)]
+            offsets = [0]
+            for _, block_shape in stored:
+                offsets.append(offsets[-1] + math.prod(block_shape))
+            self._block = read_block(
+                target,
+                stored,
+                lambda k: self._read_stored(name, offsets[k], offsets[k + 1], prefix, None, dtype),
+                dtype,
+            ).reshape(-1)
+            self._block_key = key
+        at = wanted.offset if wanted else 0
+        values = self._block[lo - at : hi - at]
+        if out is None:
+            return values.clone()
+        out.copy_(values)
+        return out
+
+    def _read_stored(
+        self,
+        name: str,
+        lo: int,
+        hi: int,
+        prefix: str,
+        out: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         entry = self.index["params"][name]
         if out is None:
             out = torch.empty(hi - lo, dtype=dtype)
@@ -468,10 +529,22 @@ class CheckpointReader:
         )
 
     def verify(
-        self, name: str, lo: int, hi: int, prefix: str = "", dtype: torch.dtype = torch.float32
+        self,
+        name: str,
+        lo: int,
+        hi: int,
+        prefix: str = "",
+        dtype: torch.dtype = torch.float32,
+        layout: TensorPlacement | None = None,
     ) -> None:
         """Read and check [lo, hi) as `read` would, a bounded piece at a time, keeping
         nothing: a load verifies all it will read before it changes the model."""
+        if layout is not None and layout.sharded:  # read as it will be, block by block
+            self.read(name, lo, hi, prefix, dtype=dtype, layout=layout)
+            return
+        if _stored_blocks(self.index["params"][name]):  # whole, from blocks
+            self.read(name, lo, hi, prefix, dtype=dtype)
+            return
         step = 16 * CHUNK_BYTES // 4  # elements per read: 16 MiB of fp32
         scratch = torch.empty(min(step, max(hi - lo, 0)), dtype=dtype)
         for a in range(lo, hi, step):
@@ -622,8 +695,8 @@ def load(
         raise CheckpointError(message if r == state.world.rank else f"rank {r}: {message}")
     assert reader is not None
     with OneResident(modified=True) as in_memory:  # offloaded shards: unit by unit
-        for unit, name, lo, hi, at in _master_ranges(state):
-            values = reader.read(name, lo, hi, dtype=unit.master_dtype)
+        for unit, name, lo, hi, at, layout in _master_ranges(state):
+            values = reader.read(name, lo, hi, dtype=unit.master_dtype, layout=layout)
             in_memory(unit).master[at : at + hi - lo].copy_(values)
     if load_optimizer_states:
         _load_optimizer_state(state, reader)
@@ -632,20 +705,25 @@ def load(
     return LoadedCheckpoint(int(reader.index["step"]), reader.index["loss_scaler"], client)
 
 
-def _master_ranges(state: ShardedState) -> Iterator[tuple[FlatUnit, str, int, int, int]]:
-    """(unit, stored name, lo, hi, offset in the unit's master) for every parameter range
-    this rank's fp32 master holds."""
+def _master_ranges(
+    state: ShardedState,
+) -> Iterator[tuple[FlatUnit, str, int, int, int, TensorPlacement | None]]:
+    """(unit, stored name, lo, hi, offset in the unit's master, tensor-parallel layout)
+    for every parameter range this rank's fp32 master holds."""
     for unit in state.units:
         for slot in unit.layout.slots:
             lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
             if lo < hi:
                 stored = state.stored(unit, slot.name, slot.shape)
                 at = stored.offset - slot.offset
-                yield unit, stored.name, at + lo, at + hi, lo - unit.opt_start
+                yield unit, stored.name, at + lo, at + hi, lo - unit.opt_start, slot.tensor
 
 
-def _state_ranges(state: ShardedState, view: OptimizerView) -> Iterator[tuple[str, int, int, int]]:
-    """(stored name, lo, hi, offset in the view) for every parameter range of `view`."""
+def _state_ranges(
+    state: ShardedState, view: OptimizerView
+) -> Iterator[tuple[str, int, int, int, TensorPlacement | None]]:
+    """(stored name, lo, hi, offset in the view, tensor-parallel layout) for every
+    parameter range of `view`."""
     unit = view.unit
     a, b = view.lo + unit.opt_start, view.hi + unit.opt_start  # unit-flat coordinates
     for slot in unit.layout.slots:
@@ -653,18 +731,18 @@ def _state_ranges(state: ShardedState, view: OptimizerView) -> Iterator[tuple[st
         if s < e:
             stored = state.stored(unit, slot.name, slot.shape)
             at = stored.offset - slot.offset
-            yield stored.name, at + s, at + e, s - a
+            yield stored.name, at + s, at + e, s - a, slot.tensor
 
 
 def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: bool) -> None:
     """Read (in bounded pieces) and check everything a load will take from the files."""
-    for unit, name, lo, hi, _ in _master_ranges(state):
-        reader.verify(name, lo, hi, dtype=unit.master_dtype)
+    for unit, name, lo, hi, _, layout in _master_ranges(state):
+        reader.verify(name, lo, hi, dtype=unit.master_dtype, layout=layout)
     keys = reader.index["optimizer"]["elementwise_state"] if optimizer_states else []
     for view in state.views:
         for key in _keys_of(state, reader, view, keys):
-            for name, lo, hi, _ in _state_ranges(state, view):
-                reader.verify(name, lo, hi, f"{key}/", dtype=view.unit.master_dtype)
+            for name, lo, hi, _, layout in _state_ranges(state, view):
+                reader.verify(name, lo, hi, f"{key}/", view.unit.master_dtype, layout)
     if optimizer_states:
         _check_optimizer_groups(state, reader.index["optimizer"])
     for name, buf in persistent_buffers(state.module):
@@ -730,8 +808,9 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
         for key in _keys_of(state, reader, view, keys):
             dtype = view.unit.master_dtype
             buf = torch.empty(view.hi - view.lo, dtype=dtype, device=state.device)
-            for name, lo, hi, at in _state_ranges(state, view):
-                buf[at : at + hi - lo].copy_(reader.read(name, lo, hi, f"{key}/", dtype=dtype))
+            for name, lo, hi, at, layout in _state_ranges(state, view):
+                values = reader.read(name, lo, hi, f"{key}/", dtype=dtype, layout=layout)
+                buf[at : at + hi - lo].copy_(values)
             entry[key] = buf
         store.put(view, entry)
 
@@ -745,6 +824,14 @@ def _keys_of(
     if not names:  # an empty view (none of the group is this rank's): empty tensors of all
         return keys
     return [k for k in keys if any(reader.holds(name, f"{k}/") for name in names)]
+
+
+def _stored_blocks(entry: dict[str, Any]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """A tensor-parallel parameter's stored blocks (None: stored whole)."""
+    tp = entry.get("tensor_parallel")
+    if tp is None:
+        return None
+    return [(tuple(a), tuple(b)) for a, b in tp["blocks"]]
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:

@@ -160,6 +160,10 @@ class ZeroEngine:
         if self.stage == 3 or any(layer.ep_size > 1 for layer in layers.values()):
             keep_generation_in_step(model)  # every forward is a collective
 
+        # Tensor-parallel shards, by every name: checkpointed as blocks of the full tensor.
+        self._tensor_sharded = {
+            name: p.tensor for p in params if p.tensor and p.tensor.sharded for name in p.names
+        }
         layouts = self._layouts(model, params, group_of, placed)
         self.units = [
             FlatUnit(
@@ -350,6 +354,9 @@ class ZeroEngine:
         a distinct copy (`copy`, default this rank's: an expert-parallel rank's experts)
         under its global name, or as its rows of a batched weight."""
         if unit.group.spec.replicated:
+            placed = self._tensor_sharded.get(name)
+            if placed is not None:  # this position's block of the full tensor
+                return Stored(name, placed.full_shape, placed.offset)
             return Stored(name, tuple(shape))
         copy = unit.group.copy_index if copy is None else copy
         return self._expert_names.stored(name, copy, tuple(shape))
@@ -1113,12 +1120,13 @@ class ZeroEngine:
             self._optimizer_set,
             self._opt_views,
             self.module,
-            self._world,
+            self.groups.everyone,  # every rank writes its file (all tensor positions too)
             self.stage,
             self.device,
             self._stored,
             self._model_names(),
             self._opt_state,
+            self.groups.tensor.rank if self.groups.tensor is not None else 0,
         )
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
