@@ -9,7 +9,7 @@ from torch import nn
 VOCAB, SEQ, HIDDEN, HEADS = 96, 16, 32, 4
 
 
-def llama(seed: int = 0, layers: int = 2) -> nn.Module:
+def llama(seed: int = 0, layers: int = 2, kv_heads: int = 2) -> nn.Module:
     import transformers as T
 
     torch.manual_seed(seed)
@@ -19,7 +19,7 @@ def llama(seed: int = 0, layers: int = 2) -> nn.Module:
         intermediate_size=64,
         num_hidden_layers=layers,
         num_attention_heads=HEADS,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )

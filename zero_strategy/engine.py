@@ -73,8 +73,8 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
+from .tensor_parallel import check_head_counts, local_tensor
 from .tensor_parallel import check_parameters as check_tensor_parameters
-from .tensor_parallel import local_tensor
 from .topology import ProcessGroups
 
 
@@ -294,9 +294,11 @@ class ZeroEngine:
 
     def _check_tensor_parallel(self, model: nn.Module, cfg: ZeroConfig) -> None:
         """Refuse, before any other collective, what tensor parallelism cannot do here."""
-        check_tensor_parameters(list(model.named_parameters()), self.groups.mesh)
+        named = list(model.named_parameters())
+        check_tensor_parameters(named, self.groups.mesh)
         if self.tensor_parallel_size == 1:
             return
+        check_head_counts(named, getattr(model, "config", None), self.tensor_parallel_size)
         if expert_layers(model) or cfg.expert_parallel_size > 1:
             raise ValueError(
                 "Tensor parallelism with MoE layers is not supported yet: use "

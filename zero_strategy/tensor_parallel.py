@@ -249,6 +249,32 @@ def check_parameters(named: Sequence[tuple[str, torch.Tensor]], layout: MeshLayo
             )
 
 
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+
+def check_head_counts(named: Sequence[tuple[str, torch.Tensor]], config, tensor_size: int) -> None:
+    """A plan that shards attention splits its heads: each rank must get whole ones. The
+    model's (Hugging Face style) config says how many there are."""
+    attention_sharded = any(
+        ("attn" in name or "attention" in name)
+        and is_dtensor(p)
+        and any(isinstance(x, Shard) for x in p.placements)
+        for name, p in named
+    )
+    if not attention_sharded or config is None:
+        return
+    for attr in HEAD_COUNTS:
+        count = getattr(config, attr, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count % tensor_size:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ValueError(
+                f"The model's config.{attr}={count} is not divisible by "
+                f"tensor_parallel_size={tensor_size}: the plan would split a head across "
+                f"ranks. Use a tensor_parallel_size that divides {count} (one of "
+                f"{divisors}), or keep attention out of the plan."
+            )
+
+
 # ---------------------------------------------------------------------------- gradients
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     """A parameter's gradient as a plain tensor of its local shape. A DTensor gradient

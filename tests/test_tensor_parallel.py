@@ -1,0 +1,164 @@
+"""ZeRO beside torch's tensor parallelism on a (data x tensor) mesh: a Hugging Face Llama
+with the standard plan trains as one process does, its checkpoints change both sizes, and
+bad meshes are refused (4 gloo ranks: dp 2 x tp 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+pytest.importorskip("transformers")
+from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
+
+STEPS, BATCH, CLIP, LR = 4, 4, 0.5, 1e-2
+
+
+def _engine(dp: int, tp: int, stage: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, mesh = llama(), None
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
+        apply_llama_plan(model, mesh["tensor"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP)
+    engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
+    return engine, engine.rank  # the data-parallel index: which part of the batch
+
+
+def _train(engine: ZeroEngine, data_index: int, dp: int, data) -> list[float]:
+    """Each data-parallel rank trains on its part of every batch; returns the losses of
+    the whole batches (the mean of the parts)."""
+    losses = []
+    for ids in data:
+        loss = loss_of(engine.module, ids.chunk(dp)[data_index])
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / torch.distributed.get_world_size())
+    return losses
+
+
+def _single_process(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in batches(steps, BATCH):
+        loss = loss_of(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+def _train_and_save(rank, world, stage, path):
+    engine, d = _engine(2, 2, stage)
+    data = batches(STEPS, BATCH)
+    losses = _train(engine, d, 2, data[: STEPS // 2])
+    engine.save_checkpoint(path)
+    losses += _train(engine, d, 2, data[STEPS // 2 :])
+    engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dp2_tp2_llama_matches_one_process(stage, tmp_path):
+    """Stages 1 and 3 over the data dimension, with clipping (the norm spans shards of
+    both dimensions): the losses are one process's within 1e-5, and the checkpoint,
+    consolidated to a plain model, holds one process's weights."""
+    from zero_strategy.consolidate import iter_tensors
+
+    path = tmp_path / "ck"
+    ref_losses, _ = _single_process(STEPS)
+    _, ref_weights = _single_process(STEPS // 2)
+    losses = run_world(_train_and_save, 4, stage, str(path))
+    for rank_losses in losses:
+        _close(rank_losses, ref_losses)
+    consolidated = dict(iter_tensors(path))
+    assert set(consolidated) == set(ref_weights)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=1e-4, atol=1e-5)
+    index = json.loads((path / "index.json").read_text())
+    q = index["params"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["shape"] == [32, 32]
+    assert q["tensor_parallel"] == {
+        "placements": ["Shard(0)"],
+        "blocks": [[[0, 0], [16, 32]], [[16, 0], [16, 32]]],
+    }
+    assert "tensor_parallel" not in index["params"]["model.norm.weight"]
+    assert index["world_size"] == 4
+
+
+def _resume(rank, world, path, dp, tp, stage):
+    engine, d = _engine(dp, tp, stage)
+    engine.load_checkpoint(path)
+    losses = _train(engine, d, dp, batches(STEPS, BATCH)[STEPS // 2 :])
+    engine.close()
+    return losses
+
+
+def test_checkpoint_changes_data_and_tensor_sizes(tmp_path):
+    """Saved at (dp 2, tp 2) stage 3; resumed at (4, 1) and at (1, 2), and at (2, 2)
+    stage 1: each continues as the run that never stopped."""
+    path = tmp_path / "ck"
+    uninterrupted = run_world(_train_and_save, 4, 3, str(path))[0][STEPS // 2 :]
+    for dp, tp, stage in [(4, 1, 3), (1, 2, 3), (2, 2, 1)]:
+        resumed = run_world(_resume, dp * tp, str(path), dp, tp, stage)
+        for rank_losses in resumed:
+            _close(rank_losses, uninterrupted, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _bad(rank, world, case):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = llama()
+    if case == "no mesh":
+        apply_llama_plan(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tensor",)))
+        kwargs, config = {}, ZeroConfig(stage=3)
+    elif case == "size":
+        kwargs, config = {}, ZeroConfig(stage=3, tensor_parallel_size=3)
+    elif case == "1-D mesh":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor",))
+        kwargs, config = {"device_mesh": mesh}, ZeroConfig(stage=3)
+    elif case == "heads":  # one key/value head: the plan would split it over two ranks
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data", "tensor"))
+        model = apply_llama_plan(llama(kv_heads=1), mesh["tensor"])
+        kwargs, config = {"device_mesh": mesh}, ZeroConfig(stage=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    try:
+        ZeroEngine(model, optimizer, config, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("no mesh", ["is a DTensor", "device_mesh", "tensor_parallel_size=2"]),
+        ("size", ["tensor_parallel_size=3", "does not divide the world size 2", "[1, 2]"]),
+        ("1-D mesh", ["2-D mesh", "init_device_mesh"]),
+        ("heads", ["num_key_value_heads=1", "tensor_parallel_size=2", "divides"]),
+    ],
+)
+def test_bad_meshes_are_refused_naming_the_fix(case, words):
+    for message in run_world(_bad, 2, case):
+        assert message is not None
+        for word in words:
+            assert word in message, message
