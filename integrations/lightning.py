@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
@@ -128,6 +129,7 @@ def make_strategy(root: str):
             )
             self.engine: ZeroEngine | None = None
             self.engine_config = self._zero_base
+            self._device_mesh = None
             self._true_dtype: torch.dtype | None = None
             # A stock averaging callback reads the parameters after each step (stages 1-2:
             # the step's parameter gathers are finished first, not overlapped).
@@ -146,6 +148,27 @@ def make_strategy(root: str):
         def setup_environment(self) -> None:
             require_cpu_or_cuda(self.root_device, "Trainer")
             super().setup_environment()
+            # Tensor parallelism: the mesh ModelParallelStrategy gives, under its names, so
+            # that a configure_model() written for it applies its plan here unchanged.
+            self._device_mesh = tensor_parallel_mesh(
+                self._zero_base.tensor_parallel_size, self.world_size, self.root_device
+            )
+            if self._device_mesh is not None:
+                self.lightning_module._device_mesh = self._device_mesh
+
+        @property
+        def device_mesh(self):
+            """The (data_parallel, tensor_parallel) mesh, with tensor_parallel_size > 1."""
+            return self._device_mesh
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            """Tensor-parallel ranks read the same batches: the sampler splits the data over
+            the data-parallel ranks only."""
+            if self._device_mesh is None:
+                return super().distributed_sampler_kwargs
+            data = self._device_mesh["data_parallel"]
+            return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
         def setup(self, trainer) -> None:
             assert self.accelerator is not None
@@ -191,7 +214,13 @@ def make_strategy(root: str):
                 optimizer = list(self.optimizers)
             else:
                 optimizer = stand_in_optimizer(model)  # evaluation only
-            self.engine = ZeroEngine(model, optimizer, self.engine_config, device=self.root_device)
+            self.engine = ZeroEngine(
+                model,
+                optimizer,
+                self.engine_config,
+                device=self.root_device,
+                device_mesh=self._device_mesh,
+            )
             attach(model, self.engine)
             self.model = model
 
@@ -212,8 +241,10 @@ def make_strategy(root: str):
         @contextlib.contextmanager
         def model_sharded_context(self) -> Iterator[None]:
             """configure_model() runs here: modules are built on the meta device and the
-            engine materializes only this rank's shard, one unit at a time."""
-            with init_on_meta():
+            engine materializes only this rank's shard, one unit at a time. A
+            tensor-parallel plan shards real tensors: with one, modules are built as usual."""
+            meta = self._zero_base.tensor_parallel_size == 1
+            with init_on_meta() if meta else contextlib.nullcontext():
                 yield
 
         @contextlib.contextmanager

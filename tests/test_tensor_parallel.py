@@ -162,3 +162,63 @@ def test_bad_meshes_are_refused_naming_the_fix(case, words):
         assert message is not None
         for word in words:
             assert word in message, message
+
+
+# ---------------------------------------------------------------------------- Lightning
+def _lightning_fit(rank, world, which):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_helpers import quiet_trainer
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    class TensorParallelLlama(L.LightningModule):
+        """A configure_model() written for ModelParallelStrategy: the plan on the mesh's
+        "tensor_parallel" dimension (and, there, FSDP2 over "data_parallel")."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self):
+            if self.model is not None:
+                return
+            self.model = apply_llama_plan(llama(), self.device_mesh["tensor_parallel"])
+            if which == "model_parallel":
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in self.model.model.layers:
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = loss_of(self.model, ids)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    if which == "zero":
+        strategy = ZeroStrategy(stage=3, tensor_parallel_size=2)
+    else:
+        strategy = L.pytorch.strategies.ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=2
+        )
+    data = torch.cat(batches(STEPS, BATCH))  # each data-parallel rank: half of each batch
+    trainer = quiet_trainer(world, strategy, max_steps=STEPS, gradient_clip_val=None)
+    module = TensorParallelLlama()
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=BATCH // 2))
+    return module.losses
+
+
+def test_lightning_tensor_parallel_matches_model_parallel_strategy():
+    """Trainer(strategy=ZeroStrategy(stage=3, tensor_parallel_size=2), devices=4) with the
+    configure_model a ModelParallelStrategy user writes: the same losses as that
+    strategy (FSDP2 + tensor parallel) on the same model and data."""
+    ours = run_world(_lightning_fit, 4, "zero")
+    theirs = run_world(_lightning_fit, 4, "model_parallel")
+    for mine, reference in zip(ours, theirs):
+        _close(mine, reference)

@@ -300,3 +300,22 @@ def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:
     p.grad = DTensor.from_local(
         local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
+
+
+# ---------------------------------------------------------------------------- the mesh
+def tensor_parallel_mesh(
+    tensor_parallel_size: int,
+    world_size: int,
+    device: torch.device,
+    names: tuple[str, str] = ("data_parallel", "tensor_parallel"),
+):
+    """The (data, tensor) DeviceMesh of contiguous tensor-parallel groups (collective);
+    None without tensor parallelism. Named as Lightning's ModelParallelStrategy names
+    its own, so a `configure_model` written for it runs unchanged."""
+    if tensor_parallel_size == 1:
+        return None
+    MeshLayout.contiguous(world_size, tensor_parallel_size, 0)  # the size must divide
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world_size // tensor_parallel_size, tensor_parallel_size)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
