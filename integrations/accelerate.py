@@ -8,7 +8,7 @@ unknown keys, `DistributedType` is a closed enum, and the `Accelerator` construc
 plugin arguments are typed. So the script swaps the class, and the ZeRO settings come
 from a `ZeroPlugin`: its arguments, else the `ZERO_STRATEGY_*` environment variables that
 `accelerate launch` copies into every process (`ZERO_STRATEGY_STAGE`,
-`ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, and
+`ZERO_STRATEGY_EXPERT_PARALLEL_SIZE`, `ZERO_STRATEGY_TENSOR_PARALLEL_SIZE`, and
 `ZERO_STRATEGY_CONFIG_FILE` naming a YAML or JSON file of `ZeroConfig` fields, or a
 DeepSpeed `ds_config.json`). Launch as
 Accelerate's plain multi-process type (`--multi_gpu`, with `--cpu` or `cpu=True` on CPU),
@@ -41,6 +41,7 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
+from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
@@ -49,6 +50,7 @@ from .pairing import model_of, one_optimizer_message
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
 ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"
+ENV_TENSOR_PARALLEL = "ZERO_STRATEGY_TENSOR_PARALLEL_SIZE"
 ENV_CONFIG_FILE = "ZERO_STRATEGY_CONFIG_FILE"
 CHECKPOINT_DIR = "zero_model"  # inside save_state's folder: the engine's sharded checkpoint
 OPTIMIZER_MARKER = {"zero_strategy": "sharded; the state is in the zero_model checkpoint"}
@@ -83,6 +85,8 @@ class ZeroPlugin:
             values["stage"] = _int_from_env(ENV_STAGE, "a stage (0, 1, 2 or 3)")
         if os.environ.get(ENV_EXPERT_PARALLEL):
             values["expert_parallel_size"] = _int_from_env(ENV_EXPERT_PARALLEL, "a number of ranks")
+        if os.environ.get(ENV_TENSOR_PARALLEL):
+            values["tensor_parallel_size"] = _int_from_env(ENV_TENSOR_PARALLEL, "a number of ranks")
         values.update(self.options)
         if self.stage is not None:
             values["stage"] = self.stage
@@ -186,11 +190,25 @@ class ZeroAccelerator(Accelerator):
         require_cpu_or_cuda(self.device, "Accelerator")
         self.zero_plugin = zero_plugin or ZeroPlugin()
         self.zero_config = self.zero_plugin.resolve(str(self.mixed_precision), deepspeed_env)
+        # Tensor parallelism: the (dp_shard, tp) mesh, named as Accelerate names its own;
+        # apply the plan on accelerator.device_mesh["tp"] before building the optimizer.
+        self.device_mesh = tensor_parallel_mesh(
+            self.zero_config.tensor_parallel_size,
+            self.num_processes,
+            self.device,
+            names=("dp_shard", "tp"),
+        )
         self.engine: ZeroEngine | None = None
         self._unpaired_models: list[nn.Module] = []
         self._saving_state = False
         self._save_hook = self.register_save_state_pre_hook(self._save_engine_checkpoint)
         self._load_hook = self.register_load_state_pre_hook(self._load_engine_checkpoint)
+
+    @property
+    def torch_device_mesh(self):
+        """With tensor parallelism, the mesh Accelerate's data loaders read: batches are
+        split over the data-parallel ranks, the same at every tensor-parallel position."""
+        return self.device_mesh if self.device_mesh is not None else super().torch_device_mesh
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -243,7 +261,9 @@ class ZeroAccelerator(Accelerator):
         if self.engine is not None:
             raise ValueError(self._ONE_MODEL)
         place_buffers(model, self.device)
-        self.engine = ZeroEngine(model, optimizer, self.zero_config, device=self.device)
+        self.engine = ZeroEngine(
+            model, optimizer, self.zero_config, device=self.device, device_mesh=self.device_mesh
+        )
         attach(model, self.engine)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)

@@ -9,7 +9,7 @@ saved beside them, loadable with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 from zero_strategy.checkpoint import client_state_of
 from zero_strategy.consolidate import iter_tensors
 from zero_strategy.safe_load import safe_torch_load
+from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
@@ -47,12 +48,18 @@ class _EngineSyncControl(_BackwardSyncControl):
 
 
 class ZeroFabricStrategy(DDPStrategy):
-    """ZeRO stages 1-3 for Fabric; takes any ZeroConfig field, or `config=ZeroConfig(...)`."""
+    """ZeRO stages 1-3 for Fabric; takes any ZeroConfig field, or `config=ZeroConfig(...)`.
+
+    Tensor parallelism (`tensor_parallel_size=N`): as with Fabric's ModelParallelStrategy,
+    `parallelize_fn(module, device_mesh)` applies the plan on the mesh's
+    "tensor_parallel" dimension in `fabric.setup(model)`; ZeRO shards over
+    "data_parallel". Build the optimizer after that, over the parallelized parameters."""
 
     def __init__(
         self,
         stage: int | None = None,
         config: ZeroConfig | Mapping | None = None,
+        parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -72,6 +79,8 @@ class ZeroFabricStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             start_method=start_method,
         )
+        self._parallelize_fn = parallelize_fn
+        self._device_mesh = None
         self.engine: ZeroEngine | None = None
         self._for_evaluation = False  # sharded with a stand-in optimizer (save/load first)
         self._backward_sync_control = _EngineSyncControl(self)
@@ -83,6 +92,28 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         require_cpu_or_cuda(self.root_device, "Fabric")
         super().setup_environment()
+        self._device_mesh = tensor_parallel_mesh(
+            self._zero_base.tensor_parallel_size, self.world_size, self.root_device
+        )
+        if self._device_mesh is not None and self._parallelize_fn is None:
+            raise ValueError(
+                f"tensor_parallel_size={self._zero_base.tensor_parallel_size} needs "
+                "parallelize_fn=<a function (module, device_mesh) -> module applying the plan "
+                "on device_mesh['tensor_parallel']>, as ModelParallelStrategy takes."
+            )
+
+    @property
+    def device_mesh(self):
+        """The (data_parallel, tensor_parallel) mesh, with tensor_parallel_size > 1."""
+        return self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Tensor-parallel ranks read the same batches."""
+        if self._device_mesh is None:
+            return super().distributed_sampler_kwargs
+        data = self._device_mesh["data_parallel"]
+        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
     def _config(self) -> ZeroConfig:
         """The engine's compute dtype from Fabric's precision flag. Autocast ("bf16-mixed")
@@ -106,6 +137,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
         """Several optimizers (over disjoint parameters, a GAN's) are each sharded."""
+        if self._device_mesh is not None:
+            raise RuntimeError(
+                "With tensor parallelism the plan replaces the model's parameters, so an "
+                "optimizer built before it holds the old ones. Set up the model first, then "
+                "build the optimizer: model = fabric.setup(model); optimizer = "
+                "fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))."
+            )
         self.engine = ZeroEngine(module, list(optimizers), self._config(), device=self.root_device)
         self._for_evaluation = False
         return module, optimizers, scheduler
@@ -116,6 +154,12 @@ class ZeroFabricStrategy(DDPStrategy):
         sharded in place. A module that runs before getting one (a frozen reference model,
         an evaluation) is moved to the device whole, replicated as under DDP; `fabric.load`
         into it shards it for evaluation."""
+        if self._device_mesh is not None:
+            module = self._parallelize_fn(module, self._device_mesh)
+            if not isinstance(module, nn.Module):
+                raise TypeError(
+                    f"parallelize_fn must return the nn.Module, got {type(module).__name__}."
+                )
         if any(p.is_meta for p in module.parameters()):
             raise RuntimeError(
                 "This model was built on the meta device (fabric.init_module(empty_init=True)"
@@ -167,7 +211,13 @@ class ZeroFabricStrategy(DDPStrategy):
     def _shard(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, for_evaluation: bool = False
     ) -> None:
-        self.engine = ZeroEngine(module, optimizer, self._config(), device=self.root_device)
+        self.engine = ZeroEngine(
+            module,
+            optimizer,
+            self._config(),
+            device=self.root_device,
+            device_mesh=self._device_mesh,
+        )
         self._for_evaluation = for_evaluation
         self._pending.remove(module)
 

@@ -222,3 +222,75 @@ def test_lightning_tensor_parallel_matches_model_parallel_strategy():
     theirs = run_world(_lightning_fit, 4, "model_parallel")
     for mine, reference in zip(ours, theirs):
         _close(mine, reference)
+
+
+# ---------------------------------------------------------------------------- Fabric, Accelerate
+def _fabric_fit(rank, world):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    def parallelize(model, device_mesh):
+        return apply_llama_plan(model, device_mesh["tensor_parallel"])
+
+    strategy = ZeroFabricStrategy(stage=3, tensor_parallel_size=2, parallelize_fn=parallelize)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()  # ranks already exist (as under torchrun): this only sets up
+    model = fabric.setup(llama())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    data = torch.cat(batches(STEPS, BATCH))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(data), batch_size=BATCH // 2))
+    losses = []
+    for (ids,) in loader:
+        loss = loss_of(model, ids)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _accelerate_fit(rank, world):
+    import os
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    os.environ["ZERO_STRATEGY_TENSOR_PARALLEL_SIZE"] = "2"
+    accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3))
+    model = apply_llama_plan(llama(), accelerator.device_mesh["tp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = torch.cat(batches(STEPS, BATCH))
+    loader = DataLoader(TensorDataset(data), batch_size=BATCH // 2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for (ids,) in loader:
+        loss = loss_of(model, ids)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    accelerator.end_training()
+    return losses
+
+
+@pytest.mark.parametrize("door", ["fabric", "accelerate"])
+def test_fabric_and_accelerate_take_the_same_spelling(door):
+    """Fabric (parallelize_fn, as its ModelParallelStrategy) and Accelerate (the plan on
+    accelerator.device_mesh["tp"], the size from ZERO_STRATEGY_TENSOR_PARALLEL_SIZE): the
+    losses of one process, with clipping."""
+    pytest.importorskip("lightning" if door == "fabric" else "accelerate")
+    reference, _ = _single_process(STEPS)
+    for losses in run_world(_fabric_fit if door == "fabric" else _accelerate_fit, 4):
+        _close(losses, reference)
