@@ -43,6 +43,7 @@ def test_overrides_reach_the_strategy(stage):
         "trainer.strategy.bucket_size=1000",
         "trainer.strategy.unit_module_classes=[Block]",
         "trainer.strategy.expert_parallel_size=2",
+        "trainer.strategy.tensor_parallel_size=2",
         "trainer.devices=1",
         "hydra.runtime.output_dir=/tmp",
     )
@@ -55,6 +56,7 @@ def test_overrides_reach_the_strategy(stage):
         ["Block"],
     )
     assert config.expert_parallel_size == 2
+    assert config.tensor_parallel_size == 2
 
 
 def test_a_wrong_type_fails_at_composition_naming_the_field():

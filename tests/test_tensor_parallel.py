@@ -18,7 +18,7 @@ from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
 STEPS, BATCH, CLIP, LR = 4, 4, 0.5, 1e-2
 
 
-def _engine(dp: int, tp: int, stage: int):
+def _engine(dp: int, tp: int, stage: int, dtype: str = "fp32"):
     from torch.distributed.device_mesh import init_device_mesh
 
     model, mesh = llama(), None
@@ -26,7 +26,7 @@ def _engine(dp: int, tp: int, stage: int):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
         apply_llama_plan(model, mesh["tensor"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    config = ZeroConfig(stage=stage, gradient_clipping=CLIP)
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP, compute_dtype=dtype)
     engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
     return engine, engine.rank  # the data-parallel index: which part of the batch
 
@@ -167,9 +167,9 @@ def test_bad_meshes_are_refused_naming_the_fix(case, words):
 # ---------------------------------------------------------------------------- Lightning
 def _lightning_fit(rank, world, which):
     import lightning as L
+    from lightning_helpers import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_helpers import quiet_trainer
     from zero_strategy.integrations.lightning import ZeroStrategy
 
     class TensorParallelLlama(L.LightningModule):
@@ -294,3 +294,46 @@ def test_fabric_and_accelerate_take_the_same_spelling(door):
     reference, _ = _single_process(STEPS)
     for losses in run_world(_fabric_fit if door == "fabric" else _accelerate_fit, 4):
         _close(losses, reference)
+
+
+# ---------------------------------------------------------------------------- planner
+def _model_state(rank, world, stage, dtype):
+    engine, d = _engine(2, 2, stage, dtype)
+    _train(engine, d, 2, batches(1, BATCH))
+    m = engine.memory_report()
+    engine.close()
+    return m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_planner_accounts_for_tensor_parallelism_within_2_percent(stage, dtype):
+    from zero_strategy.planner import count_params, plan, tensor_shardable_params
+
+    model = llama()
+    params, root = count_params(model)
+    predicted = plan(
+        params,
+        4,
+        stage,
+        dtype,
+        root_params=root,
+        tensor_parallel_size=2,
+        tensor_sharded_params=tensor_shardable_params(model),
+    )
+    for state in run_world(_model_state, 4, stage, dtype):
+        assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, state)
+
+
+def test_estimate_cli_takes_tensor_parallel(capsys):
+    from zero_strategy.cli import main
+
+    args = ["estimate", "--params", "8M", "--world-size", "4", "--stage", "3", "--dtype", "fp32"]
+    assert main([*args, "--tensor-parallel", "2", "--json"]) == 0
+    (one,) = json.loads(capsys.readouterr().out)
+    assert one["world_size"] == 4
+    assert one["memory"]["parameters"] == 4 * 8e6 / 2 / 2  # fp32, over tp 2 then dp 2
+    assert main([*args, "--tensor-parallel", "3"]) == 1
+    assert (
+        "tensor_parallel_size=3 is invalid: it must divide world_size=4: use one of [1, 2, 4]"
+        in (capsys.readouterr().err)
+    )

@@ -51,9 +51,9 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    root = 0
+    root, sharded = 0, None
     if args.hf_config:
-        params, root = _params_of_hf_config(args.hf_config)
+        params, root, sharded = _params_of_hf_config(args.hf_config)
     elif args.params:
         params = planner.parse_count(args.params)
     else:
@@ -78,6 +78,12 @@ def _estimate(args: argparse.Namespace) -> int:
             args.expert_params,
             offload=args.offload,
             shard_group_size=args.shard_group_size,
+            tensor_parallel_size=args.tensor_parallel,
+            tensor_sharded_params=(
+                planner.parse_count(args.tensor_sharded_params)
+                if args.tensor_sharded_params
+                else sharded
+            ),
         )
         for s in stages
     ]
@@ -91,16 +97,17 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _params_of_hf_config(path: str) -> tuple[int, int]:
+def _params_of_hf_config(path: str) -> tuple[int, int, int]:
+    """(parameters, the root unit's, those a standard tensor-parallel plan splits)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .planner import count_params
+    from .planner import count_params, tensor_shardable_params
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return count_params(model)
+    return (*count_params(model), tensor_shardable_params(model))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="shard over groups of this many ranks, one copy per group (hybrid sharding)",
+    )
+    e.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="ranks per tensor-parallel group; ZeRO shards over world / N",
+    )
+    e.add_argument(
+        "--tensor-sharded-params",
+        help="parameters the tensor-parallel plan splits (default with --hf-config: every "
+        "nn.Linear weight in the blocks; with --params: all but the root's)",
     )
     e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
     e.add_argument(

@@ -72,6 +72,18 @@ class Plan:
         }
 
 
+def tensor_shardable_params(model: nn.Module) -> int:
+    """The parameters a standard tensor-parallel plan splits: the weights of every
+    nn.Linear inside the stage-3 units (a transformer block's attention and MLP
+    projections, column- or row-wise; their biases and the norms stay whole)."""
+    from .partition import select_unit_modules
+
+    units = [model.get_submodule(p) for p in select_unit_modules(model, [])]
+    return sum(
+        m.weight.numel() for unit in units for m in unit.modules() if isinstance(m, nn.Linear)
+    )
+
+
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(parameters, parameters of the stage-3 root unit), each tied tensor once; works on
     a model built on the meta device."""
@@ -98,13 +110,38 @@ def plan(
     expert_params: int = 0,
     offload: str = "none",
     shard_group_size: int | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_sharded_params: int | None = None,
 ) -> Plan:
     """Per-rank bytes by kind and per-step communication (one micro-batch, gradients
     reduced once) for a model of `params` parameters, `expert_params` of them in MoE
     experts split over `ep_size` expert-parallel ranks. `shard_group_size` shards the dense
     parameters over groups of that many ranks, one full copy per group (hybrid sharding,
-    a `ShardSpec.contiguous(world_size, g)` placement of the root); default: the world."""
+    a `ShardSpec.contiguous(world_size, g)` placement of the root); default: the world.
+
+    `tensor_parallel_size` t: a tensor-parallel plan splits `tensor_sharded_params` of
+    the parameters (default: all but the root's) over t ranks; ZeRO then shards what one
+    rank holds over the world / t data-parallel ranks. The plan's communication is
+    ZeRO's; the plan's own (activations) is not counted."""
     _validate(params, world_size, stage, compute_dtype, optimizer, accounting, root_params)
+    if tensor_parallel_size != 1:
+        return _with_tensor_parallel(
+            params,
+            world_size,
+            tensor_parallel_size,
+            tensor_sharded_params,
+            dict(
+                stage=stage,
+                compute_dtype=compute_dtype,
+                optimizer=optimizer,
+                accounting=accounting,
+                root_params=root_params,
+                activations=activations,
+                device_memory=device_memory,
+                offload=offload,
+            ),
+            ep_size != 1 or expert_params or shard_group_size is not None,
+        )
     g = world_size if shard_group_size is None else shard_group_size
     if not isinstance(g, int) or g <= 0 or world_size % g:
         raise PlanError(
@@ -194,6 +231,34 @@ def plan(
         elif stage == 3:
             comm["all_gather"] = 2 * full - dtype_bytes * root_params
     return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host, disk)
+
+
+def _with_tensor_parallel(
+    params: int, world_size: int, t: int, sharded: int | None, options: dict, other: bool
+) -> Plan:
+    """One tensor-parallel rank's plan: its part of the model over its data-parallel
+    ranks."""
+    if not isinstance(t, int) or isinstance(t, bool) or t <= 0 or world_size % t:
+        raise PlanError(
+            f"tensor_parallel_size={t!r} is invalid: it must divide world_size={world_size}: "
+            f"use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+        )
+    if other:
+        raise PlanError(
+            "tensor_parallel_size with expert parallelism or hybrid sharding is not "
+            "supported (nor by the engine): use one of them."
+        )
+    if sharded is None:
+        sharded = params - options["root_params"]
+    if not isinstance(sharded, int) or not 0 <= sharded <= params:
+        raise PlanError(
+            f"tensor_sharded_params={sharded!r} is invalid: use a count between 0 and params."
+        )
+    local = params - sharded + -(-sharded // t)
+    root = min(options["root_params"], local)
+    one = plan(local, world_size // t, **{**options, "root_params": root})
+    one.params, one.world_size = params, world_size
+    return one
 
 
 def cheapest_stage(params: int, world_size: int, device_memory: float, **kwargs) -> int | None:

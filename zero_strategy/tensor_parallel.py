@@ -50,9 +50,7 @@ class MeshLayout:
                 f"{world_size}; use one of {divisors}."
             )
         return cls(
-            tuple(
-                tuple(range(d, d + tensor_size)) for d in range(0, world_size, tensor_size)
-            ),
+            tuple(tuple(range(d, d + tensor_size)) for d in range(0, world_size, tensor_size)),
             rank,
         )
 
@@ -177,8 +175,7 @@ def placement_of(p: torch.Tensor) -> TensorPlacement | None:
     if not is_dtensor(p):
         return None
     names = tuple(
-        f"Shard({x.dim % p.dim()})" if isinstance(x, Shard) else "Replicate()"
-        for x in p.placements
+        f"Shard({x.dim % p.dim()})" if isinstance(x, Shard) else "Replicate()" for x in p.placements
     )
     mesh = p.device_mesh
     placed = TensorPlacement(tuple(p.shape), names, mesh.get_local_rank(), mesh.size())
@@ -204,9 +201,7 @@ def read_block(
     out = torch.empty(t_shape, dtype=dtype)
     for k, (s_starts, s_shape) in enumerate(sources):
         lows = [max(a, b) for a, b in zip(t_starts, s_starts)]
-        highs = [
-            min(a + n, b + m) for a, n, b, m in zip(t_starts, t_shape, s_starts, s_shape)
-        ]
+        highs = [min(a + n, b + m) for a, n, b, m in zip(t_starts, t_shape, s_starts, s_shape)]
         if any(lo >= hi for lo, hi in zip(lows, highs)):
             continue
         values = read_source(k).view(s_shape)

@@ -258,10 +258,7 @@ class ProcessGroups:
                 "Call torch.distributed.init_process_group() again (same world size) before "
                 "using the engine, or close() it first."
             )
-        if (
-            dist.get_world_size() != self.global_world_size
-            or dist.get_rank() != self.global_rank
-        ):
+        if dist.get_world_size() != self.global_world_size or dist.get_rank() != self.global_rank:
             raise RuntimeError(
                 f"The default process group was re-created with rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}; this engine was built as rank {self.global_rank} "
