@@ -337,3 +337,34 @@ def test_estimate_cli_takes_tensor_parallel(capsys):
         "tensor_parallel_size=3 is invalid: it must divide world_size=4: use one of [1, 2, 4]"
         in (capsys.readouterr().err)
     )
+
+
+# ---------------------------------------------------------------------------- whole model
+def _whole_model_views(rank, world, stage, pretrained):
+    engine, d = _engine(2, 2, stage)
+    if pretrained:
+        engine.load_pretrained(pretrained)
+    else:
+        _train(engine, d, 2, batches(STEPS // 2, BATCH))
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_state_dict_and_pretrained_weights_are_whole_tensors(stage, tmp_path):
+    """full_state_dict() assembles each tensor-parallel parameter from every position's
+    block (rank 0 holds one process's weights), and load_pretrained() gives each position
+    its block of a Hugging Face file."""
+    from safetensors.torch import save_file
+
+    _, reference = _single_process(STEPS // 2)
+    states = run_world(_whole_model_views, 4, stage, None)
+    assert all(not s for s in states[1:])
+    assert set(states[0]) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(states[0][name], value, rtol=1e-4, atol=1e-5)
+    save_file({k: v.contiguous() for k, v in reference.items()}, tmp_path / "model.safetensors")
+    loaded = run_world(_whole_model_views, 4, stage, str(tmp_path))[0]
+    for name, value in reference.items():
+        assert torch.equal(loaded[name], value), name

@@ -73,7 +73,7 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
-from .tensor_parallel import check_head_counts, local_tensor
+from .tensor_parallel import check_head_counts, full_tensor, local_tensor
 from .tensor_parallel import check_parameters as check_tensor_parameters
 from .topology import ProcessGroups
 
@@ -1182,14 +1182,23 @@ class ZeroEngine:
         more than one unit of it; empty on other ranks when `rank0_only`."""
         self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
-        keep = not rank0_only or self.rank == 0
+        keep = not rank0_only or self.groups.global_rank == 0
         for unit in self.units:
             if not unit.layout.numel:
                 continue
             for copy_index, full in self._full_copies(unit):
-                if not keep:
-                    continue
                 for slot in unit.layout.slots:
+                    if slot.tensor_sharded:  # every position's block (collective)
+                        value = full_tensor(
+                            full[slot.offset : slot.end].view(slot.shape),
+                            slot.tensor,
+                            self.groups.tensor,
+                        )
+                        for name in (slot.name, *slot.aliases) if keep else ():
+                            out[name] = value
+                        continue
+                    if not keep:
+                        continue
                     value = full[slot.offset : slot.end].to("cpu", copy=True)
                     for name in (slot.name, *slot.aliases):
                         stored = self._stored(unit, name, slot.shape, copy_index)
@@ -1201,9 +1210,10 @@ class ZeroEngine:
                             stored.name, torch.empty(stored.shape, dtype=value.dtype)
                         )
                         whole.view(-1)[stored.offset : stored.offset + slot.numel] = value
-        if keep:
-            for name, buf in checkpoint.persistent_buffers(self.module):
-                out[name] = buf.detach().to("cpu", copy=True)
+        if not keep:
+            return {}
+        for name, buf in checkpoint.persistent_buffers(self.module):
+            out[name] = buf.detach().to("cpu", copy=True)
         return out
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:

@@ -9,15 +9,18 @@ sharded set (`model.safetensors.index.json` plus its shards).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from .flat_unit import FlatUnit, OneResident
 from .partition import Stored
 from .safetensors_io import SafetensorsFile
+from .tensor_parallel import TensorPlacement, read_block
 
 
 def _locate(path: Path) -> dict[str, Path]:
@@ -73,7 +76,12 @@ def load_pretrained(
                     )
                     continue
                 lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
-                if lo < hi:
+                if lo < hi and slot.tensor_sharded:  # this position's block of the tensor
+                    block = _tensor_block(tensors, source, slot.tensor, unit.master_dtype)
+                    values = block[lo - slot.offset : hi - slot.offset]
+                    in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
+                    read += block.numel()
+                elif lo < hi:
                     at = place.offset - slot.offset
                     values = tensors.read_range(source, at + lo, at + hi)
                     in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
@@ -95,6 +103,18 @@ def load_pretrained(
             buf.data.copy_(tensors.read(name))
     files.close()
     return {"elements_read": read}
+
+
+def _tensor_block(
+    tensors, name: str, placement: TensorPlacement, dtype: torch.dtype
+) -> torch.Tensor:
+    """A tensor-parallel rank's block of a tensor stored whole, flattened (the tensor is
+    read whole, one at a time)."""
+    full = placement.full_shape
+    numel = math.prod(full)
+    whole = [((0,) * len(full), full)]
+    block = placement.block(placement.position)
+    return read_block(block, whole, lambda _: tensors.read_range(name, 0, numel), dtype).view(-1)
 
 
 class _Files:

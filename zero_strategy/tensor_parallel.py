@@ -297,6 +297,21 @@ def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:
     )
 
 
+def full_tensor(local: torch.Tensor, placement: TensorPlacement, tensor_group) -> torch.Tensor:
+    """The whole parameter in CPU memory, from each position's block of it (collective
+    over the tensor-parallel group: each position broadcasts its block in turn)."""
+    out = torch.empty(placement.full_shape, dtype=local.dtype)
+    for position in range(placement.size):
+        starts, shape = placement.block(position)
+        if position == placement.position:
+            block = local.contiguous()
+        else:
+            block = torch.empty(shape, dtype=local.dtype, device=local.device)
+        tensor_group.broadcast(block, src=position, kind="gathered")
+        out[tuple(slice(a, a + n) for a, n in zip(starts, shape))] = block.cpu()
+    return out
+
+
 # ---------------------------------------------------------------------------- the mesh
 def tensor_parallel_mesh(
     tensor_parallel_size: int,
