@@ -368,3 +368,83 @@ def test_full_state_dict_and_pretrained_weights_are_whole_tensors(stage, tmp_pat
     loaded = run_world(_whole_model_views, 4, stage, str(tmp_path))[0]
     for name, value in reference.items():
         assert torch.equal(loaded[name], value), name
+
+
+# ---------------------------------------------------------------------------- sequence parallel
+D, S = 8, 8
+
+
+def _sequence_block(seed: int = 0) -> torch.nn.Module:
+    """A pre-norm MLP block: under sequence parallelism its norm works on each rank's
+    sequence shard, so the norm's (replicated) weight gets a partial gradient per rank."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(D)
+            self.up = torch.nn.Linear(D, 4 * D)
+            self.down = torch.nn.Linear(4 * D, D)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    torch.manual_seed(seed)
+    return Block()
+
+
+def _sequence_data(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(BATCH, S, D, generator=g) for _ in range(steps)]
+
+
+def _sequence_parallel(rank, world, stage):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = parallelize_module(
+        _sequence_block(),
+        mesh["tensor"],
+        {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP)
+    engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
+    d, t = mesh.get_local_rank("data"), mesh.get_local_rank("tensor")
+    for x in _sequence_data(STEPS):
+        mine = x.chunk(2)[d].chunk(2, dim=1)[t]  # this rank's batch half, sequence half
+        # Each position's loss is its sequence half's; backward sums them over positions.
+        loss = engine(mine).square().mean() / 2
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sequence_parallel_norm_gets_its_whole_gradient(stage):
+    """The norm's weight, replicated over a sequence-sharded input, has a Partial
+    gradient on each rank: it is summed over the tensor ranks before ZeRO reduces it, so
+    training matches one process."""
+    model = _sequence_block()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for x in _sequence_data(STEPS):
+        model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = run_world(_sequence_parallel, 4, stage)[0]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
