@@ -5,6 +5,7 @@ stages 1/2/3, 2 ranks, gloo, one thread per rank, fp32, clipping 1.0 everywhere.
     python benchmarks/engine_bench.py --size big --rounds 1  # ~730M: stage 3, FSDP2, ds3,
                                                              # fp32 and bf16 (DDP cannot fit)
     python benchmarks/engine_bench.py --size tiny --rounds 1  # a quick smoke run
+    python benchmarks/engine_bench.py --impls tp --nproc 4   # dp 2 x tp 2: ours vs FSDP2+TP
 
 The configurations run interleaved (a different order each round) because this machine
 is noisy; each round's step times are divided by that round's DDP time and the table shows
@@ -26,6 +27,9 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.launch import interleaved_rounds, run_ranks  # noqa: E402
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-reuse"]
+# dp x tp 2 on 4 ranks (--nproc 4): ours at stages 1 and 3 and FSDP2 + tensor parallel
+# (ModelParallelStrategy's recipe), on a Llama of the GPT's width and depth.
+TENSOR_PARALLEL = ["fsdp2-tp2", "zero1-tp2", "zero3-tp2"]
 # The ~0.7B model: stage 3 and its peers, fp32 and bf16 compute, at batch 1.
 BIG = ["ddp", "fsdp2", "ds3", "ds3-lean", "zero3", "fsdp2-bf16", "zero3-bf16"]
 BATCH = {"big": 1}  # sequences per rank; 4 for the other sizes
@@ -115,9 +119,12 @@ def _median_ratio(rounds, num: str, den: str, key: str = "step") -> str:
 
 
 def _fsdp_peer(impl: str) -> str | None:
-    """FSDP2 in the same compute dtype, for this engine's rows."""
+    """FSDP2 in the same compute dtype (and the same tensor parallelism), for this
+    engine's rows."""
     if not impl.startswith("zero"):
         return None
+    if impl.endswith("-tp2"):
+        return "fsdp2-tp2"
     return "fsdp2-bf16" if impl.endswith("-bf16") else "fsdp2"
 
 
@@ -128,8 +135,9 @@ def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
     import os
 
     params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
+    model = "Llama (dp x tp 2)" if all(i.endswith("-tp2") for i in impls) else "GPT"
     print(
-        f"\nGPT {params / 1e6:.1f}M params, {args.nproc} ranks gloo, 1 thread/rank "
+        f"\n{model} {params / 1e6:.1f}M params, {args.nproc} ranks gloo, 1 thread/rank "
         f"({os.cpu_count()} cores here), batch {args.batch}/rank, {len(rounds)} rounds "
         f"x {args.steps} timed steps"
     )
@@ -166,7 +174,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--impls", default="", help=f"default: {ALL}; for --size big {BIG}")
+    parser.add_argument(
+        "--impls",
+        default="",
+        help=f"default: {ALL}; for --size big {BIG}; 'tp' for {TENSOR_PARALLEL} (--nproc 4)",
+    )
     parser.add_argument("--batch", type=int, default=0, help="default: 1 for big, else 4")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (one core each)")
     parser.add_argument("--timeout", type=int, default=900)
@@ -174,6 +186,8 @@ def main() -> None:
     parser.add_argument("--from-json", default="", help="print the table of a saved run")
     args = parser.parse_args()
     impls = args.impls.split(",") if args.impls else (BIG if args.size == "big" else ALL)
+    if impls == ["tp"]:
+        impls = list(TENSOR_PARALLEL)
     args.batch = args.batch or BATCH.get(args.size, 4)
     args.skipped = {}
     if args.from_json:

@@ -71,6 +71,14 @@ SIZES = {
 }
 CLIP = 1.0
 LR = 1e-4
+# Tensor-parallel rows ("-tp2": dp x tp 2): a Hugging Face Llama of the same width and
+# depth as the GPT (GPT's fused qkv projection cannot be split by head), with the
+# standard plan: attention q/k/v and MLP gate/up column-wise, o and down row-wise.
+TENSOR_PARALLEL = 2
+LLAMA_SIZES = {
+    "bench": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, heads=12),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, heads=2),
+}
 
 
 class PeakRSS:
@@ -140,12 +148,33 @@ def reachable_tensors(obj, depth: int = 3):
                 yield from reachable_tensors(v, depth - 1)
 
 
-def plain_torch_step_and_state(model: torch.nn.Module):
-    """DDP and FSDP2: torch's AdamW and clip_grad_norm_ (DTensor-aware for FSDP2)."""
+def clip_over_meshes(params: list[torch.Tensor], max_norm: float) -> None:
+    """Global-norm clipping for DTensors on several meshes (FSDP2 + tensor parallel: the
+    plan's parameters on the 2-D mesh, the rest on the data mesh), which torch's
+    clip_grad_norm_ refuses: each mesh's norm, then their total, as torchtitan does."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    squares = [
+        torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0).full_tensor() ** 2
+        for ps in by_mesh.values()
+    ]
+    total = torch.stack(squares).sum().sqrt()
+    for ps in by_mesh.values():  # one mesh at a time: foreach ops refuse mixed meshes
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+
+
+def plain_torch_step_and_state(model: torch.nn.Module, meshes: int = 1):
+    """DDP and FSDP2: torch's AdamW and clip_grad_norm_ (DTensor-aware for FSDP2; over
+    several meshes with tensor parallelism)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if meshes > 1:
+            clip_over_meshes(list(model.parameters()), CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
@@ -195,6 +224,55 @@ def deepspeed_config(impl: str) -> dict:
     return config
 
 
+def tensor_parallel(impl: str) -> bool:
+    return impl.endswith("-tp2")
+
+
+def data_parallel_mesh_and_plan(model: torch.nn.Module):
+    """The (data, tensor) mesh, and the Llama plan applied on its tensor dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(
+        "cpu", (world // TENSOR_PARALLEL, TENSOR_PARALLEL), mesh_dim_names=("data", "tensor")
+    )
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tensor"], plan)
+    return mesh
+
+
+def make_llama(size: str, cfg: GPTConfig) -> torch.nn.Module:
+    import transformers
+
+    shape = dict(LLAMA_SIZES[size])
+    heads = shape.pop("heads")
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.block_size,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        tie_word_embeddings=False,
+        **shape,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def make_model(impl: str, cfg: GPTConfig, meta: bool = False) -> tuple[torch.nn.Module, int]:
     """The model (seed 0) and its parameter count. ds3-lean builds it inside
     `deepspeed.zero.Init`, as DeepSpeed advises for models that barely fit: each rank then
@@ -215,9 +293,47 @@ def make_model(impl: str, cfg: GPTConfig, meta: bool = False) -> tuple[torch.nn.
     return model, sum(p.numel() for p in model.parameters())
 
 
+def build_tensor_parallel(impl: str, model: torch.nn.Module):
+    """dp x tp 2: ours at stage 1 or 3 over the data dimension, or FSDP2 over it as
+    Lightning's ModelParallelStrategy recipe applies it (fully_shard per block and the
+    root on the data mesh, after the plan)."""
+    mesh = data_parallel_mesh_and_plan(model)
+
+    def forward(x, y):
+        return model(input_ids=x, labels=y).loss
+
+    if impl == "fsdp2-tp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["data"])
+        fully_shard(model, mesh=mesh["data"])
+        return (forward, lambda loss: loss.backward(), *plain_torch_step_and_state(model, 2))
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        ZeroConfig(stage=int(impl[4]), gradient_clipping=CLIP),
+        device_mesh=mesh,
+    )
+
+    def step():
+        engine.step()
+        engine.zero_grad()
+
+    def state():
+        r = engine.memory_report()
+        return r["parameters"] + r["master_params"] + r["gradients"] + r["optimizer_state"]
+
+    return forward, engine.backward, step, state
+
+
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
     bf16 = impl.endswith("-bf16")
+    if tensor_parallel(impl):
+        return build_tensor_parallel(impl, model)
     if impl in ("ddp", "fsdp2", "fsdp2-bf16"):
         if impl == "ddp":
             runner = torch.nn.parallel.DistributedDataParallel(model)
@@ -331,9 +447,16 @@ def main() -> None:
     cfg = SIZES[args.size]
     if args.layers:
         cfg = dataclasses.replace(cfg, n_layer=args.layers)
-    model, n_params = make_model(args.impl, cfg, meta=args.meta)
+    if tensor_parallel(args.impl):
+        model = make_llama(args.size, cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+    else:
+        model, n_params = make_model(args.impl, cfg, meta=args.meta)
     forward, backward, step, state_bytes = build(args.impl, model)
-    g = torch.Generator().manual_seed(rank)
+    # Tensor-parallel ranks of one data-parallel rank read the same batch.
+    g = torch.Generator().manual_seed(
+        rank // TENSOR_PARALLEL if tensor_parallel(args.impl) else rank
+    )
     data = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
 
