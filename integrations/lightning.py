@@ -240,11 +240,10 @@ def make_strategy(root: str):
 
         @contextlib.contextmanager
         def model_sharded_context(self) -> Iterator[None]:
-            """configure_model() runs here: modules are built on the meta device and the
-            engine materializes only this rank's shard, one unit at a time. A
-            tensor-parallel plan shards real tensors: with one, modules are built as usual."""
-            meta = self._zero_base.tensor_parallel_size == 1
-            with init_on_meta() if meta else contextlib.nullcontext():
+            """configure_model() runs here: modules are built on the meta device (a
+            tensor-parallel plan applied there too) and the engine materializes only this
+            rank's shard, one unit at a time."""
+            with init_on_meta():
                 yield
 
         @contextlib.contextmanager

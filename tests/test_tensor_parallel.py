@@ -4,6 +4,7 @@ bad meshes are refused (4 gloo ranks: dp 2 x tp 2)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -165,7 +166,7 @@ def test_bad_meshes_are_refused_naming_the_fix(case, words):
 
 
 # ---------------------------------------------------------------------------- Lightning
-def _lightning_fit(rank, world, which):
+def _lightning_fit(rank, world, which, real_init=True, tp=2):
     import lightning as L
     from lightning_helpers import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -184,7 +185,14 @@ def _lightning_fit(rank, world, which):
         def configure_model(self):
             if self.model is not None:
                 return
-            self.model = apply_llama_plan(llama(), self.device_mesh["tensor_parallel"])
+            # Built for real (configure_model runs on the meta device under ZeRO), so
+            # that both strategies start from the same seed-0 weights; or on the meta
+            # device, the engine initialising each rank's block.
+            with torch.device("cpu") if real_init else contextlib.nullcontext():
+                model = llama()
+            self.model = model
+            if tp > 1:
+                apply_llama_plan(model, self.device_mesh["tensor_parallel"])
             if which == "model_parallel":
                 from torch.distributed.fsdp import fully_shard
 
@@ -202,7 +210,7 @@ def _lightning_fit(rank, world, which):
             return torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     if which == "zero":
-        strategy = ZeroStrategy(stage=3, tensor_parallel_size=2)
+        strategy = ZeroStrategy(stage=3, tensor_parallel_size=tp)
     else:
         strategy = L.pytorch.strategies.ModelParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=2
@@ -222,6 +230,17 @@ def test_lightning_tensor_parallel_matches_model_parallel_strategy():
     theirs = run_world(_lightning_fit, 4, "model_parallel")
     for mine, reference in zip(ours, theirs):
         _close(mine, reference)
+
+
+def test_lightning_configure_model_on_meta_with_a_plan():
+    """configure_model() builds the Hugging Face model on the meta device (inside the
+    LightningModule) and applies the plan there: the engine initialises it with the
+    model's own _init_weights, each rank keeping its block, so it trains as the same
+    model built on meta without tensor parallelism (2 ranks, the same data split)."""
+    with_plan = run_world(_lightning_fit, 4, "zero", False, 2)
+    without = run_world(_lightning_fit, 2, "zero", False, 1)
+    for rank, losses in enumerate(with_plan):
+        _close(losses, without[rank // 2])
 
 
 # ---------------------------------------------------------------------------- Fabric, Accelerate
@@ -469,3 +488,38 @@ def test_model_state_dict_round_trip(stage):
     for first, again, kinds in run_world(_state_dict_round_trip, 4, stage):
         assert kinds == {"DTensor", "Tensor"}
         assert first[0] == again[0]
+
+
+# ---------------------------------------------------------------------------- meta device
+def _built_on_meta(rank, world, tp, stage):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_strategy import init_on_meta
+
+    dp = world // tp
+    with init_on_meta():
+        model = llama()
+        mesh = None
+        if tp > 1:
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
+            apply_llama_plan(model, mesh["tensor"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), device_mesh=mesh)
+    losses = _train(engine, engine.rank, dp, batches(2, BATCH))
+    state = engine.full_state_dict()
+    engine.close()
+    return state, losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_built_on_meta_gets_the_weights_it_has_without_tensor_parallelism(stage):
+    """The plan applied on the meta device; the engine materialises each rank's block:
+    every position initialises the whole parameter and keeps its block, so the weights
+    are those of the same model without tensor parallelism (no two shards alike), and
+    training goes on as there."""
+    with_tp, losses_tp = run_world(_built_on_meta, 4, 2, stage)[0]
+    without, losses = run_world(_built_on_meta, 2, 1, stage)[0]
+    assert set(with_tp) == set(without)
+    for name, value in without.items():
+        torch.testing.assert_close(with_tp[name], value, rtol=1e-4, atol=1e-5)
+    _close(losses_tp, losses)

@@ -73,7 +73,7 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
-from .tensor_parallel import check_head_counts, full_tensor, local_tensor
+from .tensor_parallel import check_head_counts, full_tensor, local_tensor, whole_for_init
 from .tensor_parallel import check_parameters as check_tensor_parameters
 from .topology import ProcessGroups
 
@@ -181,6 +181,8 @@ class ZeroEngine:
         recomputed: list[str] = []
         if on_meta:
             meta_init.detach_from_meta([p.param for p in params], self.device)
+            for unit in self.units:  # a DTensor's real local shard is a new tensor
+                unit.locals = [local_tensor(p) for p in unit.params]
             recomputed = meta_init.detach_meta_buffers(model, self.device, param_init_fn)
         self._materialize(model, on_meta, param_init_fn)
         if on_meta:
@@ -303,11 +305,6 @@ class ZeroEngine:
             raise ValueError(
                 "Tensor parallelism with MoE layers is not supported yet: use "
                 "tensor_parallel_size=1 with expert parallelism, or a dense model."
-            )
-        if meta_init.has_meta_params(model):
-            raise ValueError(
-                "Tensor parallelism with a model on the meta device is not supported yet: "
-                "build the model on the device, apply the plan, then the engine."
             )
 
     @property
@@ -439,12 +436,21 @@ class ZeroEngine:
                     for piece, value in zip(whole, values.split([w.numel() for w in whole])):
                         piece.copy_(value)
 
+        def sharded_targets(unit: FlatUnit, flat: torch.Tensor):
+            return [
+                ((s.name, *s.aliases), s.tensor, flat[s.offset : s.end])
+                for s in unit.layout.slots
+                if s.tensor_sharded
+            ]
+
         if on_meta and self.stage < 3:
             flats = [flat_for(u) for u in self.units]
             for unit, flat in zip(self.units, flats):
                 point(unit, flat)
             slots = [s for u in self.units for s in u.layout.slots]
-            meta_init.run_init(model, meta_init.owner_modules(model, slots), init_fn)
+            targets = [t for u, f in zip(self.units, flats) for t in sharded_targets(u, f)]
+            with whole_for_init(model, targets):
+                meta_init.run_init(model, meta_init.owner_modules(model, slots), init_fn)
             for unit, flat in zip(self.units, flats):
                 agree(unit, flat)
                 unit.install(flat)
@@ -453,9 +459,10 @@ class ZeroEngine:
             flat = flat_for(unit)
             if on_meta:
                 point(unit, flat)
-                meta_init.run_init(
-                    model, meta_init.owner_modules(model, unit.layout.slots), init_fn
-                )
+                with whole_for_init(model, sharded_targets(unit, flat)):
+                    meta_init.run_init(
+                        model, meta_init.owner_modules(model, unit.layout.slots), init_fn
+                    )
             else:
                 copy_in(unit, flat)
             agree(unit, flat)

@@ -6,7 +6,7 @@ unit at a time and keep only this rank's shard.
     engine = ZeroEngine(model, opt, ZeroConfig(stage=3))   # each rank holds 1/N
 
 Values come from the model's own initialisation: `param_init_fn(module)` if given, else
-the root's `_init_weights(module)` (Hugging Face models), else `module.reset_parameters()`.
+the `_init_weights(module)` of the Hugging Face model holding it, else `module.reset_parameters()`.
 Rank 0's values are broadcast, so every rank starts from the same model whatever its RNG.
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from .partition import ParamSlot
 from .placement import within
+from .tensor_parallel import is_dtensor, real_dtensor_like
 
 InitFn = Callable[[nn.Module], None]
 
@@ -37,13 +38,17 @@ def has_meta_params(model: nn.Module) -> bool:
 
 def detach_from_meta(params: list[nn.Parameter], device: torch.device) -> None:
     """Turn meta parameters into empty real ones in place (object identity is kept, so the
-    optimizer's references and the module's registrations stay valid)."""
+    optimizer's references and the module's registrations stay valid). A tensor-parallel
+    (DTensor) one becomes a DTensor of the same placement over an empty real local
+    shard; the engine gives that shard its memory."""
     for p in params:
-        if p.is_meta:
-            real = nn.Parameter(
-                torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad
-            )
-            torch.utils.swap_tensors(p, real)
+        if not p.is_meta:
+            continue
+        empty = torch.empty(0, dtype=p.dtype, device=device)
+        if is_dtensor(p):
+            empty = real_dtensor_like(p, empty)
+        real = nn.Parameter(empty, requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, real)
 
 
 def owner_modules(model: nn.Module, slots: list[ParamSlot]) -> list[tuple[str, nn.Module]]:
@@ -60,7 +65,13 @@ def run_init(
     """Initialise the parameters directly owned by each module (now real, pointing at a
     flat buffer). A module under an ancestor with `zero_initialise()` (MoE experts, which
     seed each expert by its global id) is left to that ancestor, called once."""
-    hf_init = getattr(model, "_init_weights", None)
+    # Hugging Face models initialise any of their modules (`_init_weights`): the deepest
+    # such model holding a module does (the root, or one inside a LightningModule).
+    hf_inits = {
+        path: m._init_weights
+        for path, m in model.named_modules()
+        if callable(getattr(m, "_init_weights", None))
+    }
     owners = {
         path: module
         for path, module in model.named_modules()
@@ -74,9 +85,14 @@ def run_init(
                 owners[owner].zero_initialise()
                 done.add(owner)
             continue
+        hf_init = max(
+            ((p, f) for p, f in hf_inits.items() if within(path, p)),
+            key=lambda pf: len(pf[0]) if pf[0] else -1,
+            default=(None, None),
+        )[1]
         if init_fn is not None:
             init_fn(module)
-        elif callable(hf_init):
+        elif hf_init is not None:
             hf_init(module)
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -96,7 +112,9 @@ def detach_meta_buffers(
     Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
     make its meta buffers real ones holding a sentinel (NaN, or the lowest integer), so
     that `check_no_meta_buffers` can tell any it leaves unfilled; returns their names."""
-    if init_fn is None and not callable(getattr(model, "_init_weights", None)):
+    if init_fn is None and not any(
+        callable(getattr(m, "_init_weights", None)) for m in model.modules()
+    ):
         return []
     names = []
     for path, module in model.named_modules():

@@ -16,11 +16,13 @@ gradient of a DTensor parameter as a plain local tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -242,6 +244,53 @@ def check_parameters(named: Sequence[tuple[str, torch.Tensor]], layout: MeshLayo
                 f"Parameter {name!r} has placements {p.placements}; a parameter is either "
                 "sharded (Shard) or replicated (Replicate) over the tensor dimension."
             )
+
+
+def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor of `p`'s mesh, placements and shape over `local` (a meta parameter's
+    real replacement; its local shard is resized when the engine points it at memory)."""
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+@contextlib.contextmanager
+def whole_for_init(
+    model: nn.Module, targets: Sequence[tuple[Sequence[str], TensorPlacement, torch.Tensor]]
+) -> Iterator[None]:
+    """Inside, each tensor-sharded parameter (by every name of it) is a plain tensor of
+    its full shape, for the model's own initialisation of a meta-built model; on leaving,
+    this rank's block of it goes to its target (the flat slice) and the DTensor is back.
+    Every position then draws the same full tensor and keeps its block: the weights the
+    model would have without tensor parallelism (DTensor's own random ops on shards give
+    every position the same shard where it tracks no RNG offsets, on CPU)."""
+    swapped = []
+    for names, placement, target in targets:
+        original = model.get_parameter(names[0])
+        whole = nn.Parameter(
+            torch.empty(placement.full_shape, dtype=target.dtype, device=target.device),
+            requires_grad=original.requires_grad,
+        )
+        for name in names:
+            _set_parameter(model, name, whole)
+        swapped.append((names, original, whole, placement, target))
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        for names, original, whole, placement, target in swapped:
+            if finished:
+                starts, shape = placement.block(placement.position)
+                block = whole.detach()[tuple(slice(a, a + n) for a, n in zip(starts, shape))]
+                target.copy_(block.reshape(-1))
+            for name in names:
+                _set_parameter(model, name, original)
+
+
+def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, value)
 
 
 HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
