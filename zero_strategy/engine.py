@@ -206,7 +206,7 @@ class ZeroEngine:
             self._optimizer_set.state,
             self._opt_views,
             self.device,
-            self.rank,
+            self.groups.global_rank,  # names its file
             on_memory=self._memory.sample,
         )
         self._store_finalizer = weakref.finalize(self, self._opt_state.closer())
@@ -261,7 +261,7 @@ class ZeroEngine:
         # Stage 3 with offload_params="disk": each unit's shard in a file between uses
         # (the gatherer has just decided which units stay gathered, and stay in memory).
         self._shards = shard_store(
-            cfg, self.units, self.device, self.rank, on_memory=self._memory.sample
+            cfg, self.units, self.device, self.groups.global_rank, on_memory=self._memory.sample
         )
         self._shards_finalizer = weakref.finalize(
             self, self._shards.closer() if self._shards is not None else _nothing
