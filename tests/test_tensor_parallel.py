@@ -523,3 +523,29 @@ def test_a_model_built_on_meta_gets_the_weights_it_has_without_tensor_parallelis
     for name, value in without.items():
         torch.testing.assert_close(with_tp[name], value, rtol=1e-4, atol=1e-5)
     _close(losses_tp, losses)
+
+
+# ---------------------------------------------------------------------------- transformers' own plan
+def _transformers_plan(rank, world, path, stage):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, tp_plan="auto", dtype=torch.float32
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP, tensor_parallel_size=world)
+    engine = ZeroEngine(model, optimizer, config)
+    losses = _train(engine, engine.rank, 1, batches(STEPS, BATCH))
+    engine.close()
+    return losses
+
+
+def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(tmp_path):
+    """from_pretrained(tp_plan="auto"): Transformers' own plan (vocab-parallel embedding,
+    column-wise head, the blocks column-/row-wise) over the 2 ranks; the engine, told
+    tensor_parallel_size=2, trains it as one process does."""
+    model = llama()
+    model.save_pretrained(tmp_path)
+    reference, _ = _single_process(STEPS)
+    for losses in run_world(_transformers_plan, 2, str(tmp_path), 3):
+        _close(losses, reference)
