@@ -549,3 +549,124 @@ def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(tmp_path
     reference, _ = _single_process(STEPS)
     for losses in run_world(_transformers_plan, 2, str(tmp_path), 3):
         _close(losses, reference)
+
+
+# ---------------------------------------------------------------------------- a small MLP
+def _mlp(width: int = 4 * D) -> torch.nn.Module:
+    """The pre-norm block with `width` hidden units (5: split 3 + 2 over two positions)."""
+    block = _sequence_block()
+    torch.manual_seed(1)
+    block.up, block.down = torch.nn.Linear(D, width), torch.nn.Linear(width, D)
+    return block
+
+
+def _mlp_engine(stage, tp, width=4 * D, **config):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dp = torch.distributed.get_world_size() // tp
+    model, mesh = _mlp(width), None
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
+        # up's output stays a DTensor: RowwiseParallel would take a plain local input
+        # as an even shard. down's bias is replicated.
+        plan = {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()}
+        parallelize_module(model, mesh["tensor"], plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP, **config)
+    return ZeroEngine(model, optimizer, config, device_mesh=mesh), dp
+
+
+def _mlp_train(engine, dp, steps=STEPS):
+    losses = []
+    for x in _sequence_data(steps):
+        x = x.to(engine.module.norm.weight.dtype)  # bf16 compute: bf16 inputs
+        loss = engine(x.chunk(dp)[engine.rank]).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / torch.distributed.get_world_size())
+    return losses
+
+
+def _mlp_case(rank, world, case, stage, tp):
+    if case == "uneven buckets":  # 5 hidden units, buckets of 36 elements
+        engine, dp = _mlp_engine(stage, tp, width=5, bucket_size=36)
+        result = _mlp_train(engine, dp)
+    elif case == "bf16":
+        engine, dp = _mlp_engine(stage, tp, compute_dtype="bf16")
+        result = (_mlp_train(engine, dp), str(engine.module.up.weight.dtype))
+    elif case == "load_state_dict":  # down.bias is a replicated DTensor
+        engine, dp = _mlp_engine(stage, tp)
+        saved = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        first = _mlp_train(engine, dp, 2)
+        engine.module.load_state_dict(saved)
+        result = (first, _mlp_train(engine, dp, 2))
+    elif case == "modifier":  # global rank 1 writes; every rank takes its values
+        engine, dp = _mlp_engine(stage, tp)
+        with engine.gathered_parameters(modifier_rank=1):
+            if rank == 1:
+                torch.set_grad_enabled(False)
+                engine.module.norm.weight.fill_(7.0)
+                engine.module.up.bias.fill_(3.0)  # its own block of it
+                torch.set_grad_enabled(True)
+        result = engine.full_state_dict(rank0_only=False)
+        result = (result["norm.weight"], result["up.bias"])
+    elif case in ("converted", "plain"):  # model.to() after the engine, or not
+        engine, dp = _mlp_engine(stage, tp)
+        if case == "converted":
+            engine.module.to("cpu")
+        result = _mlp_train(engine, dp)
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_uneven_shards_with_small_buckets_train_as_without_tensor_parallelism(stage):
+    """5 hidden units split 3 + 2: positions hold different amounts, but cut their
+    buckets alike (by the largest block), so their collectives pair up."""
+    with_tp = run_world(_mlp_case, 4, "uneven buckets", stage, 2)[0]
+    without = run_world(_mlp_case, 2, "uneven buckets", stage, 1)[0]
+    _close(with_tp, without)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_compute_with_tensor_parallelism(stage):
+    """The DTensor parameters compute in bf16 (their dtype says so) and train as the
+    model without tensor parallelism does, within bf16's rounding."""
+    (with_tp, dtype), (without, _) = (
+        run_world(_mlp_case, 4, "bf16", stage, 2)[0],
+        run_world(_mlp_case, 2, "bf16", stage, 1)[0],
+    )
+    assert dtype == "torch.bfloat16"
+    _close(with_tp, without, rel=1e-2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_state_dict_with_replicated_dtensors(stage):
+    for first, again in run_world(_mlp_case, 4, "load_state_dict", stage, 2):
+        assert first[0] == again[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_modifier_rank_reaches_every_tensor_position(stage):
+    """gathered_parameters(modifier_rank=1): global rank 1 (tensor position 1) writes a
+    whole parameter and its own block of a sharded one; every rank ends with its
+    whole-parameter values, and the sharded one's block at position 1 from it."""
+    for norm, up_bias in run_world(_mlp_case, 4, "modifier", stage, 2):
+        assert torch.equal(norm, torch.full((D,), 7.0))
+        assert torch.equal(up_bias[2 * D :], torch.full((2 * D,), 3.0))
+        assert not torch.equal(up_bias[: 2 * D], torch.full((2 * D,), 3.0))
+
+
+def test_module_conversion_after_the_engine_keeps_training():
+    """model.to() swaps a DTensor parameter's contents (and unwires its hooks): the
+    engine wires them again at the next forward, and training goes on as without it."""
+    converted = run_world(_mlp_case, 4, "converted", 3, 2)[0]
+    _close(converted, run_world(_mlp_case, 4, "plain", 3, 2)[0])

@@ -374,7 +374,8 @@ def _index(
             "chunk_bytes": CHUNK_BYTES,
             "crc32": {rank_file(r): report["crc32"] for r, report in enumerate(reports)},
         },
-        # Each unit's shard groups (global ranks); the pieces above need none of it to load.
+        # Each unit's shard groups (data-parallel indices: global ranks without tensor
+        # parallelism); the pieces above need none of it to load.
         "units": [
             {
                 "name": u.layout.name,

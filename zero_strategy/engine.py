@@ -73,7 +73,7 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
-from .tensor_parallel import check_head_counts, full_tensor, local_tensor, whole_for_init
+from .tensor_parallel import check_head_counts, full_tensor, match_local_dtype, whole_for_init
 from .tensor_parallel import check_parameters as check_tensor_parameters
 from .topology import ProcessGroups
 
@@ -173,7 +173,6 @@ class ZeroEngine:
                 self.groups.shard_group(lay.spec),
                 self.device,
                 cfg.compute_torch_dtype,
-                [local_tensor(model.get_parameter(s.name)) for s in lay.slots],
             )
             for lay in layouts
         ]
@@ -181,8 +180,6 @@ class ZeroEngine:
         recomputed: list[str] = []
         if on_meta:
             meta_init.detach_from_meta([p.param for p in params], self.device)
-            for unit in self.units:  # a DTensor's real local shard is a new tensor
-                unit.locals = [local_tensor(p) for p in unit.params]
             recomputed = meta_init.detach_meta_buffers(model, self.device, param_init_fn)
         self._materialize(model, on_meta, param_init_fn)
         if on_meta:
@@ -269,7 +266,9 @@ class ZeroEngine:
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
         )
-        self._full_parameters = FullParameters(self.units, self.gather, self.wait_for_parameters)
+        self._full_parameters = FullParameters(
+            self.units, self.gather, self.wait_for_parameters, self.groups.mesh, self.groups.tensor
+        )
         self._full_grads = FullGrads(self.units, self.stage, self.gather, self._module_state.owner)
         self._grads_unscaled = False
         self._grads_live = False
@@ -538,6 +537,7 @@ class ZeroEngine:
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
         self._full_grads.hide()
+        self.reducer.rehook_converted()
         if self.config.broadcast_buffers and self._buffers_stale:
             self._sync_buffers()
             self._buffers_stale = False
@@ -1191,8 +1191,8 @@ class ZeroEngine:
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.global_rank == 0
         for unit in self.units:
-            if not unit.layout.numel:
-                continue
+            if not unit.layout.numel and not any(s.tensor_sharded for s in unit.layout.slots):
+                continue  # (a block may be empty here and not at another position)
             for copy_index, full in self._full_copies(unit):
                 for slot in unit.layout.slots:
                     if slot.tensor_sharded:  # every position's block (collective)
@@ -1295,6 +1295,7 @@ class ZeroEngine:
                 full = self._gather_master(unit)
                 for slot, p, local in zip(unit.layout.slots, unit.params, unit.locals):
                     local.data = full[slot.offset : slot.end].view(slot.shape).clone()
+                    match_local_dtype(p)
                     p.grad = None
         hooks = [self._handles, self.reducer.handles, self._module_state.handles]
         hooks += [self.gather.handles] if self.gather is not None else []

@@ -26,7 +26,7 @@ from torch import nn
 
 from .partition import UnitLayout
 from .storage_pool import StoragePool
-from .tensor_parallel import set_local_grad
+from .tensor_parallel import local_tensor, match_local_dtype, set_local_grad
 from .topology import ShardGroup
 
 
@@ -47,13 +47,9 @@ class FlatUnit:
         group: ShardGroup,
         device: torch.device,
         compute_dtype: torch.dtype,
-        local_tensors: list[torch.Tensor] | None = None,
     ):
         self.layout = layout
         self.params = params  # aligned with layout.slots
-        # What holds each parameter's values on this rank: the parameter, or a DTensor
-        # parameter's local shard (tensor parallelism), whose memory the unit provides.
-        self.locals = params if local_tensors is None else local_tensors
         self.stage = stage
         self.group = group  # who shards, reduces and gathers this unit
         self.rank = group.rank if stage else 0  # this rank's slice of the layout
@@ -109,13 +105,23 @@ class FlatUnit:
         if self.grad_full is not None:
             self.attach_param_grads()
 
+    @property
+    def locals(self) -> list[torch.Tensor]:
+        """What holds each parameter's values on this rank, whose memory the unit
+        provides: the parameter, or a DTensor parameter's local shard (tensor
+        parallelism). Looked up each time: a module conversion (`.to()`) swaps a DTensor's
+        contents, local shard included."""
+        return [local_tensor(p) for p in self.params]
+
     def _point_params_at(self, flat: torch.Tensor) -> None:
-        for slot, local in zip(self.layout.slots, self.locals):
-            local.data = flat[slot.offset : slot.end].view(slot.shape)
+        for slot, p in zip(self.layout.slots, self.params):
+            local_tensor(p).data = flat[slot.offset : slot.end].view(slot.shape)
+            match_local_dtype(p)
 
     def _free_storage_views(self) -> None:
-        for local in self.locals:
-            local.data = self._empty
+        for p in self.params:
+            local_tensor(p).data = self._empty
+            match_local_dtype(p)
 
     def attach_param_grads(self) -> None:
         """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from .comm import Communicator
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
 from .partition import ParamSlot
-from .tensor_parallel import set_local_grad
+from .tensor_parallel import MeshLayout, set_local_grad
 
 
 def units_of(
@@ -52,10 +53,16 @@ class FullParameters:
         units: list[FlatUnit],
         gather: GatherManager | None,
         wait_for_parameters: Callable[[], None],
+        mesh: MeshLayout | None = None,
+        tensor: Communicator | None = None,
     ):
         self.units = units
         self.gather = gather
         self.wait_for_parameters = wait_for_parameters
+        # Tensor parallelism: where a modifier rank sits, and the group whole parameters
+        # are made equal over.
+        self.mesh = mesh
+        self.tensor = tensor
 
     @contextlib.contextmanager
     def gathered(
@@ -75,10 +82,25 @@ class FullParameters:
                 for unit in chosen:
                     if unit.full is not None and unit.layout.numel:
                         if modifier_rank is not None:
-                            _broadcast_from(unit, modifier_rank)
+                            self._take_modifiers_values(unit, modifier_rank)
                         write_back_unit(unit)
             for unit in held:
                 unit.free_full()
+
+    def _take_modifiers_values(self, unit: FlatUnit, rank: int) -> None:
+        """`rank`'s writes win: over the data-parallel ranks, and with tensor
+        parallelism at every position (the shards of the modifier's data-parallel index;
+        the parameters whole on every position, its own)."""
+        if self.mesh is None or self.tensor is None:
+            _broadcast_from(unit, rank)
+            return
+        _broadcast_from(unit, self.mesh.peer_at_my_position(rank))
+        whole = [unit.full[s.offset : s.end] for s in unit.layout.slots if not s.tensor_sharded]
+        if whole:
+            values = torch.cat(whole)
+            self.tensor.broadcast(values, src=self.mesh.position_of(rank), kind="gathered")
+            for piece, value in zip(whole, values.split([w.numel() for w in whole])):
+                piece.copy_(value)
 
 
 def _broadcast_from(unit: FlatUnit, rank: int) -> None:

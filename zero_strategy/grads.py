@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
-from .tensor_parallel import local_grad, set_local_grad
+from .tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
 # with the one being filled, that bounds the transient gradient memory to three units.
@@ -131,14 +131,36 @@ class GradReducer:
             u.layout.index: sum(s.trainable for s in u.layout.slots) for u in units
         }
         self.handles = []
+        # DTensor parameters, by the local shard they had when hooked: a module
+        # conversion (`.to()`) swaps a DTensor parameter's contents, which unwires its
+        # hooks (they stay listed on it but no longer run).
+        self._dtensor_hooks: list[tuple[nn.Parameter, int, int, int, weakref.ref]] = []
         for position, unit in enumerate(units):
             for slot_index, (slot, p) in enumerate(zip(unit.layout.slots, unit.params)):
                 if slot.trainable:
-                    self.handles.append(
-                        p.register_post_accumulate_grad_hook(
-                            self._make_hook(weakref.ref(self), position, slot_index)
-                        )
-                    )
+                    self.handles.append(self._hook(p, position, slot_index))
+                    if is_dtensor(p):
+                        entry = (p, position, slot_index, len(self.handles) - 1)
+                        self._dtensor_hooks.append((*entry, weakref.ref(local_tensor(p))))
+
+    def _hook(self, p: nn.Parameter, position: int, slot_index: int):
+        return p.register_post_accumulate_grad_hook(
+            self._make_hook(weakref.ref(self), position, slot_index)
+        )
+
+    def rehook_converted(self) -> None:
+        """Before a forward: a DTensor parameter swapped since it was hooked has its
+        post-accumulate hooks wired again (ours, and any others listed on it)."""
+        for i, (p, position, slot_index, at, local) in enumerate(self._dtensor_hooks):
+            if local() is local_tensor(p):
+                continue
+            listed = dict(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+            listed.pop(self.handles[at].id, None)
+            p._post_accumulate_grad_hooks = None  # registering again wires a new list
+            self.handles[at] = self._hook(p, position, slot_index)
+            for hook in listed.values():
+                p.register_post_accumulate_grad_hook(hook)
+            self._dtensor_hooks[i] = (p, position, slot_index, at, weakref.ref(local_tensor(p)))
 
     # ---------------------------------------------------------------- hooks
     def backward_started(self) -> None:

@@ -28,6 +28,7 @@ from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
 from .module_hooks import EngineHook
 from .partition import ParamSlot
+from .tensor_parallel import local_tensor
 
 
 class ModuleStateHooks:
@@ -150,6 +151,7 @@ def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
     lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
     if lo >= hi or unit.master is None:
         return
+    source = local_tensor(source)  # a DTensor's values on this rank: its local shard
     if source.numel() == slot.numel:
         values = source.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
     elif unit.full is not None:

@@ -175,6 +175,15 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
     return slots
 
 
+def _bucket_numel(p: _Param) -> int:
+    """What a parameter counts against a bucket: its local size, or with tensor
+    parallelism its largest block's (position 0's), so that every position cuts its
+    buckets alike (an uneven split would otherwise give positions different units)."""
+    if p.tensor is not None and p.tensor.sharded:
+        return math.prod(p.tensor.block(0)[1])
+    return p.local.numel()
+
+
 def bucket_layouts(
     params: Sequence[_Param],
     group_of: dict[int, int],
@@ -188,7 +197,7 @@ def bucket_layouts(
     filled = 0
     for p in reversed(params):
         spec = spec_of(p)
-        numel = p.local.numel()
+        numel = _bucket_numel(p)
         if not buckets or buckets[-1][0] != spec or filled + numel > bucket_size:
             buckets.append((spec, []))
             filled = 0

@@ -246,7 +246,7 @@ def _with_tensor_parallel(
     if other:
         raise PlanError(
             "tensor_parallel_size with expert parallelism or hybrid sharding is not "
-            "supported (nor by the engine): use one of them."
+            "modelled by the planner: plan them apart."
         )
     if sharded is None:
         sharded = params - options["root_params"]

@@ -30,6 +30,9 @@ except ImportError:  # torch without distributed
     DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 
+TENSOR_NAMES = ("tensor", "tp", "tensor_parallel")
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """The world's ranks as a (data, tensor) grid: `grid[d][t]` is the global rank at
@@ -66,11 +69,19 @@ class MeshLayout:
                 "mesh (data, tensor), e.g. init_device_mesh('cpu', (dp, tp), "
                 "mesh_dim_names=('data', 'tensor'))."
             )
-        grid = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
-        if any(list(column) != sorted(column) for column in zip(*grid)):
+        names = tuple(mesh.mesh_dim_names or ())
+        if names and any(n in TENSOR_NAMES for n in names[:1]):
             raise ValueError(
-                f"device_mesh {mesh.mesh.tolist()}: the ranks along its data dimension must "
-                "rise (torch numbers a group's ranks in rising order); build it with "
+                f"device_mesh has dimensions {names}: the tensor dimension comes last, "
+                "(data, tensor), as init_device_mesh('cpu', (dp, tp), mesh_dim_names="
+                "('data', 'tensor')) builds it."
+            )
+        grid = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+        lines = [*grid, *zip(*grid)]  # each tensor group, each data-parallel group
+        if any(list(line) != sorted(line) for line in lines):
+            raise ValueError(
+                f"device_mesh {mesh.mesh.tolist()}: the ranks along each of its dimensions "
+                "must rise (torch numbers a group's ranks in rising order); build it with "
                 "init_device_mesh."
             )
         return cls(grid, rank)
@@ -99,6 +110,24 @@ class MeshLayout:
     def tensor_group(self) -> tuple[int, ...]:
         """The global ranks of this rank's tensor-parallel group."""
         return self.grid[self.data_index]
+
+    def position_of(self, rank: int) -> int:
+        """The tensor-parallel position of a global rank."""
+        return self._locate(rank)[1]
+
+    def peer_at_my_position(self, rank: int) -> int:
+        """The global rank at this rank's tensor-parallel position with `rank`'s
+        data-parallel index."""
+        return self.grid[self._locate(rank)[0]][self.tensor_index]
+
+    def _locate(self, rank: int) -> tuple[int, int]:
+        for d, row in enumerate(self.grid):
+            if rank in row:
+                return d, row.index(rank)
+        raise ValueError(
+            f"rank {rank} is not in the mesh {[list(r) for r in self.grid]}; give a global "
+            f"rank between 0 and {self.world_size - 1}."
+        )
 
     def expand(self, partition: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """A split of data-parallel indices, as global ranks at every tensor position: each
@@ -291,6 +320,16 @@ def whole_for_init(
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, attr = name.rpartition(".")
     setattr(model.get_submodule(owner), attr, value)
+
+
+def match_local_dtype(p: torch.Tensor) -> None:
+    """A DTensor's dtype is fixed when it is made, but the engine gives its local shard
+    the compute dtype (bf16 views of its buffers), or back the masters' (release): wrap
+    the local shard again, in place, so that the parameter, its gradients and its
+    state_dict() carry the dtype it computes in."""
+    if is_dtensor(p) and p.dtype != p._local_tensor.dtype:
+        again = nn.Parameter(real_dtensor_like(p, p._local_tensor), requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, again)
 
 
 HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")

@@ -186,32 +186,23 @@ class ProcessGroups:
     def communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
         """The communicator of this rank's group in `partition` (the data-parallel ranks
         split into groups), created once (collective the first time, as `shard_group`)."""
-        return self._communicator(self.mesh.expand(partition), partition)
+        return self._communicator(self.mesh.expand(partition))
 
-    def _communicator(
-        self,
-        partition: tuple[tuple[int, ...], ...],
-        numbered: tuple[tuple[int, ...], ...] | None = None,
-    ) -> Communicator:
-        """`partition` in global ranks; `numbered`, the same groups as the engine numbers
-        their ranks (data-parallel indices), for the messages and lookups that use them."""
+    def _communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
+        """The communicator of this rank's group in `partition` (global ranks)."""
         if partition not in self._comms:
             self._comms[partition] = Communicator(
-                self._create(partition, numbered or partition),
+                self._create(partition),
                 self._rs_via_ar,
                 self._ag_via_bcast,
                 self.refresh,
             )
         return self._comms[partition]
 
-    def _create(
-        self, partition: tuple[tuple[int, ...], ...], numbered: tuple[tuple[int, ...], ...]
-    ) -> CommGroup:
+    def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
         """This rank's group of `partition` (every rank creates every group of it)."""
-        position = next(i for i, g in enumerate(partition) if self.global_rank in g)
-        mine = partition[position]
-        ranks = numbered[position % len(numbered)]  # `expand` repeats them per position
-        comm_group = CommGroup(ranks, mine.index(self.global_rank), None)
+        mine = next(g for g in partition if self.global_rank in g)
+        comm_group = CommGroup(mine, mine.index(self.global_rank), None)
         if comm_group.distributed:
             comm_group.group = self._new_group(partition)
             self._made.append((comm_group, partition))
