@@ -120,3 +120,30 @@ def test_meta_buffers_are_recomputed_by_the_models_init_or_named():
         model = _WithBuffers(fill_both=False)
     with pytest.raises(ValueError, match=r"\['rotary.steps'\].*did not fill them"):
         ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _meta_built(rank, world, wrapped: bool):
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    with init_on_meta():
+        model = GPT(cfg)
+        if wrapped:  # as a LightningModule's configure_model holds it
+            holder = torch.nn.Module()
+            holder.model = model
+            model = holder
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    state = {k.removeprefix("model."): v for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return state
+
+
+def test_a_model_inside_another_module_gets_its_own_initialisation():
+    """The GPT's `_init_weights` (GPT-2's normal(0, 0.02)) initialises it on the meta
+    device whether it is the root or held by another module (a LightningModule); before,
+    only the root's was looked for, and a held model got its layers' kaiming defaults."""
+    bare = run_world(_meta_built, 2, False)[0]
+    held = run_world(_meta_built, 2, True)[0]
+    assert set(bare) == set(held)
+    for name, value in bare.items():
+        assert torch.equal(held[name], value), name
+    assert abs(held["lm_head.weight"].std().item() - 0.02) < 0.003
