@@ -540,13 +540,42 @@ def _transformers_plan(rank, world, path, stage):
     return losses
 
 
-def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(tmp_path):
-    """from_pretrained(tp_plan="auto"): Transformers' own plan (vocab-parallel embedding,
-    column-wise head, the blocks column-/row-wise) over the 2 ranks; the engine, told
+def _architecture(name: str) -> torch.nn.Module:
+    import transformers as T
+
+    if name == "llama":
+        return llama()
+    torch.manual_seed(0)
+    config = {"qwen3": T.Qwen3Config, "phi3": T.Phi3Config, "olmo2": T.Olmo2Config}[name](
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=0,
+    )
+    return T.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "olmo2"])
+def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(name, tmp_path):
+    """from_pretrained(tp_plan="auto"): Transformers' own plan over the 2 ranks
+    (vocab-parallel embedding, column-wise head, the blocks column-/row-wise; Phi-3's
+    packed qkv and gate_up, Qwen3's and OLMo2's q/k norms); the engine, told
     tensor_parallel_size=2, trains it as one process does."""
-    model = llama()
-    model.save_pretrained(tmp_path)
-    reference, _ = _single_process(STEPS)
+    _architecture(name).save_pretrained(tmp_path)
+    model = _architecture(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    reference = []
+    for ids in batches(STEPS, BATCH):
+        loss = loss_of(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.append(loss.item())
     for losses in run_world(_transformers_plan, 2, str(tmp_path), 3):
         _close(losses, reference)
 
