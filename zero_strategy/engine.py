@@ -68,7 +68,14 @@ from .partition import (
     select_unit_modules,
     unique_parameters,
 )
-from .placement import PlacementFn, ShardSpec, placed_modules, placed_path_of_names, spec_of_owner
+from .placement import (
+    PlacementFn,
+    ShardSpec,
+    owner_of,
+    placed_modules,
+    placed_path_of_names,
+    spec_of_owner,
+)
 from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
@@ -447,9 +454,15 @@ class ZeroEngine:
             for unit, flat in zip(self.units, flats):
                 point(unit, flat)
             slots = [s for u in self.units for s in u.layout.slots]
+            owners = meta_init.owner_modules(model, slots)
             targets = [t for u, f in zip(self.units, flats) for t in sharded_targets(u, f)]
-            with whole_for_init(model, targets):
-                meta_init.run_init(model, meta_init.owner_modules(model, slots), init_fn)
+            if not targets:
+                meta_init.run_init(model, owners, init_fn)
+            # Tensor-sharded parameters are initialised whole: one module's at a time.
+            for path, module in owners if targets else ():
+                mine = [t for t in targets if owner_of(t[0][0]) == path]
+                with whole_for_init(model, mine):
+                    meta_init.run_init(model, [(path, module)], init_fn)
             for unit, flat in zip(self.units, flats):
                 agree(unit, flat)
                 unit.install(flat)
