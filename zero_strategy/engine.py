@@ -306,7 +306,9 @@ class ZeroEngine:
         check_tensor_parameters(named, self.groups.mesh)
         if self.tensor_parallel_size == 1:
             return
-        check_head_counts(named, getattr(model, "config", None), self.tensor_parallel_size)
+        # The (Hugging Face) config of the model, or of one held inside it (Lightning's).
+        config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+        check_head_counts(named, config, self.tensor_parallel_size)
         if expert_layers(model) or cfg.expert_parallel_size > 1:
             raise ValueError(
                 "Tensor parallelism with MoE layers is not supported yet: use "
