@@ -231,27 +231,14 @@ def tensor_parallel(impl: str) -> bool:
 def data_parallel_mesh_and_plan(model: torch.nn.Module):
     """The (data, tensor) mesh, and the Llama plan applied on its tensor dimension."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+
+    from examples.tensor_parallel_plan import apply_llama_plan
 
     world = dist.get_world_size()
     mesh = init_device_mesh(
         "cpu", (world // TENSOR_PARALLEL, TENSOR_PARALLEL), mesh_dim_names=("data", "tensor")
     )
-    plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tensor"], plan)
+    apply_llama_plan(model, mesh["tensor"])
     return mesh
 
 
@@ -317,6 +304,11 @@ def build_tensor_parallel(impl: str, model: torch.nn.Module):
         ZeroConfig(stage=int(impl[4]), gradient_clipping=CLIP),
         device_mesh=mesh,
     )
+    return forward, engine.backward, *zero_step_and_state(engine)
+
+
+def zero_step_and_state(engine):
+    """This engine's step (then zero_grad) and its model-state bytes."""
 
     def step():
         engine.step()
@@ -326,7 +318,7 @@ def build_tensor_parallel(impl: str, model: torch.nn.Module):
         r = engine.memory_report()
         return r["parameters"] + r["master_params"] + r["gradients"] + r["optimizer_state"]
 
-    return forward, engine.backward, step, state
+    return step, state
 
 
 def build(impl: str, model: torch.nn.Module):
@@ -382,16 +374,7 @@ def build(impl: str, model: torch.nn.Module):
                 offload_dir=offload_dir() if tier == "disk" else None,
             ),
         )
-
-        def step():
-            engine.step()
-            engine.zero_grad()
-
-        def state():
-            r = engine.memory_report()
-            return r["parameters"] + r["master_params"] + r["gradients"] + r["optimizer_state"]
-
-        return engine, engine.backward, step, state
+        return engine, engine.backward, *zero_step_and_state(engine)
     raise SystemExit(f"unknown implementation {impl}")
 
 

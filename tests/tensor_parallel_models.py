@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from examples.tensor_parallel_plan import apply_llama_plan
+
+__all__ = ["apply_llama_plan", "batches", "llama", "loss_of"]
+
 VOCAB, SEQ, HIDDEN, HEADS = 96, 16, 32, 4
 
 
@@ -25,29 +29,6 @@ def llama(seed: int = 0, layers: int = 2, kv_heads: int = 2) -> nn.Module:
     )
     config._attn_implementation = "eager"
     return T.LlamaForCausalLM(config)
-
-
-def apply_llama_plan(model: nn.Module, tensor_mesh) -> nn.Module:
-    """Attention q/k/v and MLP gate/up column-wise, o and down row-wise: every matmul of a
-    block is split over the tensor dimension, activations between blocks are whole."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    for layer in model.model.layers:
-        parallelize_module(layer, tensor_mesh, plan)
-    return model
 
 
 def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:

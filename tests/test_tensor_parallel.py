@@ -47,8 +47,10 @@ def _train(engine: ZeroEngine, data_index: int, dp: int, data) -> list[float]:
     return losses
 
 
-def _single_process(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = llama()
+def _single_process(
+    steps: int, model: torch.nn.Module | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = llama() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for ids in batches(steps, BATCH):
@@ -566,16 +568,7 @@ def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(name, tm
     packed qkv and gate_up, Qwen3's and OLMo2's q/k norms); the engine, told
     tensor_parallel_size=2, trains it as one process does."""
     _architecture(name).save_pretrained(tmp_path)
-    model = _architecture(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    reference = []
-    for ids in batches(STEPS, BATCH):
-        loss = loss_of(model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        reference.append(loss.item())
+    reference, _ = _single_process(STEPS, _architecture(name))
     for losses in run_world(_transformers_plan, 2, str(tmp_path), 3):
         _close(losses, reference)
 
