@@ -79,7 +79,7 @@ def _train_and_save(rank, world, stage, path):
     return losses
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_dp2_tp2_llama_matches_one_process(stage, tmp_path):
     """Stages 1 and 3 over the data dimension, with clipping (the norm spans shards of
     both dimensions): the losses are one process's within 1e-5, and the checkpoint,
@@ -621,8 +621,8 @@ def _mlp_case(rank, world, case, stage, tp):
     if case == "uneven buckets":  # 5 hidden units, buckets of 36 elements
         engine, dp = _mlp_engine(stage, tp, width=5, bucket_size=36)
         result = _mlp_train(engine, dp)
-    elif case == "bf16":
-        engine, dp = _mlp_engine(stage, tp, compute_dtype="bf16")
+    elif case in ("bf16", "fp16"):
+        engine, dp = _mlp_engine(stage, tp, compute_dtype=case)
         result = (_mlp_train(engine, dp), str(engine.module.up.weight.dtype))
     elif case == "load_state_dict":  # down.bias is a replicated DTensor
         engine, dp = _mlp_engine(stage, tp)
@@ -658,15 +658,17 @@ def test_uneven_shards_with_small_buckets_train_as_without_tensor_parallelism(st
     _close(with_tp, without)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_bf16_compute_with_tensor_parallelism(stage):
-    """The DTensor parameters compute in bf16 (their dtype says so) and train as the
-    model without tensor parallelism does, within bf16's rounding."""
-    (with_tp, dtype), (without, _) = (
-        run_world(_mlp_case, 4, "bf16", stage, 2)[0],
-        run_world(_mlp_case, 2, "bf16", stage, 1)[0],
+def test_reduced_precision_with_tensor_parallelism(stage, dtype):
+    """The DTensor parameters compute in bf16/fp16 (their dtype says so; fp16 with the
+    loss scale, its overflow check spanning the tensor ranks) and train as the model
+    without tensor parallelism does, within the dtype's rounding."""
+    (with_tp, got), (without, _) = (
+        run_world(_mlp_case, 4, dtype, stage, 2)[0],
+        run_world(_mlp_case, 2, dtype, stage, 1)[0],
     )
-    assert dtype == "torch.bfloat16"
+    assert got == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
     _close(with_tp, without, rel=1e-2)
 
 
