@@ -1,0 +1,67 @@
+"""A DTensor parameter as the engine handles it: its local shard (whose memory the
+engine provides), its dtype, and its gradient as a plain local tensor."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a parameter's values live in on this rank: a DTensor's local
+    shard (the same object for the DTensor's lifetime: the engine re-points its `.data`),
+    the parameter itself otherwise."""
+    return p._local_tensor if is_dtensor(p) else p
+
+
+def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor of `p`'s mesh, placements and shape over `local` (a meta parameter's
+    real replacement; its local shard is resized when the engine points it at memory)."""
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+def match_local_dtype(p: torch.Tensor) -> None:
+    """A DTensor's dtype is fixed when it is made, but the engine gives its local shard
+    the compute dtype (bf16 views of its buffers), or back the masters' (release): wrap
+    the local shard again, in place, so that the parameter, its gradients and its
+    state_dict() carry the dtype it computes in."""
+    if is_dtensor(p) and p.dtype != p._local_tensor.dtype:
+        again = nn.Parameter(real_dtensor_like(p, p._local_tensor), requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, again)
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as a plain tensor of its local shape. A DTensor gradient
+    with another placement than its parameter (a replicated weight used on sequence
+    shards has a Partial one) is first brought to the parameter's (a collective over the
+    tensor group)."""
+    grad = p.grad
+    if grad is None or not is_dtensor(grad):
+        return grad
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+        p.grad = grad
+    return grad._local_tensor
+
+
+def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:
+    """Point a parameter's `.grad` at `local` (a view of the engine's buffer): as a
+    DTensor of the parameter's placement for a DTensor parameter, so that autograd keeps
+    accumulating into the same memory."""
+    if local is None or not is_dtensor(p):
+        p.grad = local
+        return
+    p.grad = DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
