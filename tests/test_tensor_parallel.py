@@ -32,12 +32,16 @@ def _engine(dp: int, tp: int, stage: int, dtype: str = "fp32"):
     return engine, engine.rank  # the data-parallel index: which part of the batch
 
 
-def _train(engine: ZeroEngine, data_index: int, dp: int, data) -> list[float]:
+def _llama_loss(engine: ZeroEngine, ids: torch.Tensor) -> torch.Tensor:
+    return loss_of(engine.module, ids)
+
+
+def _train(engine: ZeroEngine, data_index: int, dp: int, data, loss_fn=_llama_loss) -> list[float]:
     """Each data-parallel rank trains on its part of every batch; returns the losses of
     the whole batches (the mean of the parts)."""
     losses = []
-    for ids in data:
-        loss = loss_of(engine.module, ids.chunk(dp)[data_index])
+    for batch in data:
+        loss = loss_fn(engine, batch.chunk(dp)[data_index])
         engine.backward(loss)
         engine.step()
         engine.zero_grad()
@@ -603,18 +607,13 @@ def _mlp_engine(stage, tp, width=4 * D, **config):
     return ZeroEngine(model, optimizer, config, device_mesh=mesh), dp
 
 
+def _mlp_loss(engine: ZeroEngine, x: torch.Tensor) -> torch.Tensor:
+    x = x.to(engine.module.norm.weight.dtype)  # bf16 compute: bf16 inputs
+    return engine(x).float().square().mean()
+
+
 def _mlp_train(engine, dp, steps=STEPS):
-    losses = []
-    for x in _sequence_data(steps):
-        x = x.to(engine.module.norm.weight.dtype)  # bf16 compute: bf16 inputs
-        loss = engine(x.chunk(dp)[engine.rank]).float().square().mean()
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / torch.distributed.get_world_size())
-    return losses
+    return _train(engine, engine.rank, dp, _sequence_data(steps), _mlp_loss)
 
 
 def _mlp_case(rank, world, case, stage, tp):
