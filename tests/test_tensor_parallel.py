@@ -32,6 +32,13 @@ def _engine(dp: int, tp: int, stage: int, dtype: str = "fp32"):
     return engine, engine.rank  # the data-parallel index: which part of the batch
 
 
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    """The whole batch's loss: the mean of every rank's (tensor ranks repeat theirs)."""
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total.item() / torch.distributed.get_world_size()
+
+
 def _llama_loss(engine: ZeroEngine, ids: torch.Tensor) -> torch.Tensor:
     return loss_of(engine.module, ids)
 
@@ -45,9 +52,7 @@ def _train(engine: ZeroEngine, data_index: int, dp: int, data, loss_fn=_llama_lo
         engine.backward(loss)
         engine.step()
         engine.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / torch.distributed.get_world_size())
+        losses.append(_mean_over_ranks(loss))
     return losses
 
 
@@ -273,9 +278,7 @@ def _fabric_fit(rank, world):
         fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(_mean_over_ranks(loss))
     return losses
 
 
@@ -303,9 +306,7 @@ def _accelerate_fit(rank, world):
         accelerator.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(_mean_over_ranks(loss))
     accelerator.end_training()
     return losses
 

@@ -80,7 +80,13 @@ from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
 from .routed_zero_grad import route_zero_grad
-from .tensor_parallel import check_head_counts, full_tensor, match_local_dtype, whole_for_init
+from .tensor_parallel import (
+    broadcast_whole_parameters,
+    check_head_counts,
+    full_tensor,
+    match_local_dtype,
+    whole_for_init,
+)
 from .tensor_parallel import check_parameters as check_tensor_parameters
 from .topology import ProcessGroups
 
@@ -437,12 +443,7 @@ class ZeroEngine:
             if unit.group.summed_over_copies is not None:  # every copy starts from copy 0's
                 unit.group.summed_over_copies.broadcast(flat, src=0)
             if self.groups.tensor is not None:  # whole parameters: position 0's values
-                whole = [flat[s.offset : s.end] for s in unit.layout.slots if not s.tensor_sharded]
-                if whole:
-                    values = torch.cat(whole)
-                    self.groups.tensor.broadcast(values, src=0)
-                    for piece, value in zip(whole, values.split([w.numel() for w in whole])):
-                        piece.copy_(value)
+                broadcast_whole_parameters(flat, unit.layout.slots, self.groups.tensor, src=0)
 
         def sharded_targets(unit: FlatUnit, flat: torch.Tensor):
             return [

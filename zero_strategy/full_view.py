@@ -29,7 +29,7 @@ from .comm import Communicator
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
 from .partition import ParamSlot
-from .tensor_parallel import MeshLayout, set_local_grad
+from .tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
 
 
 def units_of(
@@ -95,12 +95,8 @@ class FullParameters:
             _broadcast_from(unit, rank)
             return
         _broadcast_from(unit, self.mesh.peer_at_my_position(rank))
-        whole = [unit.full[s.offset : s.end] for s in unit.layout.slots if not s.tensor_sharded]
-        if whole:
-            values = torch.cat(whole)
-            self.tensor.broadcast(values, src=self.mesh.position_of(rank), kind="gathered")
-            for piece, value in zip(whole, values.split([w.numel() for w in whole])):
-                piece.copy_(value)
+        position = self.mesh.position_of(rank)
+        broadcast_whole_parameters(unit.full, unit.layout.slots, self.tensor, position, "gathered")
 
 
 def _broadcast_from(unit: FlatUnit, rank: int) -> None:

@@ -28,11 +28,18 @@ from .dtensors import (
 )
 from .init import whole_for_init
 from .mesh import MeshLayout, tensor_parallel_mesh
-from .placement import TensorPlacement, full_tensor, placement_of, read_block
+from .placement import (
+    TensorPlacement,
+    broadcast_whole_parameters,
+    full_tensor,
+    placement_of,
+    read_block,
+)
 
 __all__ = [
     "MeshLayout",
     "TensorPlacement",
+    "broadcast_whole_parameters",
     "check_head_counts",
     "check_parameters",
     "full_tensor",

@@ -108,3 +108,17 @@ def full_tensor(local: torch.Tensor, placement: TensorPlacement, tensor_group) -
         tensor_group.broadcast(block, src=position, kind="gathered")
         out[tuple(slice(a, a + n) for a, n in zip(starts, shape))] = block.cpu()
     return out
+
+
+def broadcast_whole_parameters(
+    flat: torch.Tensor, slots, tensor_group, src: int, kind: str = "broadcast"
+) -> None:
+    """The parameters whole on every position (`slots` not tensor-sharded) in a unit's
+    flat buffer take position `src`'s values: one broadcast over the tensor group."""
+    whole = [flat[s.offset : s.end] for s in slots if not s.tensor_sharded]
+    if not whole:
+        return
+    values = torch.cat(whole)
+    tensor_group.broadcast(values, src=src, kind=kind)
+    for piece, value in zip(whole, values.split([w.numel() for w in whole])):
+        piece.copy_(value)
