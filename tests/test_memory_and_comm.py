@@ -83,12 +83,13 @@ def test_memory_matches_zero_formulas(stage, world):
         assert total_moments == 8 * psi
 
 
-@pytest.mark.parametrize("emulate", [False, True])
+@pytest.mark.parametrize("emulate", [False, True, None])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_comm_volume_per_step(stage, emulate):
     """Stages 1-2 move one reduction of the gradients and one gather of the parameters;
     stage 3 gathers twice (forward and backward) except the root unit, kept from forward
-    to backward."""
+    to backward. On gloo (None) a reduce-scatter is made of pairwise sends and counted as
+    the reduce-scatter it is; asked for (True), it is an all-reduce."""
     r = run_world(
         _one_step, 2, stage, reduce_scatter_via_all_reduce=emulate, all_gather_via_broadcast=emulate
     )[0]
@@ -97,7 +98,7 @@ def test_comm_volume_per_step(stage, emulate):
     root = sum(u[1] for u in r["units"] if u[3])
     psi = r["psi"]
     reduce_kind = "all_reduce" if stage == 1 or emulate else "reduce_scatter"
-    gather_kind = "broadcast" if emulate else "all_gather"
+    gather_kind = "all_gather" if emulate is False else "broadcast"
     # Whole units move padded; gloo's stages 2-3 reduce each parameter on its own (psi).
     assert 4 * psi <= comm[reduce_kind] <= 4 * padded
     expected_gather = 4 * padded if stage < 3 else 4 * (2 * padded - root)
@@ -203,7 +204,14 @@ def _peaks(rank: int, world: int, prefetch_depth: int, emulate: bool = True):
     after_backward = engine.memory_report()
     timeline = engine.memory_timeline()
     units = [(u.layout.padded_numel, u.layout.module_path == "") for u in engine.units]
-    return at_reset, after_eval, after_backward, timeline, units, psi
+    # Elements of the trainable parameters inside this rank's shard (their pairwise sums).
+    mine = 0
+    for unit in engine.units:
+        start, end = unit.layout.shard_range(unit.rank)
+        for slot in unit.layout.slots:
+            if slot.trainable:
+                mine += max(0, min(slot.end, end) - max(slot.offset, start))
+    return at_reset, after_eval, after_backward, timeline, units, psi, mine
 
 
 @pytest.mark.parametrize("prefetch_depth", [0, 1])
@@ -213,7 +221,7 @@ def test_peaks_are_the_most_held_at_once(prefetch_depth):
     as a block begins); a training backward's gradients travel parameter by parameter
     (gloo) and, below the in-flight cap, all of them are in flight at once before the
     end of backward lands them."""
-    at_reset, after_eval, after_backward, timeline, units, psi = run_world(
+    at_reset, after_eval, after_backward, timeline, units, psi, _ = run_world(
         _peaks, 2, prefetch_depth
     )[0]
     root = next(n for n, is_root in units if is_root)
@@ -238,10 +246,21 @@ def test_peaks_are_the_most_held_at_once(prefetch_depth):
     assert timeline[-1][1] == in_memory
 
 
+def test_peaks_with_pairwise_sends():
+    """gloo's default reduce-scatter sends each rank its part of every gradient: besides
+    the gradients themselves, the peak holds exactly one receive buffer for each part of a
+    gradient inside this rank's shard (two ranks: one peer)."""
+    _, _, after_backward, timeline, _, psi, mine = run_world(_peaks, 2, 1, None)[0]
+    assert after_backward["comm_buffers"] == 0
+    assert after_backward["peak_comm_buffers"] == 4 * psi + 4 * mine
+    in_memory = {k: v for k, v in after_backward.items() if not k.startswith(("peak", "disk"))}
+    assert timeline[-1][1] == in_memory
+
+
 def test_peaks_with_unit_buffers():
     """A real reduce-scatter fills a buffer per unit: the counters that samples read
     follow the buffers through filling, reduction and the pool, exactly."""
-    _, _, after_backward, timeline, units, _ = run_world(_peaks, 2, 1, False)[0]
+    _, _, after_backward, timeline, units, _, _ = run_world(_peaks, 2, 1, False)[0]
     largest = max(n for n, _ in units)
     assert after_backward["comm_buffers"] == 0
     assert 0 < after_backward["peak_comm_buffers"] <= 3 * 4 * largest
@@ -266,11 +285,13 @@ def _two_paths(rank: int, world: int, stage: int, emulate: bool, use_no_sync: bo
 @pytest.mark.parametrize("use_no_sync", [False, True])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_parameter_by_parameter_reduction_equals_the_unit_buffers(stage, use_no_sync):
-    """gloo's all-reduce path sends each parameter's gradient as autograd made it; a real
-    reduce-scatter fills a unit buffer first (and no_sync's local sums always do). Both
-    sum the same numbers in the same order, so they train identically."""
-    direct = run_world(_two_paths, 2, stage, True, use_no_sync)[0]
+    """gloo's in-place paths (pairwise sends, or an all-reduce) send each parameter's
+    gradient as autograd made it; a real reduce-scatter fills a unit buffer first (and
+    no_sync's local sums always do). All sum the same numbers in the same order, so they
+    train identically."""
     buffered = run_world(_two_paths, 2, stage, False, use_no_sync)[0]
-    assert direct[0] == buffered[0]
-    for name, value in buffered[1].items():
-        assert torch.equal(direct[1][name], value), name
+    for emulate in (True, None):  # an all-reduce per parameter; pairwise sends per part
+        direct = run_world(_two_paths, 2, stage, emulate, use_no_sync)[0]
+        assert direct[0] == buffered[0]
+        for name, value in buffered[1].items():
+            assert torch.equal(direct[1][name], value), name

@@ -4,9 +4,11 @@ Every engine collective goes through a `Communicator` (one per group) so that th
 is exact; the engine's report sums them. Bytes
 are counted as the size of the full (unsharded) tensor a collective is about: the input
 of a reduce-scatter or all-reduce, the output of an all-gather. Each is recorded under
-the collective actually issued: on gloo, whose reduce-scatter and all-gather are slower
-than its all-reduce and broadcast, a reduce-scatter is an all-reduce and an all-gather is
-one broadcast per rank (same bytes, counted under "all_reduce" and "broadcast").
+the collective it stands for. On gloo, whose own reduce-scatter and all-gather are slow,
+a reduce-scatter is done with point-to-point sends (each rank sends every other rank that
+rank's slice and adds up what it receives: half the bytes of an all-reduce) and an
+all-gather is one broadcast per rank (counted under "broadcast"); a reduce-scatter can
+also be asked to run as an in-place all-reduce (counted under "all_reduce").
 """
 
 from __future__ import annotations
@@ -103,18 +105,47 @@ class _Works:
         return True
 
 
+class _PairwiseSum:
+    """A reduce-scatter made of point-to-point sends: once they are all done, this rank's
+    part holds its own values plus every other rank's, added in rank order."""
+
+    def __init__(self, sends: list, receives: list, mine: torch.Tensor | None) -> None:
+        self.sends, self.receives, self.mine = sends, receives, mine
+
+    @property
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers the other ranks' parts land in, until they are added."""
+        return [buf for _, buf in self.receives]
+
+    def wait(self) -> bool:
+        for work in self.sends:
+            work.wait()
+        for work, buf in self.receives:
+            work.wait()
+            self.mine.add_(buf)
+        self.sends, self.receives = [], []
+        return True
+
+
+# How a reduce-scatter is carried out: the backend's own collective, an in-place
+# all-reduce, or point-to-point sends (gloo's fastest).
+REDUCE_SCATTER_WAYS = ("native", "all_reduce", "pairwise")
+
+
 class Communicator:
     def __init__(
         self,
         group: CommGroup,
-        reduce_scatter_via_all_reduce: bool,
+        reduce_scatter: str,
         all_gather_via_broadcast: bool,
         refresh: Callable[[], None],
     ):
+        if reduce_scatter not in REDUCE_SCATTER_WAYS:
+            raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_WAYS}")
         self.group = group
         # Re-creates the engine's groups after a close(), or on a new default group.
         self.refresh = refresh
-        self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
+        self.reduce_scatter = reduce_scatter
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
@@ -130,6 +161,13 @@ class Communicator:
     @property
     def distributed(self) -> bool:
         return self.group.distributed
+
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether a reduce-scatter leaves this rank's slice of the sum in the input's own
+        memory (so a part of the input, such as one parameter's gradient, can be reduced
+        on its own: `reduce_part`)."""
+        return self.reduce_scatter != "native" or not self.distributed
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         # Closed at a teardown and used again (a save after fit, an evaluation), or the
@@ -207,21 +245,16 @@ class Communicator:
     ):
         """shard_out <- this rank's slice of the sum of `full` over ranks.
 
-        When reduce-scatter is emulated with an all-reduce, `full` is overwritten and the
-        caller reads its own slice of it (`shard_out` is then that slice).
+        When the reduction is done in place (`reduces_in_place`), `full` is overwritten and
+        the caller reads its own slice of it (`shard_out` is then that slice).
         """
         if not self.group.distributed:
             self._count("reduce_scatter", full)
             if shard_out.data_ptr() != full.data_ptr():
                 shard_out.copy_(full)
             return _DoneWork() if async_op else None
-        if self.reduce_scatter_via_all_reduce:
-            self._count("all_reduce", full)
-            return self._issue(
-                "reduce_scatter (as all_reduce)",
-                lambda: dist.all_reduce(full, group=self.group.group, async_op=async_op),
-                async_op,
-            )
+        if self.reduces_in_place:
+            return self.reduce_part(full, 0, full.numel() // self.group.size, async_op)
         self._count("reduce_scatter", full)
         return self._issue(
             "reduce_scatter",
@@ -230,6 +263,61 @@ class Communicator:
             ),
             async_op,
         )
+
+    def reduce_part(
+        self, part: torch.Tensor, offset: int, shard_numel: int, async_op: bool = False
+    ):
+        """Reduce-scatter one part of a flat vector split into `shard_numel`-element
+        slices, one per rank in rank order: `part` holds its elements [offset, offset +
+        part.numel()). In place: afterwards the elements of `part` inside this rank's slice
+        hold their sum over the group; the rest are undefined. Every rank reduces the same
+        parts in the same order (one parameter's gradient as backward produces it)."""
+        if not self.reduces_in_place:
+            raise RuntimeError("reduce_part needs an in-place reduce-scatter (gloo's)")
+        if not self.group.distributed:
+            self._count("reduce_scatter", part)
+            return _DoneWork() if async_op else None
+        if self.reduce_scatter == "all_reduce":
+            self._count("all_reduce", part)
+            return self._issue(
+                "reduce_scatter (as all_reduce)",
+                lambda: dist.all_reduce(part, group=self.group.group, async_op=async_op),
+                async_op,
+            )
+        self._count("reduce_scatter", part)
+        me, end = self.group.rank, offset + part.numel()
+        sends, mine = [], None
+        for r in range(self.group.size):
+            lo, hi = max(offset, r * shard_numel), min(end, (r + 1) * shard_numel)
+            if lo >= hi:
+                continue
+            piece = part[lo - offset : hi - offset]
+            if r == me:
+                mine = piece
+                continue
+            sends.append(
+                self._issue(
+                    "reduce_scatter (pairwise sends)",
+                    lambda piece=piece, r=r: dist.isend(piece, group=self.group.group, group_dst=r),
+                    async_op=True,
+                )
+            )
+        receives = []
+        if mine is not None:
+            for r in range(self.group.size):
+                if r != me:
+                    buf = torch.empty_like(mine)
+                    work = self._issue(
+                        "reduce_scatter (pairwise sends)",
+                        lambda buf=buf, r=r: dist.irecv(buf, group=self.group.group, group_src=r),
+                        async_op=True,
+                    )
+                    receives.append((work, buf))
+        work = _PairwiseSum(sends, receives, mine)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         self._count("all_reduce", tensor)
@@ -289,6 +377,22 @@ class Communicator:
         else:
             out.copy_(flat)
         return out.view(self.group.size, *tensor.shape)
+
+    def control_all_gather_async(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """As `control_all_gather`, left in flight: (where every rank's copy lands, the work
+        to wait for before reading it)."""
+        flat = tensor.reshape(-1)
+        out = torch.empty(self.group.size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        self._count("control", out)
+        if not self.group.distributed:
+            out.copy_(flat)
+            return out.view(self.group.size, *tensor.shape), _DoneWork()
+        work = self._issue(
+            "all_gather (module order check)",
+            lambda: dist.all_gather_single(out, flat, group=self.group.group, async_op=True),
+            async_op=True,
+        )
+        return out.view(self.group.size, *tensor.shape), work
 
     def control_all_gather_json(self, value: Any, device: torch.device) -> list[Any]:
         """Every rank's JSON-able `value`, exchanged as bytes (no pickle), on `device` (an

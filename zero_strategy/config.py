@@ -93,8 +93,11 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     # Seconds before a collective that a peer never joins raises instead of hanging.
     collective_timeout: float = 600.0
-    # Reduce-scatter implemented as an in-place all-reduce: faster on gloo, whose
-    # reduce-scatter is slower than its all-reduce. None = on for gloo, off otherwise.
+    # How gradients are reduce-scattered. None = the fastest for the backend: on gloo,
+    # whose own reduce-scatter is slow, point-to-point sends (each rank sends every other
+    # rank that rank's slice and adds up what it receives: half an all-reduce's bytes);
+    # elsewhere the backend's reduce-scatter. True = an in-place all-reduce; False = the
+    # backend's reduce-scatter.
     reduce_scatter_via_all_reduce: bool | None = None
     # All-gather implemented as one in-place broadcast per rank: about 3x faster on gloo.
     # None = on for gloo, off otherwise.

@@ -260,10 +260,9 @@ class ZeroEngine:
             self.gather = GatherManager(
                 model,
                 self.units,
-                self._world,
+                self.groups.order_tags() if cfg.verify_module_order else None,
                 cfg.prefetch_depth,
                 cfg.persistence_threshold,
-                cfg.verify_module_order,
                 cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
                 on_memory=self._memory.sample,

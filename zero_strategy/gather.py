@@ -10,9 +10,9 @@ each gather prefetches the next `prefetch_depth` units of that order (forward) o
 reverse (backward).
 
 Ranks that take different module paths would pair up mismatched collectives and hang.
-With `verify_module_order`, each gather is preceded by a tiny all-gather of
-(unit, phase) tags over every rank (whatever group the unit is gathered over); any
-disagreement raises on every rank, naming each rank's module.
+With `verify_module_order`, every gather is first checked by an exchange of (unit, phase)
+tags over every rank (`order_check`); the tag of each gather the recorded order predicts
+is announced one unit early, so that the check never holds compute up.
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from torch.utils._pytree import tree_flatten
 from .comm import Communicator
 from .flat_unit import FlatUnit
 from .module_hooks import EngineHook
+from .order_check import (  # noqa: F401 (re-exported)
+    BACKWARD,
+    FORWARD,
+    STATE_DICT,
+    ModulePathDivergenceError,
+    OrderCheck,
+)
 from .storage_pool import StoragePool
 
-FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 # Offloaded shards (offload_params="disk") asked for beyond the gather prefetch; the tier
 # reads as many of them ahead as its buffers allow.
 READ_AHEAD = 3
-_PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
-
-
-class ModulePathDivergenceError(RuntimeError):
-    """Ranks disagreed on which module to gather next (stage 3)."""
 
 
 def in_backward() -> bool:
@@ -49,19 +50,24 @@ class GatherManager:
         self,
         model: nn.Module,
         units: list[FlatUnit],
-        control: Communicator,
+        order_tags: Communicator | None,
         prefetch_depth: int,
         persistence_threshold: int,
-        verify_order: bool,
         max_reuse_distance: int,
         on_backward_start: Callable[[], None],
         on_memory: Callable[[], None] = lambda: None,
     ):
         self.units = units
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
-        self.control = control  # every rank: the divergence check
+        # The divergence check over every rank (None: off).
+        self.order_check = (
+            None
+            if order_tags is None
+            else OrderCheck(
+                order_tags, lambda i: units[i].layout.name if 0 <= i < len(units) else None
+            )
+        )
         self.prefetch_depth = prefetch_depth
-        self.verify_order = verify_order
         self.max_reuse_distance = max_reuse_distance
         self._reuse_distance: dict[int, int] = {}  # unit index -> numel gathered in between
         self.on_backward_start = on_backward_start
@@ -70,7 +76,6 @@ class GatherManager:
         self.order: list[int] | None = None  # recorded forward order (non-root units)
         self._recording: list[int] = []
         self._cursor = 0
-        self._seq = 0
         self._backward_left: set[int] = set()  # this backward: units it has passed through
         self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
@@ -115,8 +120,8 @@ class GatherManager:
 
         def hook(module, args, kwargs):
             training = not in_backward() and torch.is_grad_enabled()
-            if training:
-                self._track_order(unit)
+            if not in_backward():
+                self._track_order(unit, record=training)
             self.ensure(unit, BACKWARD if in_backward() else FORWARD)
             if not in_backward():
                 self._prefetch_forward(unit)
@@ -173,9 +178,29 @@ class GatherManager:
                 )
             if not unit.persistent and not (tensors and self._kept_for_backward(unit)):
                 self._free(unit)
+            if tensors and torch.is_grad_enabled() and self._at_end_of_order():
+                self._announce_pass_start(BACKWARD)
             return output
 
         return hook
+
+    def _at_end_of_order(self) -> bool:
+        return self.order is not None and self._cursor == len(self.order)
+
+    def _announce_pass_start(self, phase: int) -> None:
+        """Announce the first gathers of the next pass, as recorded: at the end of a
+        training forward, backward's first units; at the end of backward, the next
+        forward's (the root unit first). Their checks then land while the loss (or the
+        step) computes, instead of holding up the first gathers."""
+        if self.order_check is None:
+            return
+        depth = self.prefetch_depth
+        if phase == BACKWARD:
+            first = list(reversed(self.order[-(depth + 1) :]))
+        else:
+            first = [0, *self.order[: depth + 1]]
+        for idx in first:
+            self._announce(self.units[idx], phase)
 
     def _kept_for_backward(self, unit: FlatUnit) -> bool:
         """Whether backward reuses `unit` soon enough (in gathered elements) to skip the
@@ -188,6 +213,7 @@ class GatherManager:
     def _root_post_forward(self, module, args, output):
         if not torch.is_grad_enabled() and not in_backward():
             self.release_all()  # evaluation: nothing will need the parameters again
+            self._cursor = 0
         return output
 
     def _pre_backward(self, unit: FlatUnit) -> None:
@@ -196,9 +222,12 @@ class GatherManager:
         self._prefetch_backward(unit)
 
     # ---------------------------------------------------------------- order, prefetch
-    def _track_order(self, unit: FlatUnit) -> None:
+    def _track_order(self, unit: FlatUnit, record: bool) -> None:
+        """Follow the forward through the recorded order (the first training forward
+        records it), so that prefetches know what comes next."""
         if self.order is None:
-            self._recording.append(unit.layout.index)
+            if record:
+                self._recording.append(unit.layout.index)
             return
         if self._cursor < len(self.order) and self.order[self._cursor] == unit.layout.index:
             self._cursor += 1
@@ -215,6 +244,8 @@ class GatherManager:
         self._cursor = 0
         self._backward_left.clear()
         self._grads_in.clear()
+        if self.order is not None:
+            self._announce_pass_start(FORWARD)
 
     def _reuse_distances(self, order: list[int]) -> dict[int, int]:
         """Elements gathered between a unit's (last) forward use and its backward use: the
@@ -227,32 +258,64 @@ class GatherManager:
         return distances
 
     def _prefetch_forward(self, unit: FlatUnit) -> None:
-        if self.order is None or not self.prefetch_depth:
+        if self.order is None:
             return
-        window = self.order[self._cursor : self._cursor + self.prefetch_depth + READ_AHEAD]
-        for idx in window[: self.prefetch_depth]:
+        depth = self.prefetch_depth
+        window = self.order[self._cursor : self._cursor + depth + READ_AHEAD]
+        for idx in window[:depth]:
             self.start_gather(self.units[idx], FORWARD)
-        for idx in window[self.prefetch_depth :]:  # offloaded shards: read them ahead
+        if len(window) > depth:  # the gather after those: its order check goes out now
+            self._announce(self.units[window[depth]], FORWARD)
+        for idx in window[depth:] if depth else ():  # offloaded shards: read them ahead
             self.units[idx].prefetch()
 
     def _prefetch_backward(self, unit: FlatUnit) -> None:
-        if self.order is None or not self.prefetch_depth or unit.layout.index not in self.order:
+        if self.order is None or unit.layout.index not in self.order:
             return
+        depth = self.prefetch_depth
         pos = self.order.index(unit.layout.index)
-        for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
+        for idx in reversed(self.order[max(0, pos - depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
-        stop = max(0, pos - self.prefetch_depth)
-        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]):
+        if pos - depth > 0:  # the gather after those: its order check goes out now
+            self._announce(self.units[self.order[pos - depth - 1]], BACKWARD)
+        stop = max(0, pos - depth)
+        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]) if depth else ():
             self.units[idx].prefetch()  # offloaded shards: read them ahead
 
     # ---------------------------------------------------------------- gather / free
+    @staticmethod
+    def _needs_gather(unit: FlatUnit, pending: dict) -> bool:
+        return not (unit.gathered or unit.layout.index in pending or unit.layout.numel == 0)
+
+    def _announce(self, unit: FlatUnit, phase: int) -> None:
+        """Start the order check of a gather the recorded order predicts."""
+        check = self.order_check
+        if (
+            check is not None
+            and self._needs_gather(unit, self.pending)
+            and not check.is_announced(unit.layout.index)
+        ):
+            check.announce(unit.layout.index, phase)
+
     def start_gather(self, unit: FlatUnit, phase: int) -> None:
-        """Launch an asynchronous gather of `unit` unless it is gathered or in flight."""
-        idx = unit.layout.index
-        if unit.gathered or idx in self.pending or unit.layout.numel == 0:
+        """Launch an asynchronous gather of `unit` unless it is gathered or in flight.
+        With the order check, the gathers announced before it go out first, each in its
+        turn (the k-th check of every rank describes its k-th gather)."""
+        if not self._needs_gather(unit, self.pending):
             return
-        if self.verify_order:
-            self._verify(unit, phase)
+        check = self.order_check
+        if check is not None:
+            skipped = -1  # an announced unit this rank did not need after all
+            while (head := check.next_announced()) is not None and head[0] != unit.layout.index:
+                check.confirm(*head)
+                skipped = head[0] if skipped < 0 else skipped
+                if self._needs_gather(self.units[head[0]], self.pending):
+                    self._launch_gather(self.units[head[0]])
+            check.confirm(unit.layout.index, phase, skipped)
+        self._launch_gather(unit)
+
+    def _launch_gather(self, unit: FlatUnit) -> None:
+        idx = unit.layout.index
         target = unit.gather_target()
         self._live.add(idx)
         unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
@@ -290,13 +353,18 @@ class GatherManager:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""
         for idx in list(self.pending):
             self._finish(self.units[idx])
-        self.abandon()
+        self._free_all()
 
     def abandon(self) -> None:
-        """Let go of the prefetches in flight without waiting, and free every
-        non-persistent gathered unit (a peer is gone, or the process is ending after an
-        error)."""
+        """Let go of the prefetches and order checks in flight without waiting, and free
+        every non-persistent gathered unit (a peer is gone, or the process is ending after
+        an error)."""
         self.pending.clear()
+        if self.order_check is not None:
+            self.order_check.forget()
+        self._free_all()
+
+    def _free_all(self) -> None:
         for unit in self.units:
             if not unit.persistent:
                 self._free(unit)
@@ -307,33 +375,3 @@ class GatherManager:
             if unit.persistent and unit.gathered:
                 with unit.resident():
                     unit.group.comm.all_gather(unit.full, unit.shard)
-
-    # ---------------------------------------------------------------- divergence check
-    def _verify(self, unit: FlatUnit, phase: int) -> None:
-        self._seq += 1
-        tag = torch.tensor([unit.layout.index, phase], dtype=torch.int64, device=unit.device)
-        everyone = self.control.control_all_gather(tag).tolist()
-        if all(t == everyone[0] for t in everyone):
-            return
-        lines = [
-            f"  rank {r}: {_PHASE_NAMES.get(ph, '?')} of module '{self.units[i].layout.name}'"
-            if 0 <= i < len(self.units)
-            else f"  rank {r}: unknown unit {i}"
-            for r, (i, ph) in enumerate(everyone)
-        ]
-        hint = (
-            "\nstate_dict() and load_state_dict() gather a stage-3 model, so every rank must "
-            "call them (not only rank 0); to write the model from rank 0 alone, use "
-            "engine.full_state_dict() on every rank, or save a checkpoint and consolidate it."
-            if any(ph == STATE_DICT for _, ph in everyone)
-            else ""
-        )
-        raise ModulePathDivergenceError(
-            "ZeRO stage 3: ranks took different module paths and would deadlock on the "
-            f"parameter gather (collective #{self._seq} of this process):\n"
-            + "\n".join(lines)
-            + "\nEvery rank must call the same wrapped modules in the same order. Make the "
-            "control flow identical on all ranks (e.g. run every branch, or decide the branch "
-            "on rank 0 and broadcast it), or put the divergent modules inside one unit "
-            "(ZeroConfig.unit_module_classes) so they are gathered together." + hint
-        )

@@ -96,6 +96,12 @@ class _InFlight:
     counted: int = 0  # bytes it adds to comm_buffers (0: `sent` is the unit's gradients)
 
 
+def _held_by(job: _InFlight) -> list[torch.Tensor]:
+    """The memory a reduction in flight holds: what it sends, and with pairwise sends the
+    buffers the other ranks' parts land in."""
+    return [job.sent, *getattr(job.work, "receive_buffers", ())]
+
+
 class GradReducer:
     def __init__(
         self,
@@ -239,8 +245,8 @@ class GradReducer:
     def _reduces_directly(self, unit: FlatUnit) -> bool:
         """Whether this backward reduces `unit` parameter by parameter, straight from the
         gradients autograd produced: no unit-sized buffer, no copy into it. That needs a
-        synchronised, overlapped backward, a reduction that is an all-reduce (gloo's
-        emulated reduce-scatter, or nothing to reduce over), and no `no_sync()` backward
+        synchronised, overlapped backward, a reduction done in place (gloo's pairwise sends
+        or all-reduce, or nothing to reduce over), and no `no_sync()` backward
         since the last synchronised one (its local sums wait in unit buffers, perhaps on
         some ranks only). Every input is the same on every rank, so the ranks choose alike
         and their collectives pair up. Decided at the unit's first gradient of the
@@ -250,16 +256,16 @@ class GradReducer:
             return True
         if not (self.sync and self.overlap) or self._local_sums:
             return False
-        group = unit.group
-        if not (group.comm.reduce_scatter_via_all_reduce or group.holders.size == 1):
+        if not unit.group.comm.reduces_in_place:
             return False
         self._direct[idx] = set()
         return True
 
     def _launch_slot(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
-        """All-reduce one parameter's gradient over every rank holding its copy (the
-        shard group and, for replicated copies, the other copies: the full sum at once);
-        this rank keeps the part inside its shard when it lands."""
+        """Reduce one parameter's gradient over every rank holding its copy: over the shard
+        group, each rank getting the sum of the part inside its shard; or, for replicated
+        copies, all-reduced over them all (the full sum at once). This rank keeps the part
+        inside its shard when it lands."""
         self._direct[unit.layout.index].add(slot_index)
         group = unit.group
         # Autograd's own tensor is divided and reduced in place only when nothing else
@@ -276,7 +282,12 @@ class GradReducer:
             sent = torch.div(flat, divisor)
         else:
             sent = flat.clone()
-        work = group.holders.all_reduce_sum(sent, async_op=True)
+        if group.summed_over_copies is None:
+            work = group.comm.reduce_part(
+                sent, unit.layout.slots[slot_index].offset, unit.layout.shard_numel, True
+            )
+        else:
+            work = group.holders.all_reduce_sum(sent, async_op=True)
         self._push(_InFlight(unit, work, sent, None, slot_index))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
         while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
@@ -284,7 +295,8 @@ class GradReducer:
 
     def _push(self, job: _InFlight) -> None:
         if self.stage >= 2 or job.sent is not job.unit.grad_full:  # else: the gradients
-            job.counted = _nbytes(job.sent)
+            # and, for pairwise sends, the buffers the other ranks' parts land in
+            job.counted = sum(_nbytes(t) for t in _held_by(job))
         self.in_flight.append(job)
         self._sent_bytes += job.counted
         self.on_memory()
@@ -324,7 +336,7 @@ class GradReducer:
             start, end = unit.layout.shard_range(unit.rank)
             out = (
                 sent[start:end]
-                if comm.reduce_scatter_via_all_reduce or comm.size == 1
+                if comm.reduces_in_place
                 else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
             )
             work = comm.reduce_scatter_sum(sent, out, async_op=True)
@@ -400,8 +412,9 @@ class GradReducer:
         return sorted(self._written.get(unit.layout.index, ()))
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        """Full-size gradient buffers being reduced (those being filled are the units')."""
-        return [job.sent for job in self.in_flight]
+        """Gradients being reduced, and where other ranks' parts land (the buffers being
+        filled are the units')."""
+        return [t for job in self.in_flight for t in _held_by(job)]
 
     def pooled_buffers(self) -> list[torch.Tensor]:
         """Full-size gradient buffers kept idle for reuse."""

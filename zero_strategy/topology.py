@@ -118,7 +118,9 @@ class ProcessGroups:
         at its tensor-parallel position. `rank`, `world_size` and every spec count in it;
         each position's groups are made alike."""
         self.timeout = timedelta(seconds=timeout_s)
-        self._made: list[tuple[CommGroup, tuple[tuple[int, ...], ...]]] = []  # creation order
+        # Creation order: (group, partition, backend).
+        self._made: list[tuple[CommGroup, tuple[tuple[int, ...], ...], str]] = []
+        self._order_tags: Communicator | None = None
         self._groups: dict[ShardSpec, ShardGroup] = {}
         if not dist.is_available() or not dist.is_initialized():
             self.backend, self.rank, self.world_size = "none", 0, 1
@@ -154,9 +156,12 @@ class ProcessGroups:
         self.global_rank, self.global_world_size = global_rank, global_world
         self.rank, self.world_size = self.mesh.data_index, self.mesh.data_size
         on_gloo = self.backend == "gloo"
-        self._rs_via_ar = (
-            on_gloo if reduce_scatter_via_all_reduce is None else reduce_scatter_via_all_reduce
-        )
+        # gloo's own reduce-scatter is slow: point-to-point sends move half the bytes of
+        # an all-reduce, and are the default there.
+        if reduce_scatter_via_all_reduce is None:
+            self._reduce_scatter = "pairwise" if on_gloo else "native"
+        else:
+            self._reduce_scatter = "all_reduce" if reduce_scatter_via_all_reduce else "native"
         self._ag_via_bcast = (
             on_gloo if all_gather_via_broadcast is None else all_gather_via_broadcast
         )
@@ -193,45 +198,63 @@ class ProcessGroups:
         if partition not in self._comms:
             self._comms[partition] = Communicator(
                 self._create(partition),
-                self._rs_via_ar,
+                self._reduce_scatter,
                 self._ag_via_bcast,
                 self.refresh,
             )
         return self._comms[partition]
 
-    def _create(self, partition: tuple[tuple[int, ...], ...]) -> CommGroup:
-        """This rank's group of `partition` (every rank creates every group of it)."""
+    def _create(
+        self, partition: tuple[tuple[int, ...], ...], backend: str | None = None
+    ) -> CommGroup:
+        """This rank's group of `partition` (every rank creates every group of it), on
+        the engine's backend unless told another."""
         mine = next(g for g in partition if self.global_rank in g)
         comm_group = CommGroup(mine, mine.index(self.global_rank), None)
         if comm_group.distributed:
-            comm_group.group = self._new_group(partition)
-            self._made.append((comm_group, partition))
+            backend = backend or self.backend
+            comm_group.group = self._new_group(partition, backend)
+            self._made.append((comm_group, partition, backend))
         return comm_group
 
-    def _new_group(self, partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    def _new_group(self, partition: tuple[tuple[int, ...], ...], backend: str) -> dist.ProcessGroup:
         try:
-            return self._new_group_unchecked(partition)
+            return self._new_group_unchecked(partition, backend)
         except RuntimeError as e:
             raise elastic_store.explain_group_failure(e) from e
 
-    def _new_group_unchecked(self, partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    def _new_group_unchecked(
+        self, partition: tuple[tuple[int, ...], ...], backend: str
+    ) -> dist.ProcessGroup:
         if len(partition) == 1:
-            return dist.new_group(
-                ranks=list(partition[0]), timeout=self.timeout, backend=self.backend
-            )
+            return dist.new_group(ranks=list(partition[0]), timeout=self.timeout, backend=backend)
         group, _ = dist.new_subgroups_by_enumeration(
-            [list(g) for g in partition], timeout=self.timeout, backend=self.backend
+            [list(g) for g in partition], timeout=self.timeout, backend=backend
         )
         return group
 
+    def order_tags(self) -> Communicator:
+        """A group over every rank that carries only stage 3's module-order tags (so they
+        only ever pair with each other), on gloo whatever the device: the tags are CPU
+        integers, read without waiting for a device."""
+        if self._order_tags is None:
+            self._order_tags = Communicator(
+                self._create(self.mesh.everyone(), backend="gloo"),
+                "native",
+                False,
+                self.refresh,
+            )
+        return self._order_tags
+
     def communicators(self) -> list[Communicator]:
         """Every communicator, each once."""
-        return list(self._comms.values())
+        extra = [self._order_tags] if self._order_tags is not None else []
+        return [*self._comms.values(), *extra]
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def closed(self) -> bool:
-        return any(g.closed for g, _ in self._made)
+        return any(g.closed for g, _, _ in self._made)
 
     def refresh(self) -> None:
         """Before each collective: follow a default group that was destroyed and created
@@ -257,7 +280,7 @@ class ProcessGroups:
                 "for a new "
                 "world."
             )
-        for comm_group, _ in self._made:
+        for comm_group, _, _ in self._made:
             comm_group.group = None  # destroyed with the old default group; not ours to free
         self._default = current
 
@@ -265,7 +288,7 @@ class ProcessGroups:
         """Destroy the groups this object created; the next collective on any of them
         re-creates them all (`reopen`). Local (no collective) and idempotent, so it is safe
         at teardown and from a finalizer. Callers first finish their own work in flight."""
-        live = [g for g, _ in self._made if g.group is not None]
+        live = [g for g, _, _ in self._made if g.group is not None]
         if not live:
             return
         handles = [g.group for g in live]
@@ -281,9 +304,9 @@ class ProcessGroups:
     def reopen(self) -> None:
         """Re-create every closed group with the same ranks (collective: every rank calls
         it, in the same order as the groups were first made)."""
-        for comm_group, partition in self._made:
+        for comm_group, partition, backend in self._made:
             if comm_group.group is None:
-                comm_group.group = self._new_group(partition)
+                comm_group.group = self._new_group(partition, backend)
 
 
 def _default_group() -> dist.ProcessGroup | None:
