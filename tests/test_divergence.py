@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 
 import torch
@@ -37,20 +36,14 @@ def _divergent_step(rank: int, world: int, verify: bool, timeout: float):
 
 
 def test_divergent_forward_raises_on_every_rank_naming_the_modules():
-    """Rank 1 takes the other head on step 2. Every rank first gathers the head the order
-    recorded on step 1 predicts (its check went out early); rank 1 then asks for the other
-    one while rank 0 has moved on to its backward, and both see that exchange."""
     start = time.monotonic()
     results = run_world(_divergent_step, 2, True, 30.0, expect_errors=True, timeout=60)
     assert time.monotonic() - start < 60
     for status, message in results:
         assert status == "error"
         assert "ModulePathDivergenceError" in message
-        assert "rank 0: backward of module 'heads.0'" in message
-        assert (
-            "rank 1: forward of module 'heads.1', where the order recorded on the first "
-            "training step has module 'heads.0'" in message
-        )
+        assert "rank 0: forward of module 'heads.0'" in message
+        assert "rank 1: forward of module 'heads.1'" in message
 
 
 def test_without_the_check_nothing_hangs_either():
@@ -81,8 +74,5 @@ def test_state_dict_on_one_rank_is_an_error_that_names_the_fix():
     for status, message in results:
         assert status == "error"
         assert "rank 0: state_dict of module" in message
-        # Rank 1's next forward gathers first what the order predicted (checks announced
-        # at the end of step 1, which rank 0's state_dict also issued first): the exchanges
-        # part where rank 0 gathers for state_dict, whatever rank 1 is gathering then.
-        assert re.search(r"rank 1: (forward|backward) of module", message)
+        assert "rank 1: forward of module" in message
         assert "every rank must call them" in message

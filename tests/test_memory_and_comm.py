@@ -287,8 +287,8 @@ def _two_paths(rank: int, world: int, stage: int, emulate: bool, use_no_sync: bo
 def test_parameter_by_parameter_reduction_equals_the_unit_buffers(stage, use_no_sync):
     """gloo's in-place paths (pairwise sends, or an all-reduce) send each parameter's
     gradient as autograd made it; a real reduce-scatter fills a unit buffer first (and
-    no_sync's local sums always do). All sum the same numbers in the same order, so they
-    train identically."""
+    no_sync's local sums always do). On 2 ranks all sum the same two numbers (a + b is
+    b + a), so they train identically."""
     buffered = run_world(_two_paths, 2, stage, False, use_no_sync)[0]
     for emulate in (True, None):  # an all-reduce per parameter; pairwise sends per part
         direct = run_world(_two_paths, 2, stage, emulate, use_no_sync)[0]

@@ -107,7 +107,9 @@ class _Works:
 
 class _PairwiseSum:
     """A reduce-scatter made of point-to-point sends: once they are all done, this rank's
-    part holds its own values plus every other rank's, added in rank order."""
+    part holds its own values plus every other rank's, added to it in rank order. Each
+    element is summed on its owner only; beyond 2 ranks that order differs from an
+    all-reduce's, so the two agree to rounding, not bit for bit."""
 
     def __init__(self, sends: list, receives: list, mine: torch.Tensor | None) -> None:
         self.sends, self.receives, self.mine = sends, receives, mine

@@ -11,8 +11,7 @@ reverse (backward).
 
 Ranks that take different module paths would pair up mismatched collectives and hang.
 With `verify_module_order`, every gather is first checked by an exchange of (unit, phase)
-tags over every rank (`order_check`); the tag of each gather the recorded order predicts
-is announced one unit early, so that the check never holds compute up.
+tags over every data-parallel rank (`order_check`).
 """
 
 from __future__ import annotations
@@ -178,29 +177,9 @@ class GatherManager:
                 )
             if not unit.persistent and not (tensors and self._kept_for_backward(unit)):
                 self._free(unit)
-            if tensors and torch.is_grad_enabled() and self._at_end_of_order():
-                self._announce_pass_start(BACKWARD)
             return output
 
         return hook
-
-    def _at_end_of_order(self) -> bool:
-        return self.order is not None and self._cursor == len(self.order)
-
-    def _announce_pass_start(self, phase: int) -> None:
-        """Announce the first gathers of the next pass, as recorded: at the end of a
-        training forward, backward's first units; at the end of backward, the next
-        forward's (the root unit first). Their checks then land while the loss (or the
-        step) computes, instead of holding up the first gathers."""
-        if self.order_check is None:
-            return
-        depth = self.prefetch_depth
-        if phase == BACKWARD:
-            first = list(reversed(self.order[-(depth + 1) :]))
-        else:
-            first = [0, *self.order[: depth + 1]]
-        for idx in first:
-            self._announce(self.units[idx], phase)
 
     def _kept_for_backward(self, unit: FlatUnit) -> bool:
         """Whether backward reuses `unit` soon enough (in gathered elements) to skip the
@@ -244,8 +223,6 @@ class GatherManager:
         self._cursor = 0
         self._backward_left.clear()
         self._grads_in.clear()
-        if self.order is not None:
-            self._announce_pass_start(FORWARD)
 
     def _reuse_distances(self, order: list[int]) -> dict[int, int]:
         """Elements gathered between a unit's (last) forward use and its backward use: the
@@ -264,8 +241,6 @@ class GatherManager:
         window = self.order[self._cursor : self._cursor + depth + READ_AHEAD]
         for idx in window[:depth]:
             self.start_gather(self.units[idx], FORWARD)
-        if len(window) > depth:  # the gather after those: its order check goes out now
-            self._announce(self.units[window[depth]], FORWARD)
         for idx in window[depth:] if depth else ():  # offloaded shards: read them ahead
             self.units[idx].prefetch()
 
@@ -276,8 +251,6 @@ class GatherManager:
         pos = self.order.index(unit.layout.index)
         for idx in reversed(self.order[max(0, pos - depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
-        if pos - depth > 0:  # the gather after those: its order check goes out now
-            self._announce(self.units[self.order[pos - depth - 1]], BACKWARD)
         stop = max(0, pos - depth)
         for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]) if depth else ():
             self.units[idx].prefetch()  # offloaded shards: read them ahead
@@ -287,31 +260,12 @@ class GatherManager:
     def _needs_gather(unit: FlatUnit, pending: dict) -> bool:
         return not (unit.gathered or unit.layout.index in pending or unit.layout.numel == 0)
 
-    def _announce(self, unit: FlatUnit, phase: int) -> None:
-        """Start the order check of a gather the recorded order predicts."""
-        check = self.order_check
-        if (
-            check is not None
-            and self._needs_gather(unit, self.pending)
-            and not check.is_announced(unit.layout.index)
-        ):
-            check.announce(unit.layout.index, phase)
-
     def start_gather(self, unit: FlatUnit, phase: int) -> None:
-        """Launch an asynchronous gather of `unit` unless it is gathered or in flight.
-        With the order check, the gathers announced before it go out first, each in its
-        turn (the k-th check of every rank describes its k-th gather)."""
+        """Launch an asynchronous gather of `unit` unless it is gathered or in flight."""
         if not self._needs_gather(unit, self.pending):
             return
-        check = self.order_check
-        if check is not None:
-            skipped = -1  # an announced unit this rank did not need after all
-            while (head := check.next_announced()) is not None and head[0] != unit.layout.index:
-                check.confirm(*head)
-                skipped = head[0] if skipped < 0 else skipped
-                if self._needs_gather(self.units[head[0]], self.pending):
-                    self._launch_gather(self.units[head[0]])
-            check.confirm(unit.layout.index, phase, skipped)
+        if self.order_check is not None:
+            self.order_check.check(unit.layout.index, phase)
         self._launch_gather(unit)
 
     def _launch_gather(self, unit: FlatUnit) -> None:
@@ -356,12 +310,10 @@ class GatherManager:
         self._free_all()
 
     def abandon(self) -> None:
-        """Let go of the prefetches and order checks in flight without waiting, and free
+        """Let go of the prefetches in flight without waiting, and free
         every non-persistent gathered unit (a peer is gone, or the process is ending after
         an error)."""
         self.pending.clear()
-        if self.order_check is not None:
-            self.order_check.forget()
         self._free_all()
 
     def _free_all(self) -> None:

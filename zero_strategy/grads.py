@@ -34,7 +34,9 @@ from .flat_unit import FlatUnit
 from .tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
-# with the one being filled, that bounds the transient gradient memory to three units.
+# with the one being filled, that bounds the transient gradient memory to three units
+# (with gloo's pairwise sends, plus each one's receive buffers: (world - 1) / world of a
+# unit each).
 MAX_IN_FLIGHT = 2
 # Stages 2-3, parameters reduced one by one: at most this many bytes of gradients in
 # flight besides the newest (the oldest lands first). Enough to keep gloo busy while

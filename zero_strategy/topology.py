@@ -234,12 +234,13 @@ class ProcessGroups:
         return group
 
     def order_tags(self) -> Communicator:
-        """A group over every rank that carries only stage 3's module-order tags (so they
-        only ever pair with each other), on gloo whatever the device: the tags are CPU
-        integers, read without waiting for a device."""
+        """A group over this rank's data-parallel world that carries only stage 3's
+        module-order tags (so they only ever pair with each other), on gloo whatever the
+        device: the tags are CPU integers, read without waiting for a device. Per
+        tensor-parallel position, as the gathers are (positions may gather differently)."""
         if self._order_tags is None:
             self._order_tags = Communicator(
-                self._create(self.mesh.everyone(), backend="gloo"),
+                self._create(self.mesh.expand(ShardSpec.world(self.world_size).groups), "gloo"),
                 "native",
                 False,
                 self.refresh,
