@@ -380,22 +380,6 @@ class Communicator:
             out.copy_(flat)
         return out.view(self.group.size, *tensor.shape)
 
-    def control_all_gather_async(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """As `control_all_gather`, left in flight: (where every rank's copy lands, the work
-        to wait for before reading it)."""
-        flat = tensor.reshape(-1)
-        out = torch.empty(self.group.size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-        self._count("control", out)
-        if not self.group.distributed:
-            out.copy_(flat)
-            return out.view(self.group.size, *tensor.shape), _DoneWork()
-        work = self._issue(
-            "all_gather (module order check)",
-            lambda: dist.all_gather_single(out, flat, group=self.group.group, async_op=True),
-            async_op=True,
-        )
-        return out.view(self.group.size, *tensor.shape), work
-
     def control_all_gather_json(self, value: Any, device: torch.device) -> list[Any]:
         """Every rank's JSON-able `value`, exchanged as bytes (no pickle), on `device` (an
         NCCL group refuses CPU tensors)."""

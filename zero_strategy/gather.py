@@ -58,7 +58,7 @@ class GatherManager:
     ):
         self.units = units
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
-        # The divergence check over every rank (None: off).
+        # The divergence check over the data-parallel ranks (None: off).
         self.order_check = (
             None
             if order_tags is None
@@ -235,41 +235,32 @@ class GatherManager:
         return distances
 
     def _prefetch_forward(self, unit: FlatUnit) -> None:
-        if self.order is None:
+        if self.order is None or not self.prefetch_depth:
             return
-        depth = self.prefetch_depth
-        window = self.order[self._cursor : self._cursor + depth + READ_AHEAD]
-        for idx in window[:depth]:
+        window = self.order[self._cursor : self._cursor + self.prefetch_depth + READ_AHEAD]
+        for idx in window[: self.prefetch_depth]:
             self.start_gather(self.units[idx], FORWARD)
-        for idx in window[depth:] if depth else ():  # offloaded shards: read them ahead
+        for idx in window[self.prefetch_depth :]:  # offloaded shards: read them ahead
             self.units[idx].prefetch()
 
     def _prefetch_backward(self, unit: FlatUnit) -> None:
-        if self.order is None or unit.layout.index not in self.order:
+        if self.order is None or not self.prefetch_depth or unit.layout.index not in self.order:
             return
-        depth = self.prefetch_depth
         pos = self.order.index(unit.layout.index)
-        for idx in reversed(self.order[max(0, pos - depth) : pos]):
+        for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
-        stop = max(0, pos - depth)
-        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]) if depth else ():
+        stop = max(0, pos - self.prefetch_depth)
+        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]):
             self.units[idx].prefetch()  # offloaded shards: read them ahead
 
     # ---------------------------------------------------------------- gather / free
-    @staticmethod
-    def _needs_gather(unit: FlatUnit, pending: dict) -> bool:
-        return not (unit.gathered or unit.layout.index in pending or unit.layout.numel == 0)
-
     def start_gather(self, unit: FlatUnit, phase: int) -> None:
         """Launch an asynchronous gather of `unit` unless it is gathered or in flight."""
-        if not self._needs_gather(unit, self.pending):
+        idx = unit.layout.index
+        if unit.gathered or idx in self.pending or unit.layout.numel == 0:
             return
         if self.order_check is not None:
-            self.order_check.check(unit.layout.index, phase)
-        self._launch_gather(unit)
-
-    def _launch_gather(self, unit: FlatUnit) -> None:
-        idx = unit.layout.index
+            self.order_check.check(idx, phase)
         target = unit.gather_target()
         self._live.add(idx)
         unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
@@ -307,16 +298,13 @@ class GatherManager:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""
         for idx in list(self.pending):
             self._finish(self.units[idx])
-        self._free_all()
+        self.abandon()
 
     def abandon(self) -> None:
-        """Let go of the prefetches in flight without waiting, and free
-        every non-persistent gathered unit (a peer is gone, or the process is ending after
-        an error)."""
+        """Let go of the prefetches in flight without waiting, and free every
+        non-persistent gathered unit (a peer is gone, or the process is ending after an
+        error)."""
         self.pending.clear()
-        self._free_all()
-
-    def _free_all(self) -> None:
         for unit in self.units:
             if not unit.persistent:
                 self._free(unit)
