@@ -296,8 +296,9 @@ class GradReducer:
             self._land(self._pop())
 
     def _push(self, job: _InFlight) -> None:
-        if self.stage >= 2 or job.sent is not job.unit.grad_full:  # else: the gradients
-            # and, for pairwise sends, the buffers the other ranks' parts land in
+        # What it sends (unless that is the unit's gradient buffer itself, counted as
+        # gradients) and, with pairwise sends, where the other ranks' parts land.
+        if self.stage >= 2 or job.sent is not job.unit.grad_full:
             job.counted = sum(_nbytes(t) for t in _held_by(job))
         self.in_flight.append(job)
         self._sent_bytes += job.counted

@@ -240,7 +240,7 @@ class ProcessGroups:
         tensor-parallel position, as the gathers are (positions may gather differently)."""
         if self._order_tags is None:
             self._order_tags = Communicator(
-                self._create(self.mesh.expand(ShardSpec.world(self.world_size).groups), "gloo"),
+                self._create(self.mesh.expand(self.world.spec.groups), "gloo"),
                 "native",
                 False,
                 self.refresh,
