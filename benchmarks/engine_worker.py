@@ -7,7 +7,9 @@ every unit gathered from forward into backward, as ds3 does by default. ds3-lean
 DeepSpeed ZeRO-3 built inside zero.Init, with smaller buckets and live-parameter limits
 (`DEEPSPEED_LEAN`), for models that barely fit. zero3-bf16 and
 fsdp2-bf16 compute in bf16 with fp32 masters (`compute_dtype="bf16"`; FSDP2's
-`MixedPrecisionPolicy(param_dtype=bf16)`), gradients reduced in bf16 by both.
+`MixedPrecisionPolicy(param_dtype=bf16)`), gradients reduced in bf16 by both. A
+"-unchecked" suffix turns stage 3's module-order check off (`verify_module_order=False`),
+to measure what the check costs.
 Every implementation trains the same GPT on the same batches with AdamW and global-norm
 clipping at 1.0, so the step does the same work everywhere.
 """
@@ -372,6 +374,7 @@ def build(impl: str, model: torch.nn.Module):
                 offload_optimizer=tier,
                 offload_params=tier if params_offloaded(impl) else "none",
                 offload_dir=offload_dir() if tier == "disk" else None,
+                verify_module_order=not impl.endswith("-unchecked"),
             ),
         )
         return engine, engine.backward, *zero_step_and_state(engine)

@@ -1,7 +1,9 @@
 """Stage 3's module-order check (`zero_strategy/order_check.py`) on a chain of blocks.
 
 A path that leaves the recorded order on every rank alike trains as one process does; a
-rank that leaves it alone ends every rank with an error, never a hang; an evaluation
+rank that leaves it alone, in forward or in backward, ends every rank with an error, never
+a hang nor a reduction paired with another block's; once the order is recorded, every
+gather's check was announced ahead (no rank waits for the others at a unit); an evaluation
 forward follows the recorded order too.
 """
 
@@ -29,10 +31,14 @@ class Chain(nn.Module):
         self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(BLOCKS)])
         self.head = nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, skip: tuple[int, ...] = (), detach: int | None = None
+    ) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
             if i not in skip:
                 x = torch.tanh(block(x))
+            if i == detach:  # backward stops here: it never reaches the blocks before
+                x = x.detach()
         return self.head(x).pow(2).mean()
 
 
@@ -93,6 +99,62 @@ def test_a_rank_that_drops_a_block_alone_gets_an_error_on_every_rank(dropped):
     for status, message in results:
         assert status == "error", message
         assert "ModulePathDivergenceError" in message
+
+
+def _detach_on_one_rank(rank: int, world: int, detached: int):
+    model = Chain()
+    config = ZeroConfig(stage=3, collective_timeout=20.0)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    for step in range(3):
+        detach = detached if step == 2 and rank == 1 else None
+        engine.backward(engine(_batch(step, rank), detach=detach))
+        engine.step()
+        engine.zero_grad()
+    engine.close()
+
+
+@pytest.mark.parametrize("detached", [0, 2])
+def test_a_rank_whose_backward_stops_early_gets_an_error_on_every_rank(detached):
+    """Rank 1's forward runs every block as rank 0's does, but its backward never reaches
+    the blocks up to `detached`: the gathers agree, the gradient reductions would not (a
+    block's gradients summed into another's of the same size). Every rank raises."""
+    start = time.monotonic()
+    results = run_world(_detach_on_one_rank, 2, detached, expect_errors=True, timeout=120)
+    assert time.monotonic() - start < 15
+    for status, message in results:
+        assert status == "error", message
+        assert "ModulePathDivergenceError" in message
+        assert f"backward of module 'blocks.{detached}'" in message
+
+
+def _unannounced_per_step(rank: int, world: int, prefetch_depth: int, evaluate: bool):
+    model = Chain()
+    config = ZeroConfig(stage=3, prefetch_depth=prefetch_depth)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    check = engine.gather.order_check
+    counts = []
+    for step in range(4):
+        before = check.unannounced
+        engine.backward(engine(_batch(step, rank)))
+        engine.step()
+        engine.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                engine(_batch(step + 10, rank))
+        counts.append(check.unannounced - before)
+    engine.close()
+    return counts
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_once_the_order_is_recorded_every_gather_is_announced_ahead(prefetch_depth, evaluate):
+    """The first step records the module order, and each of its gathers is checked at once
+    (every rank meets there). From the second step on, every gather, training or
+    evaluation, was announced a unit early: no rank waits for the others at a unit."""
+    for counts in run_world(_unannounced_per_step, 2, prefetch_depth, evaluate):
+        assert counts[0] >= BLOCKS
+        assert counts[1:] == [0, 0, 0], counts
 
 
 def _evaluate_between_steps(rank: int, world: int):

@@ -368,17 +368,25 @@ class Communicator:
 
     def control_all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's copy of a small tensor, stacked: used for divergence checks."""
+        out, work = self.control_all_gather_async(tensor)
+        work.wait()
+        return out
+
+    def control_all_gather_async(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """`control_all_gather` left in flight: the stacked output, filled once the
+        returned work's wait() returns."""
         flat = tensor.reshape(-1)
         out = torch.empty(self.group.size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
         self._count("control", out)
-        if self.group.distributed:
-            self._issue(
-                "all_gather (control)",
-                lambda: dist.all_gather_single(out, flat, group=self.group.group),
-            )
-        else:
+        if not self.group.distributed:
             out.copy_(flat)
-        return out.view(self.group.size, *tensor.shape)
+            return out.view(self.group.size, *tensor.shape), _DoneWork()
+        work = self._issue(
+            "all_gather (control)",
+            lambda: dist.all_gather_single(out, flat, group=self.group.group, async_op=True),
+            async_op=True,
+        )
+        return out.view(self.group.size, *tensor.shape), work
 
     def control_all_gather_json(self, value: Any, device: torch.device) -> list[Any]:
         """Every rank's JSON-able `value`, exchanged as bytes (no pickle), on `device` (an

@@ -250,6 +250,8 @@ class ZeroEngine:
             on_unit_ready=self._on_unit_grads_ready,
             on_backward_end=self._on_backward_end,
             on_memory=self._memory.sample,
+            before_reduction=self._check_module_paths,
+            before_backward_end=self._check_backward_path,
         )
         self.publisher = (
             ParameterPublisher(model, self.units, cfg.overlap_param_gather)
@@ -524,6 +526,14 @@ class ZeroEngine:
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue
+    def _check_module_paths(self) -> None:
+        if self.gather is not None:
+            self.gather.check_uses()
+
+    def _check_backward_path(self) -> None:
+        if self.gather is not None:
+            self.gather.end_of_backward_check()
+
     def _on_unit_grads_ready(self, unit: FlatUnit) -> None:
         if self.gather is not None:
             self.gather.grads_ready(unit)

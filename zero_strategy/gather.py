@@ -10,8 +10,9 @@ each gather prefetches the next `prefetch_depth` units of that order (forward) o
 reverse (backward).
 
 Ranks that take different module paths would pair up mismatched collectives and hang.
-With `verify_module_order`, every gather is first checked by an exchange of (unit, phase)
-tags over every data-parallel rank (`order_check`).
+With `verify_module_order`, every gather waits for an exchange of tags over the
+data-parallel ranks (`order_check`); the gathers the recorded order predicts are announced
+a unit early, so that the check never holds compute up.
 """
 
 from __future__ import annotations
@@ -63,9 +64,16 @@ class GatherManager:
             None
             if order_tags is None
             else OrderCheck(
-                order_tags, lambda i: units[i].layout.name if 0 <= i < len(units) else None
+                order_tags,
+                lambda i: units[i].layout.name if 0 <= i < len(units) else None,
+                lambda i: self._launch_gather(units[i]),
             )
         )
+        # The units every data-parallel rank holds alike, whose gathers and reductions
+        # span those ranks: the ones the order check follows. Experts are held apart, each
+        # by its expert-data-parallel group, and a rank whose experts get no token may
+        # skip them (Transformers' eager experts do); the routing decides, not a bug.
+        self._checked = [unit.group.spec.replicated for unit in units]
         self.prefetch_depth = prefetch_depth
         self.max_reuse_distance = max_reuse_distance
         self._reuse_distance: dict[int, int] = {}  # unit index -> numel gathered in between
@@ -107,7 +115,13 @@ class GatherManager:
                 owners.add(name.rsplit(".", 1)[0] if "." in name else "")
 
         def gather_root(*_) -> None:  # a pre-hook's return value would replace the inputs
+            starting = not in_backward() and self.order is not None and self._cursor == 0
+            if starting:  # the forward's first gathers: their checks go out together
+                for unit in (root, *(self.units[i] for i in self.order[: self.prefetch_depth + 1])):
+                    self._announce(unit, FORWARD)
             self.ensure(root, FORWARD)
+            if starting:
+                self._prefetch_forward(root)
 
         for path in sorted(owners):
             module = model.get_submodule(path)
@@ -119,9 +133,11 @@ class GatherManager:
 
         def hook(module, args, kwargs):
             training = not in_backward() and torch.is_grad_enabled()
+            phase = BACKWARD if in_backward() else FORWARD
+            self._post_use(unit, phase)
             if not in_backward():
                 self._track_order(unit, record=training)
-            self.ensure(unit, BACKWARD if in_backward() else FORWARD)
+            self.ensure(unit, phase)
             if not in_backward():
                 self._prefetch_forward(unit)
             if training and has_frozen:
@@ -190,15 +206,38 @@ class GatherManager:
         )
 
     def _root_post_forward(self, module, args, output):
-        if not torch.is_grad_enabled() and not in_backward():
+        if in_backward():
+            return output
+        if not torch.is_grad_enabled():
             self.release_all()  # evaluation: nothing will need the parameters again
             self._cursor = 0
+        elif self.order is not None:  # backward's first gathers: their checks go out now
+            for idx in reversed(self.order[-(self.prefetch_depth + 2) :]):
+                self._announce(self.units[idx], BACKWARD)
         return output
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         self.on_backward_start()
+        self._post_use(unit, BACKWARD)
         self.ensure(unit, BACKWARD)
         self._prefetch_backward(unit)
+
+    def _post_use(self, unit: FlatUnit, phase: int) -> None:
+        if self.order_check is not None and self._checked[unit.layout.index]:
+            self.order_check.use(unit.layout.index, phase)
+
+    def check_uses(self) -> None:
+        """Before a gradient reduction: every rank passed through the same modules so far
+        (or this raises)."""
+        if self.order_check is not None:
+            self.order_check.check_uses()
+
+    def end_of_backward_check(self) -> None:
+        """Before backward's last reductions: every rank's path through this pass agrees
+        (or this raises). Gathers announced but not needed are issued (every rank does)
+        and freed with the rest at the end of backward."""
+        if self.order_check is not None:
+            self.order_check.end_of_backward()
 
     # ---------------------------------------------------------------- order, prefetch
     def _track_order(self, unit: FlatUnit, record: bool) -> None:
@@ -235,32 +274,58 @@ class GatherManager:
         return distances
 
     def _prefetch_forward(self, unit: FlatUnit) -> None:
-        if self.order is None or not self.prefetch_depth:
+        if self.order is None:
             return
-        window = self.order[self._cursor : self._cursor + self.prefetch_depth + READ_AHEAD]
-        for idx in window[: self.prefetch_depth]:
+        depth = self.prefetch_depth
+        window = self.order[self._cursor : self._cursor + depth + READ_AHEAD]
+        for idx in window[:depth]:
             self.start_gather(self.units[idx], FORWARD)
-        for idx in window[self.prefetch_depth :]:  # offloaded shards: read them ahead
+        if len(window) > depth:  # the gather after those: its check goes out now
+            self._announce(self.units[window[depth]], FORWARD)
+        for idx in window[depth:] if depth else ():  # offloaded shards: read them ahead
             self.units[idx].prefetch()
 
     def _prefetch_backward(self, unit: FlatUnit) -> None:
-        if self.order is None or not self.prefetch_depth or unit.layout.index not in self.order:
+        if self.order is None or unit.layout.index not in self.order:
             return
+        depth = self.prefetch_depth
         pos = self.order.index(unit.layout.index)
-        for idx in reversed(self.order[max(0, pos - self.prefetch_depth) : pos]):
+        for idx in reversed(self.order[max(0, pos - depth) : pos]):
             self.start_gather(self.units[idx], BACKWARD)
-        stop = max(0, pos - self.prefetch_depth)
-        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]):
+        if pos - depth > 0:  # the gather after those: its check goes out now
+            self._announce(self.units[self.order[pos - depth - 1]], BACKWARD)
+        stop = max(0, pos - depth)
+        for idx in reversed(self.order[max(0, stop - READ_AHEAD) : stop]) if depth else ():
             self.units[idx].prefetch()  # offloaded shards: read them ahead
 
     # ---------------------------------------------------------------- gather / free
-    def start_gather(self, unit: FlatUnit, phase: int) -> None:
-        """Launch an asynchronous gather of `unit` unless it is gathered or in flight."""
+    def _needs_gather(self, unit: FlatUnit) -> bool:
+        return not (unit.gathered or unit.layout.index in self.pending or unit.layout.numel == 0)
+
+    def _announce(self, unit: FlatUnit, phase: int) -> None:
+        """Post the order check of a gather the recorded order predicts."""
         idx = unit.layout.index
-        if unit.gathered or idx in self.pending or unit.layout.numel == 0:
+        if self.order_check is not None and self._checked[idx] and self._needs_gather(unit):
+            self.order_check.announce(idx, phase)
+
+    def start_gather(self, unit: FlatUnit, phase: int) -> None:
+        """Launch an asynchronous gather of `unit` unless it is gathered or in flight.
+        With the order check, once its tag (and those announced before it) came back the
+        same from every rank: the gathers announced earlier go out first, in order."""
+        if not self._needs_gather(unit):
             return
-        if self.order_check is not None:
-            self.order_check.check(idx, phase)
+        if self.order_check is not None and self._checked[unit.layout.index]:
+            self.order_check.gather_now(unit.layout.index, phase)
+        else:
+            self._launch_gather(unit)
+
+    def _launch_gather(self, unit: FlatUnit) -> None:
+        idx = unit.layout.index
+        if not self._needs_gather(unit):  # every rank issues it: the tags said so
+            raise RuntimeError(
+                f"internal error: unit {unit.layout.name!r} was announced for a gather "
+                "but is gathered already"
+            )
         target = unit.gather_target()
         self._live.add(idx)
         unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
@@ -298,13 +363,18 @@ class GatherManager:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""
         for idx in list(self.pending):
             self._finish(self.units[idx])
-        self.abandon()
+        self._free_all()
 
     def abandon(self) -> None:
-        """Let go of the prefetches in flight without waiting, and free every
-        non-persistent gathered unit (a peer is gone, or the process is ending after an
-        error)."""
+        """Let go of the prefetches and order checks in flight without waiting, and free
+        every non-persistent gathered unit (a peer is gone, or the process is ending after
+        an error)."""
         self.pending.clear()
+        if self.order_check is not None:
+            self.order_check.forget()
+        self._free_all()
+
+    def _free_all(self) -> None:
         for unit in self.units:
             if not unit.persistent:
                 self._free(unit)

@@ -114,8 +114,14 @@ class GradReducer:
         on_unit_ready: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
         on_memory: Callable[[], None] = lambda: None,
+        before_reduction: Callable[[], None] = lambda: None,
+        before_backward_end: Callable[[], None] = lambda: None,
     ):
         self.units = units
+        # Stage 3's order check: reductions go out only once the ranks' module paths so
+        # far agree, and the last ones once the whole backward's do.
+        self.before_reduction = before_reduction
+        self.before_backward_end = before_backward_end
         self.on_memory = on_memory  # told after buffers are taken or given back
         self.stage = stage
         self.overlap = overlap
@@ -230,6 +236,7 @@ class GradReducer:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        self.before_backward_end()
         self._local_sums = not self.sync
         if self.sync:
             for unit in self.units:
@@ -268,6 +275,7 @@ class GradReducer:
         group, each rank getting the sum of the part inside its shard; or, for replicated
         copies, all-reduced over them all (the full sum at once). This rank keeps the part
         inside its shard when it lands."""
+        self.before_reduction()
         self._direct[unit.layout.index].add(slot_index)
         group = unit.group
         # Autograd's own tensor is divided and reduced in place only when nothing else
@@ -319,6 +327,7 @@ class GradReducer:
                 self._launch_slot(unit, slot_index, zeros)
 
     def _launch(self, unit: FlatUnit) -> None:
+        self.before_reduction()
         self._launched.add(unit.layout.index)
         if unit.layout.numel == 0:
             return

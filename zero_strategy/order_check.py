@@ -1,18 +1,33 @@
-"""Stage 3's divergence check: every rank gathers the same unit at the same point.
+"""Stage 3's divergence check: every rank gathers the same units in the same order, and
+passes through the same modules.
 
-Ranks that take different module paths would pair mismatched gathers and hang (or, on
-gloo, abort on mismatched sizes). So before each gather, every rank's (unit, phase) tag
-is exchanged over the data-parallel ranks, and any disagreement raises on every rank,
-naming each rank's module.
+Ranks that take different module paths would pair mismatched collectives: a hang, a gloo
+abort on mismatched sizes, or, worse, gradients of one module summed into another's
+(same-sized blocks). So every rank posts a stream of small tags, exchanged over its
+data-parallel ranks on a gloo group of their own:
 
-The tags travel on a gloo group of their own: they only ever pair with each other, never
-queue behind gradient reductions in flight on the engine's groups, and are CPU integers
-(no device sync under NCCL).
+- GATHER (unit, phase): a parameter gather this rank will issue. A gather is issued only
+  once its tag has come back the same from every rank, and gathers are issued in the
+  order of their tags. So the gathers that any two ranks issue agree, always: a path that
+  differs shows up as a differing tag, and raises on every rank, before a mismatched
+  collective exists.
+- USE (unit, phase): this rank's forward or backward entered the unit's module. A
+  gradient reduction is issued only once the uses before it came back the same, so
+  reductions pair up too.
+- END: the end of a backward; it closes the pass, so that a rank whose path is a
+  prefix of another's fails here instead of waiting for a tag that never comes.
+
+Tags are posted asynchronously and checked only when the gather or reduction they guard
+is due. A gather the recorded module order predicts is posted a unit early (`announce`),
+so its tag has long landed when it is due: no rank waits for the others at every unit.
+A gather nobody predicted is posted and checked at once (every rank meets there).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,48 +35,130 @@ from .comm import Communicator
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
+GATHER, USE, END = 0, 1, 2
 
 
 class ModulePathDivergenceError(RuntimeError):
-    """Ranks disagreed on which module to gather next (stage 3)."""
+    """Ranks disagreed on which module to gather or run next (stage 3)."""
+
+
+@dataclass
+class _Posted:
+    seq: int
+    kind: int
+    index: int
+    phase: int
+    everyone: torch.Tensor  # every rank's tag, once the exchange lands
+    work: object
 
 
 class OrderCheck:
-    def __init__(self, comm: Communicator, unit_name: Callable[[int], str | None]):
+    """The tags this rank posted and no one has checked yet, oldest first."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        unit_name: Callable[[int], str | None],
+        launch_gather: Callable[[int], None],
+    ):
         self.comm = comm
         self.unit_name = unit_name  # a unit's module name, None for an unknown index
-        self._exchanges = 0  # of this process, for the error message
+        self.launch_gather = launch_gather  # issues a checked gather of a unit index
+        self._posted: deque[_Posted] = deque()
+        self._announced: set[int] = set()  # unit indices with a GATHER tag posted
+        self._seq = 0  # tags posted by this process
+        self._last_use = 0  # seq of the latest USE or END tag
+        # Gathers checked the moment they were posted (no prediction announced them):
+        # each holds this rank until every rank reaches it.
+        self.unannounced = 0
 
-    def check(self, index: int, phase: int) -> None:
-        """Just before gathering unit `index`: raise if any rank is about to gather
-        another one."""
-        self._exchanges += 1
-        tag = torch.tensor([index, phase], dtype=torch.int64)
-        tags = self.comm.control_all_gather(tag).tolist()
+    # ------------------------------------------------------------------ posting
+    def _post(self, kind: int, index: int, phase: int) -> int:
+        self._seq += 1
+        tag = torch.tensor([kind, index, phase], dtype=torch.int64)
+        everyone, work = self.comm.control_all_gather_async(tag)
+        self._posted.append(_Posted(self._seq, kind, index, phase, everyone, work))
+        return self._seq
+
+    def announce(self, index: int, phase: int) -> None:
+        """This rank will gather unit `index` (once every earlier announced gather is
+        issued); the caller saw it neither gathered nor in flight."""
+        if index not in self._announced:
+            self._announced.add(index)
+            self._post(GATHER, index, phase)
+
+    def is_announced(self, index: int) -> bool:
+        return index in self._announced
+
+    def use(self, index: int, phase: int) -> None:
+        self._last_use = self._post(USE, index, phase)
+
+    def end_of_backward(self) -> None:
+        """Close the pass: every rank's tags so far agree, or this raises."""
+        self._last_use = self._post(END, -1, BACKWARD)
+        self.check_through(self._last_use)
+
+    # ------------------------------------------------------------------ checking
+    def gather_now(self, index: int, phase: int) -> None:
+        """Issue the gather of unit `index`: announced earlier, or announced now and
+        checked at once. Every gather announced before it is issued first."""
+        if index not in self._announced:
+            self.unannounced += 1
+            self.announce(index, phase)
+        while index in self._announced:
+            self._check_oldest()
+
+    def check_uses(self) -> None:
+        """Before a gradient reduction: the module paths so far agree."""
+        self.check_through(self._last_use)
+
+    def check_through(self, seq: int) -> None:
+        while self._posted and self._posted[0].seq <= seq:
+            self._check_oldest()
+
+    def _check_oldest(self) -> None:
+        posted = self._posted.popleft()
+        posted.work.wait()
+        tags = posted.everyone.tolist()
         if any(t != tags[0] for t in tags):
-            raise self._divergence(tags)
+            self.forget()
+            raise self._divergence(posted.seq, tags)
+        if posted.kind == GATHER:
+            self._announced.discard(posted.index)
+            self.launch_gather(posted.index)
 
-    def _divergence(self, tags: list[list[int]]) -> ModulePathDivergenceError:
-        lines = [
-            f"  rank {rank}: {_PHASE_NAMES.get(phase, '?')} of {self._module(index)}"
-            for rank, (index, phase) in enumerate(tags)
-        ]
+    def forget(self) -> None:
+        """Drop the tags in flight without waiting (a peer is gone, or the process ends
+        after an error)."""
+        self._posted.clear()
+        self._announced.clear()
+
+    # ------------------------------------------------------------------ the error
+    def _divergence(self, seq: int, tags: list[list[int]]) -> ModulePathDivergenceError:
+        lines = [f"  rank {rank}: {self._describe(*tag)}" for rank, tag in enumerate(tags)]
         hint = (
             "\nstate_dict() and load_state_dict() gather a stage-3 model, so every rank must "
             "call them (not only rank 0); to write the model from rank 0 alone, use "
             "engine.full_state_dict() on every rank, or save a checkpoint and consolidate it."
-            if any(phase == STATE_DICT for _, phase in tags)
+            if any(phase == STATE_DICT for _, _, phase in tags)
             else ""
         )
         return ModulePathDivergenceError(
             "ZeRO stage 3: ranks took different module paths and would deadlock on the "
-            f"parameter gather (order check #{self._exchanges} of this process):\n"
+            f"parameter gathers or gradient reductions (order check #{seq} of this "
+            "process):\n"
             + "\n".join(lines)
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "
             "(ZeroConfig.unit_module_classes) so they are gathered together." + hint
         )
+
+    def _describe(self, kind: int, index: int, phase: int) -> str:
+        if kind == END:
+            return "the end of backward"
+        where = f"{_PHASE_NAMES.get(phase, '?')} of {self._module(index)}"
+        return f"{where} (its parameter gather)" if kind == GATHER else where
 
     def _module(self, index: int) -> str:
         name = self.unit_name(index)
