@@ -23,10 +23,12 @@ def unmount(mount: Path) -> None:
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str) -> tuple:
+def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str, failing=None) -> tuple:
     """Two steps, a checkpoint, then a step whose offload writes all fail as on a full
-    disk (ENOSPC), a save attempted after it, and the checkpoint loaded back: (the step's
-    error message or None, the save's or None). The engine is left after the load."""
+    disk (ENOSPC) on the `failing` ranks (all by default), the next step, which raises
+    on every rank, a save attempted after it, and the checkpoint loaded back: (the next
+    step's error message or None, the save's or None). The step whose writes fail does not
+    wait for them, so it cannot fail; the engine is left after the load."""
     for step in range(2):
         x, y = local_batch(step, 0, rank, world)
         engine.backward(engine(x, y))
@@ -40,11 +42,16 @@ def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str) -> tupl
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    offload_file_module.os.pwrite = full
+    if failing is None or rank in failing:
+        offload_file_module.os.pwrite = full
     try:
-        message = _error_of(engine.step, OffloadError)
+        engine.step()
     finally:
         offload_file_module.os.pwrite = real
+    engine.zero_grad()
+    x, y = local_batch(3, 0, rank, world)
+    engine.backward(engine(x, y))
+    message = _error_of(engine.step, OffloadError)
     refused = _error_of(lambda: engine.save_checkpoint(ckpt + "-after"), Exception)
     engine.load_checkpoint(ckpt)
     return message, refused

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,22 +100,28 @@ def _report_run(rank, world, stage, directory):
     engine.backward(engine(x, y))
     engine.step()
     after = engine.memory_report()
+    time.sleep(0.5)  # the step's last write (a few KiB) is done
+    with torch.no_grad():
+        engine(x, y)  # a forward lets go of the finished writes' buffers
+    later = engine.memory_report()
     views = [v.hi - v.lo for v in engine._opt_views]
     engine.close()
-    return before, after, views
+    return before, after, later, views
 
 
 def test_memory_report_counts_the_disk_tier_exactly(tmp_path):
     """After the first step each optimizer view's exp_avg and exp_avg_sq (fp32) sit in
     the file, each rounded up to the 4 KiB blocks the file hands out; only the views' step
     counts (4-byte scalars) stay in memory, and the tier's host buffers are given back
-    after the step (their peak is in `peak_pooled`)."""
-    for before, after, views in run_world(_report_run, 2, 2, str(tmp_path)):
+    after the step, but for the last write's until it is done (their peak is in
+    `peak_pooled`)."""
+    for before, after, later, views in run_world(_report_run, 2, 2, str(tmp_path)):
         assert before["disk_optimizer_state"] == 0
         assert after["optimizer_state"] == 4 * len(views)
         blocks = [2 * (-(-4 * n // 4096) * 4096) for n in views]
         assert after["disk_optimizer_state"] == after["disk_total"] == sum(blocks)
-        assert after["pooled"] == 0
+        assert after["pooled"] in (0, sum(blocks))  # the last write's buffer, if going
+        assert later["pooled"] == 0
         # One tile here: the first step packs it into one buffer of all its regions, and
         # the exact peak saw it.
         assert after["peak_pooled"] == sum(blocks)
@@ -265,12 +272,12 @@ def test_a_disk_too_small_for_the_state_fails_the_first_step_naming_it(tmp_path)
         unmount(mount)
 
 
-def _fails_mid_training(rank, world, directory, ckpt):
+def _fails_mid_training(rank, world, directory, ckpt, failing=None):
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2, **_disk(Path(directory))))
-    # The file is behind the optimizer after the failed step: a save would write stale
+    # The file is behind the optimizer after the failed writes: a save would write stale
     # state, and refuses; loading the checkpoint makes the engine whole again.
-    message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt)
+    message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt, failing)
     x, y = local_batch(2, 0, rank, world)
     engine.backward(engine(x, y))
     engine.step()
@@ -295,6 +302,62 @@ def test_a_disk_that_fills_mid_training_fails_the_step_and_keeps_the_checkpoint(
         assert "checkpoints already written are not affected" in message
         assert loaded == 2
     assert json.loads(Path(ckpt, "index.json").read_text())["step"] == 2
+
+
+def test_a_disk_that_fills_on_one_rank_fails_every_rank_together(tmp_path):
+    """Only rank 1's writes fail. Every rank raises at the next step (none waits in a
+    collective for it until the timeout): rank 1 its own error, rank 0 naming rank 1;
+    both refuse to save and recover by loading the checkpoint."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    start = time.monotonic()
+    ranks = run_world(_fails_mid_training, 2, str(offload), ckpt, {1})
+    assert time.monotonic() - start < 60
+    (message0, loaded0, refused0), (message1, loaded1, refused1) = ranks
+    assert f"no space left on the device of offload_dir {offload}" in message1
+    assert "an offload write failed on rank(s) [1]" in message0
+    assert "Load a checkpoint" in message0
+    for refused in (refused0, refused1):
+        assert refused is not None and "incomplete since a step failed" in refused
+    assert loaded0 == loaded1 == 2
+
+
+def test_the_step_does_not_wait_for_its_last_writes(tmp_path):
+    """With writes slowed to 0.3 s each, step() returns while its last writes are still
+    going (they finish during the next forward); training is the same as in memory."""
+    finished: list[float] = []
+    real = os.pwrite
+
+    def slow(fd, data, offset):
+        time.sleep(0.3)
+        written = real(fd, data, offset)
+        finished.append(time.monotonic())
+        return written
+
+    model = make_model()
+    config = ZeroConfig(stage=1, offload_optimizer="disk", offload_dir=str(tmp_path))
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    reference = make_model()
+    plain = ZeroEngine(reference, make_optimizer(reference), ZeroConfig(stage=1))
+    offload_file_module.os.pwrite = slow
+    try:
+        for step in range(4):
+            x, y = local_batch(step, 0, 0, 1)
+            for e in (engine, plain):
+                e.backward(e(x, y))
+                e.step()  # the engine's waits for the last step's writes, if going
+                e.zero_grad()
+            done_when_it_returned = len(finished)
+            time.sleep(0.5)
+            # A write of this step finished after it returned: it did not wait for it.
+            assert len(finished) > done_when_it_returned, step
+        engine.close()  # waits for the last writes
+    finally:
+        offload_file_module.os.pwrite = real
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+    plain.close()
 
 
 # ---------------------------------------------------------------- memory, measured

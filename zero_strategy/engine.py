@@ -48,7 +48,12 @@ from .moe.placement import (
     expert_placements,
     settle_expert_parallel,
 )
-from .offload import free_large_blocks_at_once, shard_store, state_store
+from .offload import (
+    agree_on_write_failures,
+    free_large_blocks_at_once,
+    shard_store,
+    state_store,
+)
 from .optimizer import (
     OptimizerView,
     check_optimizer,
@@ -561,6 +566,7 @@ class ZeroEngine:
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
+        self._opt_state.settle(wait=False)  # the last step's writes: their buffers go
         self._full_grads.hide()
         self.reducer.rehook_converted()
         if self.config.broadcast_buffers and self._buffers_stale:
@@ -708,6 +714,8 @@ class ZeroEngine:
         every optimizer's, or only `optimizer`'s (its own gradients clipped by their own
         norm, as `clip_grad_norm_` over its parameters would). Returns False when the step
         was skipped for an fp16 overflow."""
+        if self._stepped_in_parts:  # a write of the last step failed on some rank: raise
+            agree_on_write_failures(self._offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()
         chosen, groups = self._chosen(optimizer)
         norm, overflow = self._unscale_and_measure(groups)
@@ -743,8 +751,6 @@ class ZeroEngine:
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
         self._publish_parameters(copies_written=written[0])
-        if self._shards is not None:
-            self._shards.flush()  # a write that failed fails this step
         self._grads_unscaled = False
         self._norms.clear()
         self.global_steps += 1
@@ -762,6 +768,17 @@ class ZeroEngine:
             pre, post = user_step_hooks(opt, self._guards[k].id)
             for hook in pre if before else post:
                 hook(opt, (), {})
+
+    def _offload_tiers(self) -> list:
+        return [t for t in (self._opt_state, self._shards) if t is not None]
+
+    def _settle_writes(self) -> None:
+        """Before the tiers' files are read whole (a save): every write is done, and one
+        that failed makes the read refuse (the file is behind the training)."""
+        for tier in self._offload_tiers():
+            tier.settle(wait=True)
+            if tier.failure is not None:
+                tier.refuse()
 
     @property
     def _stepped_in_parts(self) -> bool:
@@ -1168,6 +1185,7 @@ class ZeroEngine:
         at any world size and stage; `client_state` must load with weights_only=True."""
         self.wait_for_parameters()
         self.reducer.wait()
+        self._settle_writes()
         checkpoint.save(
             self._sharded_state(),
             path,
@@ -1213,6 +1231,7 @@ class ZeroEngine:
         buffers) in CPU memory, gathered one unit at a time, so the device never holds
         more than one unit of it; empty on other ranks when `rank0_only`."""
         self.wait_for_parameters()
+        self._settle_writes()
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.global_rank == 0
         for unit in self.units:

@@ -14,6 +14,7 @@ import torch
 from ..config import ZeroConfig
 from ..flat_unit import FlatUnit
 from ..optimizer import OptimizerView
+from .failures import agree_on_write_failures
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
 from .shard_store import DiskShards
@@ -24,6 +25,7 @@ __all__ = [
     "DiskState",
     "OffloadError",
     "ResidentState",
+    "agree_on_write_failures",
     "free_large_blocks_at_once",
     "shard_store",
     "state_store",

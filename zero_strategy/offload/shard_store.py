@@ -9,7 +9,8 @@ values again once they are read back.
 `acquire` and `release` count a unit's uses. The first use reads the shard back (or takes
 it from a buffer read ahead, or from the buffer of its last write); the last one writes it
 out when it changed (on a writer thread: the write is not waited for until its buffer is
-needed) and frees the memory. `prefetch` reads a unit ahead on a reader thread, so that
+needed, not even at the end of the step) and frees the memory. A failed write is kept in
+`failure` for the engine, which asks every rank at the end of each step. `prefetch` reads a unit ahead on a reader thread, so that
 its gather, in the order the gatherer recorded, finds it in memory. At most
 `buffer_count` host buffers of the largest unit's size take part.
 """
@@ -74,7 +75,7 @@ class DiskShards:
         self._free: list[torch.Tensor] = []
         self._live = 0  # buffers in existence
         self._failed: str | None = None
-        self._error: BaseException | None = None  # the first failed write
+        self.failure: BaseException | None = None  # the first failed write, unreported
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-write")
         for unit in units:
@@ -172,7 +173,7 @@ class DiskShards:
             or self._uses[index]
             or index in self._reads
             or index in self._writes
-            or self._error is not None
+            or self.failure is not None
             or len(self._reads) >= self.buffer_count - 2
         ):
             return
@@ -181,19 +182,28 @@ class DiskShards:
         reading = self._reader.submit(self.file.read, region.offset, buffer[: region.nbytes])
         self._reads[index] = (buffer, reading)
 
-    def flush(self) -> None:
-        """Wait for every write (the end of a step, a save): the first failure is raised
-        once all have finished, and the tier refuses further use until a load."""
-        for _, writing in [*self._retired, *self._writes.values()]:
-            failure = writing.exception()
-            if failure is not None:
-                self._fail(failure)
-        for buffer, _ in self._retired:
-            self._free.append(buffer)
-        self._retired.clear()
-        if self._error is not None:  # from now on the tier refuses to be used
-            self._failed = f"{type(self._error).__name__}: {self._error}"
-            raise self._error
+    def settle(self, wait: bool) -> None:
+        """The end of a step: note the failures of the writes that are done (of every
+        write, once done, with `wait`) and free the buffers of superseded ones. The step
+        does not wait for its own writes: a unit used before its write is done is taken
+        from the write's buffer."""
+        still = []
+        for buffer, writing in self._retired:
+            if wait or writing.done():
+                self._note(writing)
+                self._free.append(buffer)
+            else:
+                still.append((buffer, writing))
+        self._retired = still
+        for _, writing in self._writes.values():
+            if wait or writing.done():
+                self._note(writing)
+
+    def refuse(self) -> None:
+        """A write failed (here or on another rank): from now on the tier refuses to be
+        used until a checkpoint is loaded."""
+        failure = self.failure or OffloadError(errno.EIO, "another rank's offload write failed")
+        self._failed = self._failed or f"{type(failure).__name__}: {failure}"
 
     # ------------------------------------------------------------------ buffers
     def _take_buffer(self) -> torch.Tensor:
@@ -211,9 +221,7 @@ class DiskShards:
         else:
             index = next(iter(self._writes))
             buffer, writing = self._writes.pop(index)
-        failure = writing.exception()
-        if failure is not None:  # raised by `flush` at the end of the step, on every rank
-            self._fail(failure)
+        self._note(writing)  # reported at the end of the step, on every rank
         return buffer
 
     def buffers(self) -> list[torch.Tensor]:
@@ -234,12 +242,13 @@ class DiskShards:
             tensor.view(-1).view(torch.uint8).copy_(buffer[at : at + tensor.nbytes])
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, error: BaseException) -> None:
-        """Remember the first failed write. It is raised at the end of the step (`flush`),
-        where every rank is at the same point: raising mid-step would leave the ranks in
-        different collectives."""
-        if self._error is None:
-            self._error = error
+    def _note(self, writing: Future) -> None:
+        """Remember the first failed write. It is raised at the end of a step, where every
+        rank is at the same point: raising mid-step would leave the ranks in different
+        collectives."""
+        failure = writing.exception()
+        if failure is not None and self.failure is None:
+            self.failure = failure
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -260,7 +269,7 @@ class DiskShards:
         for buffer, _ in self._retired:
             self._free.append(buffer)
         self._retired.clear()
-        self._failed = self._error = None
+        self._failed = self.failure = None
 
     # ------------------------------------------------------------------ accounting
     def disk_bytes(self) -> dict[str, int]:

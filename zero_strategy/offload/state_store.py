@@ -5,7 +5,11 @@ tile at a time, the state of that tile's parameters (`apply`), and the optimizer
 it as usual. In memory (`ResidentState`) the tile is everything and nothing moves. On disk
 (`DiskState`) each tile's state is read into a host buffer just before its step and
 written back just after, on background threads: the read of the next tiles and the write
-of the previous one overlap the current one's step, within `buffer_count` buffers.
+of the previous one overlap the current one's step, within `buffer_count` buffers. The
+step does not wait for its last writes: they finish during the next forward, and the next
+step (or a save) waits for them before reading the file. A failed write is kept, not
+raised where it is found: the engine asks every rank's tiers at the end of each step
+(`failure`) and all ranks raise together, so that no rank is left waiting in a collective.
 Between steps `optimizer.state` holds meta tensors of the right shape and dtype in their
 place (scalars such as Adam's `step` stay in memory): nothing reads freed memory by
 mistake, and anything that needs the values (a checkpoint) asks the store.
@@ -17,7 +21,6 @@ sharded checkpoints store and reshard, and what moves to disk here.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
@@ -51,8 +54,16 @@ class ResidentState:
     def __init__(self, state: MutableMapping[Any, Any]):
         self.state = state
 
+    failure: BaseException | None = None
+
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
         step(list(views))
+
+    def settle(self, wait: bool) -> None:
+        pass
+
+    def refuse(self) -> None:
+        pass
 
     def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
         """The view's elementwise state: key -> dtype."""
@@ -121,6 +132,7 @@ class DiskState:
         self._writing: list[tuple[torch.Tensor, Future]] = []  # buffers being written
         self._live: list[torch.Tensor] = []  # every staging buffer (free, in use or writing)
         self._failed: str | None = None  # an I/O failure that left the file behind
+        self.failure: BaseException | None = None  # a failed write not yet reported
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-offload-write")
 
@@ -131,6 +143,7 @@ class DiskState:
         failure leaves the file behind the optimizer: the store refuses further use until
         a checkpoint is loaded (`clear`)."""
         self._check_usable()
+        self.settle(wait=True)  # the last step's last writes (done long ago)
         chosen = {id(v) for v in views}
         tiles = [t for t in ([v for v in tile if id(v) in chosen] for tile in self.tiles) if t]
         ahead = max(1, self.buffer_count - 2)  # one buffer steps, one is written
@@ -152,7 +165,6 @@ class DiskState:
                     raise
                 finally:
                     self._store(tile, buffer)
-            self._drain_writes()
         except BaseException as e:
             if e is not stepping:
                 self._failed = f"{type(e).__name__}: {e}"
@@ -163,13 +175,37 @@ class DiskState:
                     reading.exception()
                 if buffer is not None:
                     self._free.append(buffer)
-            with contextlib.suppress(BaseException):  # raised above already, if at all
-                self._drain_writes()
-            # Given back between steps: forward and backward, where activations peak, then
-            # hold none of the tier's memory.
+            # Given back between steps, but for the last writes' buffers until those are
+            # done (early in the next forward): backward, where activations peak, then
+            # holds none of the tier's memory.
             self._free.clear()
-            self._live.clear()
+            self._live = [buffer for buffer, _ in self._writing]
             self.on_memory()
+
+    def settle(self, wait: bool) -> None:
+        """Between steps: let go of the buffers of the writes that are done (of every
+        write, once done, with `wait`). A failure is kept in `failure`."""
+        still = []
+        for buffer, writing in self._writing:
+            if wait or writing.done():
+                self._note(writing)
+            else:
+                still.append((buffer, writing))
+        if len(still) < len(self._writing):
+            self._writing = still
+            self._live = [buffer for buffer, _ in still]
+            self.on_memory()
+
+    def _note(self, writing: Future) -> None:
+        failure = writing.exception()
+        if failure is not None and self.failure is None:
+            self.failure = failure
+
+    def refuse(self) -> None:
+        """A write failed (here or on another rank): the file is behind the optimizer
+        until a checkpoint is loaded."""
+        failure = self.failure or OffloadError(errno.EIO, "another rank's offload write failed")
+        self._failed = self._failed or f"{type(failure).__name__}: {failure}"
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -244,13 +280,12 @@ class DiskState:
         else:  # a tensor the optimizer replaced rather than updated in place
             self._pack(tile, buffer)
         self._detach(tile)
-        self._writing.append((buffer, self._writer.submit(self._write_tile, tile, buffer)))
+        # The write holds the file and the buffer, not the store: a write still going when
+        # the engine is dropped does not keep it alive.
+        writing = self._writer.submit(_write_extents, self.file, self._extents(tile), buffer)
+        self._writing.append((buffer, writing))
         if relayout:  # the state the optimizer just created in memory is freed
             return_freed_memory()
-
-    def _write_tile(self, tile: list[OptimizerView], buffer: torch.Tensor) -> None:
-        for offset, at, nbytes in self._extents(tile):
-            self.file.write(offset, buffer[at : at + nbytes])
 
     def _keys_changed(self, view: OptimizerView, entry: dict[str, Any] | None) -> bool:
         keys = elementwise_keys(entry or {}, view.hi - view.lo)
@@ -309,18 +344,7 @@ class DiskState:
                 return self._live[-1]
             buffer, writing = self._writing.pop(0)
             self._free.append(buffer)
-            writing.result()
-
-    def _drain_writes(self) -> None:
-        """Wait for every write; the first failure is raised once all have finished."""
-        error = None
-        while self._writing:
-            buffer, writing = self._writing.pop(0)
-            self._free.append(buffer)
-            failure = writing.exception()
-            error = error or failure
-        if error is not None:
-            raise error
+            self._note(writing)  # reported at the end of the step, on every rank
 
     # ------------------------------------------------------------------ checkpoints
     def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
@@ -332,6 +356,9 @@ class DiskState:
 
     def read(self, view: OptimizerView, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key`'s state of `view`, read from the file (a new tensor)."""
+        self.settle(wait=True)
+        if self.failure is not None:
+            self.refuse()
         self._check_usable()
         region = self._regions.get(id(view))
         if region is None:
@@ -357,13 +384,12 @@ class DiskState:
 
     def clear(self) -> None:
         """Forget every state (a checkpoint load follows, putting each view's)."""
-        with contextlib.suppress(BaseException):  # a failed write: its bytes are moot now
-            self._drain_writes()
+        self.settle(wait=True)  # a failed write: its bytes are moot now
         self.state.clear()
         self._regions.clear()
         self._placeholders.clear()
         self.file.reset()
-        self._failed = None
+        self._failed = self.failure = None
 
     # ------------------------------------------------------------------ accounting
     def disk_bytes(self) -> int:
@@ -371,13 +397,14 @@ class DiskState:
         return sum(r.nbytes for r in self._regions.values())
 
     def buffers(self) -> list[torch.Tensor]:
-        """The staging buffers held now (host memory; none between steps)."""
+        """The staging buffers held now (host memory; between steps, those of the last
+        writes until they are done)."""
         return list(self._live)
 
     def closer(self) -> Callable[[], None]:
         """Closes the file and stops the threads. It holds nothing but them, so that a
-        finalizer can keep it without keeping the optimizer (and the engine) alive; no
-        write is in flight between steps."""
+        finalizer can keep it without keeping the optimizer (and the engine) alive; it
+        waits for the writes in flight."""
         return functools.partial(_close, self._reader, self._writer, self.file)
 
 
@@ -385,6 +412,13 @@ def _close(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, file: Offload
     reader.shutdown(wait=True)
     writer.shutdown(wait=True)
     file.close()
+
+
+def _write_extents(
+    file: OffloadFile, extents: list[tuple[int, int, int]], buffer: torch.Tensor
+) -> None:
+    for offset, at, nbytes in extents:
+        file.write(offset, buffer[at : at + nbytes])
 
 
 def _nothing() -> None:
