@@ -109,9 +109,20 @@ def _mirrors(suite: Suite, extra: list[str]) -> list[Path]:
     for entry in [p for p in listed if p] + [f"/work/.mirror/{owner}+{name}/repo"]:
         path = Path(entry)
         for candidate in (path, path / f"{owner}+{name}" / "repo"):
-            if (candidate / "objects").is_dir() or (candidate / ".git").is_dir():
+            is_git = (candidate / "objects").is_dir() or (candidate / ".git").is_dir()
+            if is_git and _mirrors_repo(candidate, owner, name):
                 found.append(candidate)
     return found
+
+
+def _mirrors_repo(git_dir: Path, owner: str, name: str) -> bool:
+    """Whether `git_dir` is a copy of owner/name: by its origin's URL, or by the
+    `<owner>+<name>` folder the fetch tool puts it in. Another repository's mirror (one
+    --git-mirror for both suites) would give the wrong tests under the right label."""
+    if f"{owner}+{name}".lower() in str(git_dir).lower():
+        return True
+    url = _run(["git", "-C", str(git_dir), "config", "--get", "remote.origin.url"], 60)
+    return url.stdout.strip().lower().removesuffix(".git").endswith(f"{owner}/{name}".lower())
 
 
 def _from_mirror(suite: Suite, installed: str, dest: Path, extra: list[str]) -> str | None:
