@@ -89,21 +89,22 @@ def test_a_step_that_drops_a_block_on_every_rank_trains_as_one_process(prefetch_
             torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
 @pytest.mark.parametrize("dropped", range(BLOCKS))
-def test_a_rank_that_drops_a_block_alone_gets_an_error_on_every_rank(dropped):
+def test_a_rank_that_drops_a_block_alone_gets_an_error_on_every_rank(dropped, prefetch_depth):
     """Rank 1 drops one block on step 2; rank 0 runs it. Every rank raises, naming the
     modules, well before the collective timeout (20 s here)."""
     start = time.monotonic()
-    results = run_world(_train, 2, 1, dropped, True, expect_errors=True, timeout=120)
+    results = run_world(_train, 2, prefetch_depth, dropped, True, expect_errors=True, timeout=120)
     assert time.monotonic() - start < 15
     for status, message in results:
         assert status == "error", message
         assert "ModulePathDivergenceError" in message
 
 
-def _detach_on_one_rank(rank: int, world: int, detached: int):
+def _detach_on_one_rank(rank: int, world: int, detached: int, prefetch_depth: int):
     model = Chain()
-    config = ZeroConfig(stage=3, collective_timeout=20.0)
+    config = ZeroConfig(stage=3, prefetch_depth=prefetch_depth, collective_timeout=60.0)
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
     for step in range(3):
         detach = detached if step == 2 and rank == 1 else None
@@ -113,18 +114,50 @@ def _detach_on_one_rank(rank: int, world: int, detached: int):
     engine.close()
 
 
+@pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
 @pytest.mark.parametrize("detached", [0, 2])
-def test_a_rank_whose_backward_stops_early_gets_an_error_on_every_rank(detached):
+def test_a_rank_whose_backward_stops_early_gets_an_error_on_every_rank(detached, prefetch_depth):
     """Rank 1's forward runs every block as rank 0's does, but its backward never reaches
     the blocks up to `detached`: the gathers agree, the gradient reductions would not (a
-    block's gradients summed into another's of the same size). Every rank raises."""
+    block's gradients summed into another's of the same size). Every rank raises, well
+    before the collective timeout (60 s here; the old code waited it out, then blamed a
+    lost peer)."""
     start = time.monotonic()
-    results = run_world(_detach_on_one_rank, 2, detached, expect_errors=True, timeout=120)
-    assert time.monotonic() - start < 15
+    results = run_world(
+        _detach_on_one_rank, 2, detached, prefetch_depth, expect_errors=True, timeout=180
+    )
+    assert time.monotonic() - start < 40
     for status, message in results:
         assert status == "error", message
         assert "ModulePathDivergenceError" in message
         assert f"backward of module 'blocks.{detached}'" in message
+
+
+def _evaluate_alone_with_every_unit_kept(rank: int, world: int):
+    model = Chain()
+    config = ZeroConfig(stage=3, persistence_threshold=10**6, collective_timeout=20.0)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    for step in range(4):
+        engine.backward(engine(_batch(step, rank)))
+        engine.step()
+        engine.zero_grad()
+        if rank == 0:  # no unit is ever gathered again: an evaluation is local
+            with torch.no_grad():
+                for _ in range(50):
+                    engine(_batch(100 + step, rank))
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return state
+
+
+def test_an_evaluation_on_one_rank_alone_is_local_when_every_unit_stays_gathered():
+    """With every unit persistent, an evaluation forward makes no collective, so rank 0
+    may run one alone (many, here) between steps: training is unchanged, and no check
+    is waiting on the other rank."""
+    ref = _reference(2, dropped=-1)  # no block dropped
+    for state in run_world(_evaluate_alone_with_every_unit_kept, 2, timeout=120):
+        for name, value in ref.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def _unannounced_per_step(rank: int, world: int, prefetch_depth: int, evaluate: bool):

@@ -85,9 +85,15 @@ class _GuardedWork:
             self.work = None  # a finished work object holds its tensors and group
         return True
 
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
 
 class _DoneWork:
     """Stands in for a finished collective on a single process."""
+
+    def is_completed(self) -> bool:
+        return True
 
     def wait(self) -> bool:
         return True

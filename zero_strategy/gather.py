@@ -134,7 +134,8 @@ class GatherManager:
         def hook(module, args, kwargs):
             training = not in_backward() and torch.is_grad_enabled()
             phase = BACKWARD if in_backward() else FORWARD
-            self._post_use(unit, phase)
+            if training or in_backward():  # what gradient reductions will follow
+                self._post_use(unit, phase)
             if not in_backward():
                 self._track_order(unit, record=training)
             self.ensure(unit, phase)
@@ -214,6 +215,7 @@ class GatherManager:
         elif self.order is not None:  # backward's first gathers: their checks go out now
             for idx in reversed(self.order[-(self.prefetch_depth + 2) :]):
                 self._announce(self.units[idx], BACKWARD)
+            self._cursor = 0  # a next forward (before this backward, or none) starts over
         return output
 
     def _pre_backward(self, unit: FlatUnit) -> None:

@@ -11,16 +11,21 @@ data-parallel ranks on a gloo group of their own:
   order of their tags. So the gathers that any two ranks issue agree, always: a path that
   differs shows up as a differing tag, and raises on every rank, before a mismatched
   collective exists.
-- USE (unit, phase): this rank's forward or backward entered the unit's module. A
-  gradient reduction is issued only once the uses before it came back the same, so
-  reductions pair up too.
+- USE (unit, phase): this rank's training forward or its backward entered the unit's
+  module. A gradient reduction is issued only once the uses before it came back the same,
+  so reductions pair up too. (An evaluation forward posts none: no reduction follows it,
+  and its gathers are checked by their own tags.) The check follows wrapped modules: a
+  branch inside one unit that leaves some of its parameters without a gradient on some
+  ranks only is not seen, and is not supported (their reductions would pair up wrongly).
 - END: the end of a backward; it closes the pass, so that a rank whose path is a
   prefix of another's fails here instead of waiting for a tag that never comes.
 
 Tags are posted asynchronously and checked only when the gather or reduction they guard
-is due. A gather the recorded module order predicts is posted a unit early (`announce`),
-so its tag has long landed when it is due: no rank waits for the others at every unit.
-A gather nobody predicted is posted and checked at once (every rank meets there).
+is due (or earlier, without waiting, once they have landed). A gather the recorded module
+order predicts is posted a unit early (`announce`), so its tag has long landed when it is
+due: a gather waits for no rank beyond what its data needs. A gather nobody predicted is
+posted and checked at once (every rank meets there). A reduction goes out once every rank
+has entered the same module in backward.
 """
 
 from __future__ import annotations
@@ -76,9 +81,19 @@ class OrderCheck:
     def _post(self, kind: int, index: int, phase: int) -> int:
         self._seq += 1
         tag = torch.tensor([kind, index, phase], dtype=torch.int64)
+        self._check_landed()
         everyone, work = self.comm.control_all_gather_async(tag)
         self._posted.append(_Posted(self._seq, kind, index, phase, everyone, work))
         return self._seq
+
+    def _check_landed(self) -> None:
+        """Check the oldest tags that have landed, up to the first gather's (checking
+        that one would issue its gather early): a long run of uses with no gather (every
+        unit kept gathered) does not pile up."""
+        while self._posted and self._posted[0].kind != GATHER:
+            if not self._posted[0].work.is_completed():
+                break
+            self._check_oldest()
 
     def announce(self, index: int, phase: int) -> None:
         """This rank will gather unit `index` (once every earlier announced gather is
@@ -118,14 +133,17 @@ class OrderCheck:
 
     def _check_oldest(self) -> None:
         posted = self._posted.popleft()
-        posted.work.wait()
-        tags = posted.everyone.tolist()
-        if any(t != tags[0] for t in tags):
-            self.forget()
-            raise self._divergence(posted.seq, tags)
-        if posted.kind == GATHER:
-            self._announced.discard(posted.index)
-            self.launch_gather(posted.index)
+        try:
+            posted.work.wait()
+            tags = posted.everyone.tolist()
+            if any(t != tags[0] for t in tags):
+                raise self._divergence(posted.seq, tags)
+            if posted.kind == GATHER:
+                self._announced.discard(posted.index)
+                self.launch_gather(posted.index)
+        except BaseException:
+            self.forget()  # the engine cannot go on (a peer is gone, or paths differ)
+            raise
 
     def forget(self) -> None:
         """Drop the tags in flight without waiting (a peer is gone, or the process ends
@@ -151,7 +169,8 @@ class OrderCheck:
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "
-            "(ZeroConfig.unit_module_classes) so they are gathered together." + hint
+            "(ZeroConfig.unit_module_classes) so they are gathered together, as long as every "
+            "rank still gives each of their parameters a gradient." + hint
         )
 
     def _describe(self, kind: int, index: int, phase: int) -> str:
