@@ -44,14 +44,14 @@ def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str, failing
 
     if failing is None or rank in failing:
         offload_file_module.os.pwrite = full
-    try:
+    try:  # the disk stays full until the next step: the writes finish after the step
         engine.step()
+        engine.zero_grad()
+        x, y = local_batch(3, 0, rank, world)
+        engine.backward(engine(x, y))
+        message = _error_of(engine.step, OffloadError)
     finally:
         offload_file_module.os.pwrite = real
-    engine.zero_grad()
-    x, y = local_batch(3, 0, rank, world)
-    engine.backward(engine(x, y))
-    message = _error_of(engine.step, OffloadError)
     refused = _error_of(lambda: engine.save_checkpoint(ckpt + "-after"), Exception)
     engine.load_checkpoint(ckpt)
     return message, refused

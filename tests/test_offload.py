@@ -91,6 +91,50 @@ def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
     assert mem_report["disk_total"] == 0
 
 
+def _file_bytes(directory: Path) -> int:
+    """The size of this process's (unlinked) offload file under `directory`."""
+    sizes = []
+    for fd in list(Path("/proc/self/fd").iterdir()):
+        if str(directory) in _link(fd):
+            sizes.append(os.fstat(int(fd.name)).st_size)
+    (size,) = sizes
+    return size
+
+
+def test_a_state_laid_out_again_reuses_the_space_it_left(tmp_path):
+    """An EMA started after two steps adds a key to every view's state: each view is laid
+    out again, larger, and the space of its old layout goes to the next ones. The file
+    ends at exactly the new layouts' size (it used to keep both), and the EMA is the one
+    kept in memory."""
+
+    def run(**extra):
+        model = make_model()
+        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=1, **extra))
+        sizes = []
+        for step in range(4):
+            x, y = local_batch(step, 0, 0, 1)
+            engine.backward(engine(x, y))
+            engine.step()
+            engine.zero_grad()
+            if step >= 1:
+                engine.update_ema(0.9)
+            if extra:
+                sizes.append((_file_bytes(tmp_path), engine.memory_report()["disk_total"]))
+        with engine.ema_weights():
+            averaged = engine.full_state_dict()
+        engine.close()
+        return averaged, sizes
+
+    in_memory, _ = run()
+    on_disk, sizes = run(**_disk(tmp_path))
+    assert all(torch.equal(on_disk[k], in_memory[k]) for k in in_memory)
+    (before, state_before), *after = sizes
+    assert before == state_before
+    for file_bytes, state_bytes in after:
+        assert state_bytes == before * 3 // 2  # exp_avg, exp_avg_sq, then the EMA too
+        assert file_bytes == state_bytes
+
+
 def _report_run(rank, world, stage, directory):
     model = make_model()
     config = ZeroConfig(stage=stage, offload_optimizer="disk", offload_dir=directory)
@@ -324,13 +368,13 @@ def test_a_disk_that_fills_on_one_rank_fails_every_rank_together(tmp_path):
 
 
 def test_the_step_does_not_wait_for_its_last_writes(tmp_path):
-    """With writes slowed to 0.3 s each, step() returns while its last writes are still
+    """With writes slowed to 0.6 s each, step() returns while its last writes are still
     going (they finish during the next forward); training is the same as in memory."""
     finished: list[float] = []
     real = os.pwrite
 
     def slow(fd, data, offset):
-        time.sleep(0.3)
+        time.sleep(0.6)
         written = real(fd, data, offset)
         finished.append(time.monotonic())
         return written
@@ -344,12 +388,14 @@ def test_the_step_does_not_wait_for_its_last_writes(tmp_path):
     try:
         for step in range(4):
             x, y = local_batch(step, 0, 0, 1)
-            for e in (engine, plain):
-                e.backward(e(x, y))
-                e.step()  # the engine's waits for the last step's writes, if going
-                e.zero_grad()
+            engine.backward(engine(x, y))
+            engine.step()  # it waits for the last step's writes, done by now
             done_when_it_returned = len(finished)
-            time.sleep(0.5)
+            engine.zero_grad()
+            plain.backward(plain(x, y))
+            plain.step()
+            plain.zero_grad()
+            time.sleep(1.0)
             # A write of this step finished after it returned: it did not wait for it.
             assert len(finished) > done_when_it_returned, step
         engine.close()  # waits for the last writes

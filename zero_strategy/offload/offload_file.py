@@ -80,12 +80,22 @@ class OffloadFile:
         # Unlinked at once: the file lives while this process holds it open, and its space
         # comes back when the process ends, however it ends (a crash, a kill -9).
         self.path.unlink()
-        self.size = 0  # bytes handed out so far
+        self.size = 0  # the file's extent handed out so far (holes included)
+        self._holes: list[tuple[int, int]] = []  # (offset, bytes) given back, by offset
         self._scratch: torch.Tensor | None = None
 
     def allocate(self, nbytes: int) -> int:
-        """Reserve `nbytes` (rounded up to ALIGN) at the end of the file; its offset."""
-        offset, size = self.size, round_up(nbytes)
+        """Reserve `nbytes` (rounded up to ALIGN): in the first hole a `release` left that
+        is large enough, else at the end of the file. Its offset."""
+        size = round_up(nbytes)
+        for i, (at, free) in enumerate(self._holes):
+            if free >= size:
+                if free == size:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = (at + size, free - size)
+                return at
+        offset = self.size
         try:
             if hasattr(os, "posix_fallocate"):  # not on macOS: the writes will tell there
                 os.posix_fallocate(self._fd, offset, size)
@@ -94,6 +104,19 @@ class OffloadFile:
                 raise self._error("reserving space in", e, size) from e
         self.size += size
         return offset
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give back a region `allocate` handed out, for a later one to reuse (its state
+        was laid out again, larger). Neighbouring holes merge."""
+        self._holes.append((offset, round_up(nbytes)))
+        self._holes.sort()
+        merged: list[tuple[int, int]] = []
+        for at, free in self._holes:
+            if merged and merged[-1][0] + merged[-1][1] == at:
+                merged[-1] = (merged[-1][0], merged[-1][1] + free)
+            else:
+                merged.append((at, free))
+        self._holes = merged
 
     def write(self, offset: int, data: torch.Tensor) -> None:
         """Write `data` (contiguous uint8, ALIGN-aligned and sized under O_DIRECT) at
@@ -136,6 +159,7 @@ class OffloadFile:
     def reset(self) -> None:
         """Forget every allocation (the file keeps its size; space is handed out again)."""
         self.size = 0
+        self._holes.clear()
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -267,6 +267,9 @@ class DiskState:
             v for v in tile if (v.hi - v.lo) and self._keys_changed(v, self.state.get(v.param))
         ]
         for view in relayout:
+            old = self._regions.get(id(view))
+            if old is not None:  # read already; its space goes to the next layouts
+                self.file.release(old.offset, old.nbytes)
             self._regions[id(view)] = self._layout(view, self.state[view.param])
         need = self._tile_bytes(tile)
         if need == 0:
