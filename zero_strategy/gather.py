@@ -12,7 +12,7 @@ reverse (backward).
 Ranks that take different module paths would pair up mismatched collectives and hang.
 With `verify_module_order`, every gather waits for an exchange of tags over the
 data-parallel ranks (`order_check`); the gathers the recorded order predicts are announced
-a unit early, so that the check never holds compute up.
+a unit early, so that their exchanges have landed by the time they are due.
 """
 
 from __future__ import annotations

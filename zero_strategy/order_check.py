@@ -102,9 +102,6 @@ class OrderCheck:
             self._announced.add(index)
             self._post(GATHER, index, phase)
 
-    def is_announced(self, index: int) -> bool:
-        return index in self._announced
-
     def use(self, index: int, phase: int) -> None:
         self._last_use = self._post(USE, index, phase)
 

@@ -10,9 +10,10 @@ values again once they are read back.
 it from a buffer read ahead, or from the buffer of its last write); the last one writes it
 out when it changed (on a writer thread: the write is not waited for until its buffer is
 needed, not even at the end of the step) and frees the memory. A failed write is kept in
-`failure` for the engine, which asks every rank at the end of each step. `prefetch` reads a unit ahead on a reader thread, so that
-its gather, in the order the gatherer recorded, finds it in memory. At most
-`buffer_count` host buffers of the largest unit's size take part.
+`failure` for the engine, which asks every rank at the start of the next step.
+`prefetch` reads a unit ahead on a reader thread, so that its gather, in the order the
+gatherer recorded, finds it in memory. At most `buffer_count` host buffers of the
+largest unit's size take part.
 """
 
 from __future__ import annotations
@@ -183,10 +184,10 @@ class DiskShards:
         self._reads[index] = (buffer, reading)
 
     def settle(self, wait: bool) -> None:
-        """The end of a step: note the failures of the writes that are done (of every
-        write, once done, with `wait`) and free the buffers of superseded ones. The step
-        does not wait for its own writes: a unit used before its write is done is taken
-        from the write's buffer."""
+        """Note the failures of the writes that are done (of every write, once done, with
+        `wait`: the start of the next step, a save) and free the buffers of superseded
+        ones. The step does not wait for its own writes: a unit used before its write is
+        done is taken from the write's buffer."""
         still = []
         for buffer, writing in self._retired:
             if wait or writing.done():
@@ -221,7 +222,7 @@ class DiskShards:
         else:
             index = next(iter(self._writes))
             buffer, writing = self._writes.pop(index)
-        self._note(writing)  # reported at the end of the step, on every rank
+        self._note(writing)  # reported at the start of the next step, on every rank
         return buffer
 
     def buffers(self) -> list[torch.Tensor]:
@@ -243,9 +244,9 @@ class DiskShards:
 
     # ------------------------------------------------------------------ failures
     def _note(self, writing: Future) -> None:
-        """Remember the first failed write. It is raised at the end of a step, where every
-        rank is at the same point: raising mid-step would leave the ranks in different
-        collectives."""
+        """Remember the first failed write. It is raised at the start of the next step,
+        where every rank is at the same point: raising mid-step would leave the ranks in
+        different collectives."""
         failure = writing.exception()
         if failure is not None and self.failure is None:
             self.failure = failure

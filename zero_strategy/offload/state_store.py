@@ -8,7 +8,7 @@ written back just after, on background threads: the read of the next tiles and t
 of the previous one overlap the current one's step, within `buffer_count` buffers. The
 step does not wait for its last writes: they finish during the next forward, and the next
 step (or a save) waits for them before reading the file. A failed write is kept, not
-raised where it is found: the engine asks every rank's tiers at the end of each step
+raised where it is found: the engine asks every rank's tiers at the start of the next step
 (`failure`) and all ranks raise together, so that no rank is left waiting in a collective.
 Between steps `optimizer.state` holds meta tensors of the right shape and dtype in their
 place (scalars such as Adam's `step` stay in memory): nothing reads freed memory by
@@ -51,10 +51,10 @@ class ResidentState:
 
     offloaded = False
 
+    failure: BaseException | None = None  # nothing is written anywhere
+
     def __init__(self, state: MutableMapping[Any, Any]):
         self.state = state
-
-    failure: BaseException | None = None
 
     def apply(self, views: Sequence[OptimizerView], step: TileStep) -> None:
         step(list(views))
@@ -347,7 +347,7 @@ class DiskState:
                 return self._live[-1]
             buffer, writing = self._writing.pop(0)
             self._free.append(buffer)
-            self._note(writing)  # reported at the end of the step, on every rank
+            self._note(writing)  # reported at the start of the next step, on every rank
 
     # ------------------------------------------------------------------ checkpoints
     def dtypes(self, view: OptimizerView) -> dict[str, torch.dtype]:
