@@ -93,12 +93,8 @@ def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
 
 def _file_bytes(directory: Path) -> int:
     """The size of this process's (unlinked) offload file under `directory`."""
-    sizes = []
-    for fd in list(Path("/proc/self/fd").iterdir()):
-        if str(directory) in _link(fd):
-            sizes.append(os.fstat(int(fd.name)).st_size)
-    (size,) = sizes
-    return size
+    (fd,) = _open_under(directory)
+    return os.fstat(int(fd.name)).st_size
 
 
 def test_a_state_laid_out_again_reuses_the_space_it_left(tmp_path):
@@ -538,8 +534,7 @@ def test_a_dropped_engine_closes_its_file(tmp_path, params):
     import gc
 
     def open_files() -> list[str]:
-        fds = Path("/proc/self/fd")
-        return [os.readlink(fd) for fd in fds.iterdir() if str(tmp_path) in _link(fd)]
+        return [_link(fd) for fd in _open_under(tmp_path)]
 
     model = make_model()
     offload = (
@@ -555,6 +550,11 @@ def test_a_dropped_engine_closes_its_file(tmp_path, params):
     del engine, model
     gc.collect()
     assert open_files() == []
+
+
+def _open_under(directory: Path) -> list[Path]:
+    """This process's file descriptors open on files under `directory`."""
+    return [fd for fd in list(Path("/proc/self/fd").iterdir()) if str(directory) in _link(fd)]
 
 
 def _link(fd: Path) -> str:

@@ -3,7 +3,7 @@
 A path that leaves the recorded order on every rank alike trains as one process does; a
 rank that leaves it alone, in forward or in backward, ends every rank with an error, never
 a hang nor a reduction paired with another block's; once the order is recorded, every
-gather's check was announced ahead (no rank waits for the others at a unit); an evaluation
+gather's check was announced ahead (no gather waits on its own check); an evaluation
 forward follows the recorded order too.
 """
 

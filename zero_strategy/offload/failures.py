@@ -14,12 +14,33 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
 from ..comm import Communicator
 from .offload_file import OffloadError
+
+
+class KeptFailure:
+    """What a disk store keeps of its failed writes: the first one (`failure`), until
+    the engine asks, and whether it refuses to be used (`_failed`, set by `refuse`)."""
+
+    failure: BaseException | None = None
+    _failed: str | None = None
+
+    def _note(self, writing: Future) -> None:
+        """Keep the first failed write (a done write's exception, if any)."""
+        failure = writing.exception()
+        if failure is not None and self.failure is None:
+            self.failure = failure
+
+    def refuse(self) -> None:
+        """A write failed (here or on another rank): the file is behind the training, and
+        the store refuses to be used until a checkpoint is loaded."""
+        failure = self.failure or OffloadError(errno.EIO, "another rank's offload write failed")
+        self._failed = self._failed or f"{type(failure).__name__}: {failure}"
 
 
 class Tier(Protocol):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..flat_unit import FlatUnit
+from .failures import KeptFailure
 from .host_memory import return_freed_memory
 from .offload_file import OffloadError, OffloadFile, aligned_empty, round_up
 
@@ -50,7 +51,7 @@ def shard_tensors(unit: FlatUnit) -> list[torch.Tensor]:
     return tensors
 
 
-class DiskShards:
+class DiskShards(KeptFailure):
     """The shards of `units` (stage 3, not persistent) in `file`."""
 
     offloaded = True
@@ -200,12 +201,6 @@ class DiskShards:
             if wait or writing.done():
                 self._note(writing)
 
-    def refuse(self) -> None:
-        """A write failed (here or on another rank): from now on the tier refuses to be
-        used until a checkpoint is loaded."""
-        failure = self.failure or OffloadError(errno.EIO, "another rank's offload write failed")
-        self._failed = self._failed or f"{type(failure).__name__}: {failure}"
-
     # ------------------------------------------------------------------ buffers
     def _take_buffer(self) -> torch.Tensor:
         """A free buffer, a new one while fewer than `buffer_count` exist, else the
@@ -243,14 +238,6 @@ class DiskShards:
             tensor.view(-1).view(torch.uint8).copy_(buffer[at : at + tensor.nbytes])
 
     # ------------------------------------------------------------------ failures
-    def _note(self, writing: Future) -> None:
-        """Remember the first failed write. It is raised at the start of the next step,
-        where every rank is at the same point: raising mid-step would leave the ranks in
-        different collectives."""
-        failure = writing.exception()
-        if failure is not None and self.failure is None:
-            self.failure = failure
-
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise OffloadError(

@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 
 from ..optimizer import OptimizerView
+from .failures import KeptFailure
 from .host_memory import return_freed_memory
 from .offload_file import ALIGN, OffloadError, OffloadFile, aligned_empty, round_up
 
@@ -107,7 +108,7 @@ class _Region:
     slots: tuple[_Slot, ...]
 
 
-class DiskState:
+class DiskState(KeptFailure):
     """The optimizer's elementwise state in `file`, stepped tile by tile."""
 
     offloaded = True
@@ -195,17 +196,6 @@ class DiskState:
             self._writing = still
             self._live = [buffer for buffer, _ in still]
             self.on_memory()
-
-    def _note(self, writing: Future) -> None:
-        failure = writing.exception()
-        if failure is not None and self.failure is None:
-            self.failure = failure
-
-    def refuse(self) -> None:
-        """A write failed (here or on another rank): the file is behind the optimizer
-        until a checkpoint is loaded."""
-        failure = self.failure or OffloadError(errno.EIO, "another rank's offload write failed")
-        self._failed = self._failed or f"{type(failure).__name__}: {failure}"
 
     def _check_usable(self) -> None:
         if self._failed is not None:
