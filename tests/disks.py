@@ -24,19 +24,19 @@ def unmount(mount: Path) -> None:
 
 
 def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str, failing=None) -> tuple:
-    """Two steps, a checkpoint, then a step whose offload writes all fail as on a full
-    disk (ENOSPC) on the `failing` ranks (all by default), the next step, which raises
-    on every rank, a save attempted after it, and the checkpoint loaded back: (the next
-    step's error message or None, the save's or None). The step whose writes fail does not
-    wait for them, so it cannot fail; the engine is left after the load."""
+    """Two steps, a checkpoint, then steps whose offload writes all fail as on a full disk
+    (ENOSPC) on the `failing` ranks (all by default), until a step raises on every rank, a
+    save attempted after it, and the checkpoint loaded back: (the step's error message or
+    None, the save's or None). A step never waits for its own writes: with the gradient
+    shards on disk the first step raises (the backward before it wrote them), with only
+    the optimizer's state or the parameters there the second. The engine is left after
+    the load."""
     for step in range(2):
         x, y = local_batch(step, 0, rank, world)
         engine.backward(engine(x, y))
         engine.step()
         engine.zero_grad()
     engine.save_checkpoint(ckpt)
-    x, y = local_batch(2, 0, rank, world)
-    engine.backward(engine(x, y))
     real = os.pwrite
 
     def full(fd, data, offset):
@@ -44,12 +44,15 @@ def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str, failing
 
     if failing is None or rank in failing:
         offload_file_module.os.pwrite = full
-    try:  # the disk stays full until the next step: the writes finish after the step
-        engine.step()
-        engine.zero_grad()
-        x, y = local_batch(3, 0, rank, world)
-        engine.backward(engine(x, y))
-        message = _error_of(engine.step, OffloadError)
+    message = None
+    try:  # the disk stays full until a step has raised
+        for step in (2, 3):
+            x, y = local_batch(step, 0, rank, world)
+            engine.backward(engine(x, y))
+            message = _error_of(engine.step, OffloadError)
+            if message is not None:
+                break
+            engine.zero_grad()
     finally:
         offload_file_module.os.pwrite = real
     refused = _error_of(lambda: engine.save_checkpoint(ckpt + "-after"), Exception)

@@ -155,7 +155,7 @@ def test_memory_report_counts_the_disk_tier_exactly(tmp_path):
     counts (4-byte scalars) stay in memory, and the tier's host buffers are given back
     after the step, but for the last write's until it is done (their peak is in
     `peak_pooled`)."""
-    for before, after, later, views in run_world(_report_run, 2, 2, str(tmp_path)):
+    for before, after, later, views in run_world(_report_run, 2, 1, str(tmp_path)):
         assert before["disk_optimizer_state"] == 0
         assert after["optimizer_state"] == 4 * len(views)
         blocks = [2 * (-(-4 * n // 4096) * 4096) for n in views]

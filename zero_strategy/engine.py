@@ -37,6 +37,7 @@ from .gather import STATE_DICT, GatherManager, in_backward
 from .generation_sync import keep_generation_in_step
 from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares
+from .landed_norms import LandedNorms
 from .memory import held_bytes, memory_report
 from .memory_peaks import MemoryPeaks
 from .module_hooks import EngineHook
@@ -51,6 +52,7 @@ from .moe.placement import (
 from .offload import (
     agree_on_write_failures,
     free_large_blocks_at_once,
+    grad_store,
     shard_store,
     state_store,
 )
@@ -215,6 +217,7 @@ class ZeroEngine:
         self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
         self._ema = ShardedEMA(self._opt_views, self._optimizer_set.state)
         self._memory = MemoryPeaks(self._held_bytes, self._transient_bytes)
+        self._grads = None  # the gradient shards' disk tier, made once the units are final
         # Where the optimizer's state lives (memory or a file); the step goes through it.
         self._opt_state = state_store(
             cfg,
@@ -257,6 +260,7 @@ class ZeroEngine:
             on_memory=self._memory.sample,
             before_reduction=self._check_module_paths,
             before_backward_end=self._check_backward_path,
+            on_grads_landed=self._note_landed_norm,
         )
         self.publisher = (
             ParameterPublisher(model, self.units, cfg.overlap_param_gather)
@@ -282,6 +286,20 @@ class ZeroEngine:
         self._shards_finalizer = weakref.finalize(
             self, self._shards.closer() if self._shards is not None else _nothing
         )
+        # Stages 2-3 with offload_optimizer="disk": the fp32 gradient shards in a file
+        # from their reduction to the step, the norm noted as they land.
+        self._grads = grad_store(
+            cfg,
+            self.units,
+            self.stage,
+            self.device,
+            self.groups.global_rank,
+            on_memory=self._memory.sample,
+        )
+        self._grads_finalizer = weakref.finalize(
+            self, self._grads.closer() if self._grads is not None else _nothing
+        )
+        self._landed_norms = LandedNorms(cfg.master_torch_dtype)
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
         )
@@ -523,11 +541,20 @@ class ZeroEngine:
             )
         all_groups = optimizers.param_groups
         self._opt_views = [
-            OptimizerView(unit, lo, hi, opt_param, gi)
+            OptimizerView(
+                unit,
+                lo,
+                hi,
+                opt_param,
+                gi,
+                unit.grad_opt[lo:hi] if unit.grad_opt is not None else None,
+            )
             for gi, segs in by_group.items()
             for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
-        if self.config.offload_params == "disk":  # stepped unit by unit, each read once
+        # Stepped unit by unit, each shard (parameters, gradients) read once.
+        cfg = self.config
+        if cfg.offload_params == "disk" or (cfg.offload_optimizer == "disk" and self.stage >= 2):
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue
@@ -558,8 +585,10 @@ class ZeroEngine:
             self._full_grads.show_local(self.reducer.local_sums)
 
     def _expose_grads(self) -> None:
+        """The optimizer's parameters' `.grad`: views of the gradient shards; None where
+        the shard is offloaded (its memory is there only while it is in use)."""
         for view in self._opt_views:
-            view.param.grad = view.unit.grad_opt[view.lo : view.hi]
+            view.param.grad = view.grad if view.unit.grad_home is None else None
 
     def before_forward(self) -> None:
         """Runs before every forward of the root module. A framework that runs the model
@@ -567,6 +596,8 @@ class ZeroEngine:
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
         self._opt_state.settle(wait=False)  # the last step's writes: their buffers go
+        if self._grads is not None:
+            self._grads.settle(wait=False)
         self._full_grads.hide()
         self.reducer.rehook_converted()
         if self.config.broadcast_buffers and self._buffers_stale:
@@ -608,7 +639,11 @@ class ZeroEngine:
         (or, at stages 0-1, model params) whose .grad was set to None since backward."""
         if not self._grads_live:
             return
-        cleared = {v.group_index for v in self._opt_views if v.param.grad is None}
+        cleared = {
+            v.group_index
+            for v in self._opt_views
+            if v.param.grad is None and v.unit.grad_home is None  # offloaded: never shown
+        }
         if self.stage < 2:
             cleared |= {
                 s.group_index
@@ -705,8 +740,7 @@ class ZeroEngine:
         _, groups = self._chosen(optimizer)
         _, overflow = self._unscale_and_measure(groups)
         if not overflow:
-            for grad in self._grad_parts(groups):
-                grad.clamp_(-clip_value, clip_value)
+            self._change_grads(groups, lambda grad: grad.clamp_(-clip_value, clip_value))
             self._full_grads.clamp(clip_value, groups)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -741,7 +775,11 @@ class ZeroEngine:
 
         chosen_groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
         self._run_user_hooks(chosen, before=True)
-        self._apply([v for v in self._opt_views if v.group_index in chosen_groups], step_tile)
+        self._apply(
+            [v for v in self._opt_views if v.group_index in chosen_groups],
+            step_tile,
+            needs_grads=True,
+        )
         written[0] |= self._shards is not None
         self._expose_grads()
         self._run_user_hooks(chosen, before=False)
@@ -763,14 +801,39 @@ class ZeroEngine:
         post-hooks)."""
         if not self._stepped_in_parts:
             return  # optimizer.step() runs them
-        for k in chosen:
-            opt = self.optimizers[k]
-            pre, post = user_step_hooks(opt, self._guards[k].id)
-            for hook in pre if before else post:
+        hooks = [
+            (self.optimizers[k], hook)
+            for k in chosen
+            for hook in user_step_hooks(self.optimizers[k], self._guards[k].id)[0 if before else 1]
+        ]
+        if not hooks:
+            return
+        with self._every_grad_in_memory(chosen):
+            for opt, hook in hooks:
                 hook(opt, (), {})
 
+    @contextlib.contextmanager
+    def _every_grad_in_memory(self, chosen: list[int]) -> Iterator[None]:
+        """Every gradient of the `chosen` optimizers shown on their parameters inside the
+        block: the offloaded shards read in for it (what the user's step hooks may read
+        or change, as without offload), and written back after it."""
+        groups = {gi for k in chosen for gi in self._optimizer_set.groups_of(k)}
+        units = {v.unit.layout.index: v.unit for v in self._opt_views if v.group_index in groups}
+        with contextlib.ExitStack() as in_memory:
+            for unit in units.values():
+                if unit.grad_home is not None:
+                    in_memory.enter_context(unit.grads_resident(modified=True))
+                    self._landed_norms.forget(unit.layout.index)
+            for view in self._opt_views:
+                shown = view.unit.grad_home is None or view.group_index in groups
+                view.param.grad = view.grad if shown else None
+            try:
+                yield
+            finally:
+                self._expose_grads()
+
     def _offload_tiers(self) -> list:
-        return [t for t in (self._opt_state, self._shards) if t is not None]
+        return [t for t in (self._opt_state, self._shards, self._grads) if t is not None]
 
     def _settle_writes(self) -> None:
         """Before the tiers' files are read whole (a save): every write is done, and one
@@ -790,24 +853,33 @@ class ZeroEngine:
         views: list[OptimizerView],
         step: Callable[[list[OptimizerView]], None],
         changes_weights: bool = True,
+        needs_grads: bool = False,
     ) -> None:
         """`step` over `views`, a tile at a time through the optimizer state's store. With
-        the shards offloaded, each unit's shard is in memory while its views step (from
-        its first tile to its last: the views are in unit order then), the next unit's is
-        read ahead, and it is written back if `changes_weights`."""
-        if self._shards is None:
+        the shards offloaded (and the gradient shards, if `needs_grads`), each unit's is in
+        memory while its views step (from its first tile to its last: the views are in
+        unit order then), the next unit's is read ahead, and the parameter shard is
+        written back if `changes_weights`."""
+        grads = needs_grads and self._grads is not None
+        if self._shards is None and not grads:
             self._opt_state.apply(views, step)
             return
         units = [unit for unit, _ in itertools.groupby(views, key=lambda v: v.unit)]
         following = dict(itertools.pairwise(units))
-
-        with OneResident(modified=changes_weights) as in_memory:
+        with (
+            OneResident(modified=changes_weights) as in_memory,
+            OneResident(grads=True) as grads_in_memory,
+        ):
 
             def run(tile: list[OptimizerView]) -> None:
                 for unit, unit_views in itertools.groupby(tile, key=lambda v: v.unit):
                     if in_memory.unit is not unit and unit in following:
                         following[unit].prefetch()
+                        if grads:
+                            following[unit].prefetch_grads()
                     in_memory(unit)
+                    if grads:
+                        grads_in_memory(unit)
                     step(list(unit_views))
 
             self._opt_state.apply(views, run)
@@ -834,7 +906,7 @@ class ZeroEngine:
                 shown = {id(v) for v in views}
                 for view in self._opt_views:
                     if view.group_index in groups:
-                        grad = view.unit.grad_opt[view.lo : view.hi]
+                        grad = view.grad
                         view.param.grad = grad if id(view) in shown else None
                 hooks = without_user_step_hooks(opt, self._guards[k].id)
             self._inside_step = True
@@ -962,6 +1034,7 @@ class ZeroEngine:
         if groups is not None:
             self._zero_groups(groups)
             return
+        self._landed_norms.clear()
         self.reducer.zero_grad()
         for view in self._opt_views:
             view.param.grad = None
@@ -969,8 +1042,7 @@ class ZeroEngine:
         self._grads_live = False
 
     def _zero_groups(self, groups: set[int]) -> None:
-        for grad in self._grad_parts(groups):
-            grad.zero_()
+        self._change_grads(groups, torch.Tensor.zero_)
         for view in self._opt_views:
             if view.group_index in groups:
                 view.param.grad = None
@@ -984,24 +1056,7 @@ class ZeroEngine:
         key = None if groups is None else tuple(sorted(groups))
         if key in self._norms:
             return self._norms[key], False
-        # Each element once: a unit with several copies counts its first copy's shards (all
-        # of distinct copies); at stage 0 only a copy's first rank counts its whole copy.
-        shards = [
-            unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start]
-            for unit in self.units
-            if unit.group.primary and (self.stage > 0 or unit.group.rank == 0)
-            for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
-            if groups is None or seg.group_index in groups
-            for lo, hi in self._counted_in_norm(unit, seg.start, seg.end)
-        ]
-        # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
-        master_dtype = self.config.master_torch_dtype
-        if not shards:
-            sq = torch.zeros(1, dtype=master_dtype, device=self.device)
-        elif master_dtype == torch.float64:  # fp64 training: the norm in fp64, as torch's
-            sq = torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().reshape(1)
-        else:
-            sq = multi_tensor_sum_squares(shards).reshape(1).to(self.device)
+        sq = self._local_sum_squares(groups)
         self.groups.everyone.control_all_reduce(sq)  # tensor-parallel ranks too
         scale = 1.0 if self._grads_unscaled else self.scaler.scale
         norm = sq.sqrt()[0] / scale
@@ -1013,6 +1068,48 @@ class ZeroEngine:
         self._grads_unscaled = True
         self._norms[key] = norm
         return norm, False
+
+    def _local_sum_squares(self, groups: set[int] | None) -> torch.Tensor:
+        """This rank's part of the squared global norm, as a 1-element tensor."""
+        if self._grads is not None:  # offloaded: the norms noted as the shards landed
+            for unit in self.units:
+                if not self._landed_norms.has(unit.layout.index):
+                    with unit.grads_resident():
+                        self._note_landed_norm(unit)
+            indices = [unit.layout.index for unit in self.units]
+            return self._landed_norms.sum_squares(indices, groups).to(self.device)
+        shards = [
+            part
+            for unit in self.units
+            for gi, part in self._norm_slices(unit)
+            if groups is None or gi in groups
+        ]
+        # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
+        master_dtype = self.config.master_torch_dtype
+        if not shards:
+            return torch.zeros(1, dtype=master_dtype, device=self.device)
+        if master_dtype == torch.float64:  # fp64 training: the norm in fp64, as torch's
+            return torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().reshape(1)
+        return multi_tensor_sum_squares(shards).reshape(1).to(self.device)
+
+    def _norm_slices(self, unit: FlatUnit) -> list[tuple[int, torch.Tensor]]:
+        """(param group, slice of the fp32 gradient shard) that this rank counts in the
+        global norm, for `unit`. Each element once: a unit with several copies counts its
+        first copy's shards (all of distinct copies); at stage 0 only a copy's first rank
+        counts its whole copy."""
+        if not (unit.group.primary and (self.stage > 0 or unit.group.rank == 0)):
+            return []
+        return [
+            (seg.group_index, unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start])
+            for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+            for lo, hi in self._counted_in_norm(unit, seg.start, seg.end)
+        ]
+
+    def _note_landed_norm(self, unit: FlatUnit) -> None:
+        """A unit's reduced gradient is all in its shard (in memory now): with the shards
+        offloaded, note its part of the norm before it leaves."""
+        if self._grads is not None:
+            self._landed_norms.note(unit.layout.index, self._norm_slices(unit))
 
     def _counted_in_norm(self, unit: FlatUnit, start: int, end: int) -> list[tuple[int, int]]:
         """The ranges of [start, end) this rank counts in the global norm: all of them,
@@ -1052,9 +1149,34 @@ class ZeroEngine:
         return parts
 
     def _scale_grads(self, factor: float, groups: set[int] | None = None) -> None:
-        for grad in self._grad_parts(groups):
-            grad.mul_(factor)
+        self._change_grads(groups, lambda grad: grad.mul_(factor))
         self._full_grads.scale(factor, groups)
+
+    def _change_grads(
+        self, groups: set[int] | None, change: Callable[[torch.Tensor], object]
+    ) -> None:
+        """`change` (in place, keeping zeros zero) on every gradient part of `groups` (or
+        of all): at once, or with the shards offloaded, when each is next in memory."""
+        if self._grads is None:
+            for grad in self._grad_parts(groups):
+                change(grad)
+            return
+        for unit in self.units:
+            if unit.grad_opt is None:
+                continue
+            if groups is not None and unit.grad_full is not None:  # no_sync's local sums
+                for seg in unit.layout.segments(0, unit.layout.numel):
+                    if seg.group_index in groups:
+                        change(unit.grad_full[seg.start : seg.end])
+            segments = [
+                (seg.start - unit.opt_start, seg.end - unit.opt_start)
+                for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+                if groups is None or seg.group_index in groups
+            ]
+            if segments:
+                self._landed_norms.forget(unit.layout.index)
+                parts = None if groups is None else segments  # None: the whole shard
+                unit.change_grads(functools.partial(_change_parts, change, unit, parts))
 
     def _fused_views(
         self, optimizer: torch.optim.Optimizer
@@ -1109,6 +1231,7 @@ class ZeroEngine:
             disk={
                 "optimizer_state": self._opt_state.disk_bytes(),
                 **(self._shards.disk_bytes() if self._shards is not None else {}),
+                **(self._grads.disk_bytes() if self._grads is not None else {}),
             },
         )
 
@@ -1130,11 +1253,21 @@ class ZeroEngine:
         if self.gather is not None:
             gathered = self.gather.gathered_bytes()
             pooled += self.gather.storage_pool.spare_bytes
-        return {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
+        transient = {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
+        if self._grads is not None:  # offloaded gradient shards come and go in backward
+            transient["gradients"] = self._grads.resident_bytes()
+        return transient
 
     def _offload_buffers(self) -> list[torch.Tensor]:
-        shards = self._shards.buffers() if self._shards is not None else []
-        return [*self._opt_state.buffers(), *shards]
+        return [
+            *self._opt_state.buffers(),
+            *(
+                b
+                for tier in (self._shards, self._grads)
+                if tier is not None
+                for b in tier.buffers()
+            ),
+        ]
 
     def _pooled_storages(self) -> list[torch.UntypedStorage]:
         return self.gather.storage_pool.storages() if self.gather else []
@@ -1204,6 +1337,9 @@ class ZeroEngine:
         self.wait_for_parameters()
         if self._shards is not None:
             self._shards.recover()  # every shard is written afresh
+        if self._grads is not None:  # a load starts a step afresh: no gradient yet
+            self._grads.recover()
+            self.zero_grad()
         loaded = checkpoint.load(self._sharded_state(), path, load_optimizer_states)
         self.refresh_from_masters()
         if load_optimizer_states:
@@ -1407,6 +1543,20 @@ def _resolve_device(params, device) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _change_parts(
+    change: Callable[[torch.Tensor], object],
+    unit: FlatUnit,
+    parts: list[tuple[int, int]] | None,
+) -> None:
+    """`change` on `parts` of `unit`'s gradient shard (all of it when None), which is in
+    memory now (an offloaded one's views are made only then)."""
+    if parts is None:
+        change(unit.grad_opt)
+        return
+    for lo, hi in parts:
+        change(unit.grad_opt[lo:hi])
 
 
 def _nothing() -> None:

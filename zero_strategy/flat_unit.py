@@ -18,7 +18,7 @@ in the unit's shard group) at stages 1-3, everything at stage 0.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -36,6 +36,17 @@ class ShardHome(Protocol):
     def acquire(self, unit: FlatUnit) -> None: ...
     def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
     def prefetch(self, unit: FlatUnit) -> None: ...
+
+
+class GradHome(Protocol):
+    """Where a unit's fp32 gradient shard lives between its reduction and the step
+    (stages 2-3 with offload_optimizer="disk")."""
+
+    def acquire(self, unit: FlatUnit) -> None: ...
+    def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
+    def prefetch(self, unit: FlatUnit) -> None: ...
+    def change(self, unit: FlatUnit, change: Callable[[], None]) -> None: ...
+    def forget(self, unit: FlatUnit) -> None: ...
 
 
 class FlatUnit:
@@ -73,6 +84,8 @@ class FlatUnit:
         )
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
         self.home: ShardHome | None = None
+        # Stages 2-3 with offload_optimizer="disk": the gradient shard likewise.
+        self.grad_home: GradHome | None = None
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:
@@ -169,6 +182,43 @@ class FlatUnit:
         if self.home is not None:
             self.home.prefetch(self)
 
+    # ------------------------------------------------------------------ gradient shard
+    def bring_grads_in(self) -> None:
+        """The fp32 gradient shard (`grad_opt`) is needed: in memory until `let_grads_go`."""
+        if self.grad_home is not None:
+            self.grad_home.acquire(self)
+
+    def let_grads_go(self, modified: bool = False) -> None:
+        if self.grad_home is not None:
+            self.grad_home.release(self, modified)
+
+    @contextlib.contextmanager
+    def grads_resident(self, modified: bool = False) -> Iterator[None]:
+        """The gradient shard in memory inside the block."""
+        self.bring_grads_in()
+        try:
+            yield
+        finally:
+            self.let_grads_go(modified)
+
+    def prefetch_grads(self) -> None:
+        if self.grad_home is not None:
+            self.grad_home.prefetch(self)
+
+    def change_grads(self, change: Callable[[], None]) -> None:
+        """Run `change` on views of `grad_opt` (a scale, a clamp, a zeroing), now, or with
+        the shard offloaded when it is next in memory."""
+        if self.grad_home is not None:
+            self.grad_home.change(self, change)
+        else:
+            change()
+
+    def zero_grad_shard(self) -> None:
+        if self.grad_home is not None:
+            self.grad_home.forget(self)
+        elif self.grad_opt is not None:
+            self.grad_opt.zero_()
+
     @property
     def gathered(self) -> bool:
         return self.full is not None
@@ -232,21 +282,28 @@ class OneResident:
     """Keeps one unit's shard in memory at a time, for walks over pieces in unit order (a
     checkpoint's): each unit is read once, not once per piece."""
 
-    def __init__(self, modified: bool = False):
+    def __init__(self, modified: bool = False, grads: bool = False):
         self.modified = modified
+        self.grads = grads  # the gradient shard rather than the parameter shard
         self.unit: FlatUnit | None = None
 
     def __call__(self, unit: FlatUnit) -> FlatUnit:
         if unit is not self.unit:
             self.close()
-            unit.bring_in()
+            if self.grads:
+                unit.bring_grads_in()
+            else:
+                unit.bring_in()
             self.unit = unit
         return unit
 
     def close(self) -> None:
         if self.unit is not None:
             unit, self.unit = self.unit, None
-            unit.let_go(self.modified)
+            if self.grads:
+                unit.let_grads_go(self.modified)
+            else:
+                unit.let_go(self.modified)
 
     def __enter__(self) -> OneResident:
         return self

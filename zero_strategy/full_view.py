@@ -184,7 +184,8 @@ class FullGrads:
         if self.stage < 2:
             return unit.grad_full.to(dtype)
         full = torch.empty(unit.layout.padded_numel, dtype=dtype, device=unit.device)
-        unit.group.comm.all_gather(full, unit.grad_opt.to(dtype))
+        with unit.grads_resident():  # read back when offloaded
+            unit.group.comm.all_gather(full, unit.grad_opt.to(dtype))
         return full
 
     # ---------------------------------------------------------------- on .grad

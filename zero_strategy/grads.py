@@ -116,8 +116,15 @@ class GradReducer:
         on_memory: Callable[[], None] = lambda: None,
         before_reduction: Callable[[], None] = lambda: None,
         before_backward_end: Callable[[], None] = lambda: None,
+        on_grads_landed: Callable[[FlatUnit], None] = lambda unit: None,
     ):
         self.units = units
+        # Stages 2-3: a unit's reduced gradient is all in its fp32 shard (which is then in
+        # memory, even when offloaded): the engine notes its norm before it leaves.
+        self.on_grads_landed = on_grads_landed
+        # Offloaded gradient shards held in memory while their parameters' reductions
+        # land one by one: unit index -> parameters landed so far.
+        self._landing: dict[int, int] = {}
         # Stage 3's order check: reductions go out only once the ranks' module paths so
         # far agree, and the last ones once the whole backward's do.
         self.before_reduction = before_reduction
@@ -389,7 +396,12 @@ class GradReducer:
             others = unit.group.summed_over_copies
             if others is not None:  # the other copies' sums of this shard
                 others.all_reduce_sum(job.out)
-            unit.grad_opt.add_(job.out)
+            unit.bring_grads_in()
+            try:
+                unit.grad_opt.add_(job.out)
+                self.on_grads_landed(unit)
+            finally:
+                unit.let_grads_go(modified=True)
             self.pool.give(job.sent)
         self.on_memory()
 
@@ -399,10 +411,23 @@ class GradReducer:
         unit = job.unit
         slot = unit.layout.slots[job.slot]
         lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
+        idx = unit.layout.index
+        offloaded = unit.grad_home is not None
+        if offloaded and idx not in self._landing:
+            unit.bring_grads_in()  # until the unit's last parameter has landed
+            self._landing[idx] = 0
         if lo < hi:
             unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start].add_(
                 job.sent[lo - slot.offset : hi - slot.offset]
             )
+        if offloaded:
+            self._landing[idx] += 1
+            if self._landing[idx] == self._trainable_count[idx]:
+                del self._landing[idx]
+                try:
+                    self.on_grads_landed(unit)
+                finally:
+                    unit.let_grads_go(modified=True)
 
     def wait(self) -> None:
         """Finish every reduction in flight and land the results in the fp32 slices."""
@@ -415,6 +440,13 @@ class GradReducer:
         self.in_flight.clear()
         self._sent_bytes = 0
         self._direct.clear()
+        self._let_landing_go()
+
+    def _let_landing_go(self) -> None:
+        """Offloaded gradient shards a backward that stopped half way left in memory."""
+        for idx in self._landing:
+            self.units[idx].let_grads_go(modified=True)
+        self._landing.clear()
 
     def local_sums(self, unit: FlatUnit) -> list[int]:
         """Stages 2-3 under `no_sync()`: the slots of `unit` whose local (unreduced)
@@ -452,9 +484,9 @@ class GradReducer:
         self._launched.clear()
         self._callback_queued = False
         self._local_sums = False
+        self._let_landing_go()
         for unit in self.units:
-            if unit.grad_opt is not None:
-                unit.grad_opt.zero_()
+            unit.zero_grad_shard()
             if self.stage >= 2:
                 if unit.grad_full is not None:
                     self.pool.give(unit.grad_full)

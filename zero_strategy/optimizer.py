@@ -36,13 +36,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 @dataclass(frozen=True)
 class OptimizerView:
     """One parameter of the re-pointed optimizer: `param` is a 1-D view of `unit`'s fp32
-    master over [lo, hi) of this rank's slice; the gradient there is `unit.grad_opt[lo:hi]`."""
+    master over [lo, hi) of this rank's slice; `grad` is the gradient there,
+    `unit.grad_opt[lo:hi]`, made once (an offloaded shard's memory is not there to view
+    between its uses)."""
 
     unit: FlatUnit
     lo: int
     hi: int
     param: nn.Parameter
     group_index: int
+    grad: torch.Tensor | None = None
 
 
 class UnsupportedOptimizerError(TypeError):

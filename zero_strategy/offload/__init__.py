@@ -15,18 +15,21 @@ from ..config import ZeroConfig
 from ..flat_unit import FlatUnit
 from ..optimizer import OptimizerView
 from .failures import agree_on_write_failures
+from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
 from .shard_store import DiskShards
 from .state_store import DiskState, ResidentState
 
 __all__ = [
+    "DiskGrads",
     "DiskShards",
     "DiskState",
     "OffloadError",
     "ResidentState",
     "agree_on_write_failures",
     "free_large_blocks_at_once",
+    "grad_store",
     "shard_store",
     "state_store",
 ]
@@ -66,12 +69,40 @@ def shard_store(
     if _tier(config, "offload_params", device) != "disk":
         return None
     offloaded = [u for u in units if not u.persistent and u.layout.numel]
-    return DiskShards(
+    shards = DiskShards(
         offloaded,
         _file(config, "offload_params", "params", rank),
         config.offload_buffer_count,
         on_memory,
     )
+    for unit in offloaded:
+        unit.home = shards
+    return shards
+
+
+def grad_store(
+    config: ZeroConfig,
+    units: Sequence[FlatUnit],
+    stage: int,
+    device: torch.device,
+    rank: int,
+    on_memory: Callable[[], None] = lambda: None,
+) -> DiskGrads | None:
+    """Stages 2-3 with offload_optimizer="disk": the tier that keeps `units`' fp32
+    gradient shards in a file between their reduction and the step; None when they stay
+    in memory (stages 0-1 keep whole gradients, as DDP does, for their all-reduce)."""
+    if _tier(config, "offload_optimizer", device) != "disk" or stage < 2:
+        return None
+    offloaded = [u for u in units if u.grad_opt is not None and u.grad_opt.numel()]
+    grads = DiskGrads(
+        offloaded,
+        _file(config, "offload_optimizer", "grads", rank),
+        config.offload_buffer_count,
+        on_memory,
+    )
+    for unit in offloaded:
+        unit.grad_home = grads
+    return grads
 
 
 def _tier(config: ZeroConfig, field_name: str, device: torch.device) -> str:

@@ -18,6 +18,7 @@ largest unit's size take part.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import functools
 from collections.abc import Callable, Sequence
@@ -62,8 +63,16 @@ class DiskShards(KeptFailure):
         file: OffloadFile,
         buffer_count: int,
         on_memory: Callable[[], None] = lambda: None,
+        tensors_of: Callable[[FlatUnit], list[torch.Tensor]] = shard_tensors,
+        starts_zero: bool = False,
+        what: str = "parameter shards",
     ):
         self.file = file
+        self.what = what  # for errors: what the file holds
+        self.tensors_of = tensors_of
+        # Units whose values are all zero: nothing to read, zero-filled when used (the
+        # gradients after zero_grad). Their file bytes are stale and never read.
+        self._zero: set[int] = set()
         self.on_memory = on_memory  # told after memory is taken or given back
         self.buffer_count = max(2, buffer_count)
         self._regions: dict[int, _Region] = {}
@@ -76,18 +85,19 @@ class DiskShards(KeptFailure):
         self._retired: list[tuple[torch.Tensor, Future]] = []  # superseded writes
         self._free: list[torch.Tensor] = []
         self._live = 0  # buffers in existence
+        self.resident_bytes = 0  # of the units' tensors in memory now (in use)
         self._failed: str | None = None
         self.failure: BaseException | None = None  # the first failed write, unreported
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-write")
         for unit in units:
-            self._lay_out(unit)
+            self._lay_out(unit, starts_zero)
         self._buffer_bytes = max((r.nbytes for r in self._regions.values()), default=0)
         return_freed_memory()
 
-    def _lay_out(self, unit: FlatUnit) -> None:
+    def _lay_out(self, unit: FlatUnit, starts_zero: bool) -> None:
         tensors, at = [], 0
-        for tensor in shard_tensors(unit):
+        for tensor in self.tensors_of(unit):
             storage = tensor.untyped_storage()
             if tensor.storage_offset() or storage.nbytes() != tensor.nbytes:
                 raise RuntimeError(  # the engine's own tensors: a bug, not bad input
@@ -96,14 +106,16 @@ class DiskShards(KeptFailure):
             tensors.append((tensor, at))
             at += round_up(tensor.nbytes)
         region = _Region(self.file.allocate(at), at, tuple(tensors))
-        buffer = aligned_empty(at)
-        self._pack(region, buffer)
-        self.file.write(region.offset, buffer[:at])
-        del buffer
+        if starts_zero:
+            self._zero.add(unit.layout.index)
+        else:
+            buffer = aligned_empty(at)
+            self._pack(region, buffer)
+            self.file.write(region.offset, buffer[:at])
+            del buffer
         self._regions[unit.layout.index] = region
         self._uses[unit.layout.index] = 0
         _free_storages(region)
-        unit.home = self
 
     # ------------------------------------------------------------------ uses
     def acquire(self, unit: FlatUnit) -> None:
@@ -118,8 +130,12 @@ class DiskShards(KeptFailure):
         region = self._regions[index]
         for tensor, _ in region.tensors:
             tensor.untyped_storage().resize_(tensor.nbytes)
+        self.resident_bytes += _tensor_bytes(region)
         try:
-            if index in self._writes:  # its latest values are still in that buffer
+            if index in self._zero:
+                for tensor, _ in region.tensors:
+                    tensor.zero_()
+            elif index in self._writes:  # its latest values are still in that buffer
                 self._unpack(region, self._writes[index][0])
             elif index in self._reads:
                 buffer, reading = self._reads.pop(index)
@@ -138,6 +154,7 @@ class DiskShards(KeptFailure):
         except BaseException:
             self._uses[index] = 0
             _free_storages(region)
+            self.resident_bytes -= _tensor_bytes(region)
             raise
         self.on_memory()
 
@@ -154,6 +171,7 @@ class DiskShards(KeptFailure):
         try:
             if index in self._dirty:
                 self._dirty.discard(index)
+                self._zero.discard(index)
                 buffer = self._take_buffer()
                 self._pack(region, buffer)
                 if index in self._writes:
@@ -164,6 +182,7 @@ class DiskShards(KeptFailure):
                 self._writes[index] = (buffer, writing)
         finally:
             _free_storages(region)
+            self.resident_bytes -= _tensor_bytes(region)
             self.on_memory()
 
     def prefetch(self, unit: FlatUnit) -> None:
@@ -175,6 +194,7 @@ class DiskShards(KeptFailure):
             or self._uses[index]
             or index in self._reads
             or index in self._writes
+            or index in self._zero
             or self.failure is not None
             or len(self._reads) >= self.buffer_count - 2
         ):
@@ -183,6 +203,28 @@ class DiskShards(KeptFailure):
         buffer = self._take_buffer()
         reading = self._reader.submit(self.file.read, region.offset, buffer[: region.nbytes])
         self._reads[index] = (buffer, reading)
+
+    def forget(self, unit: FlatUnit) -> None:
+        """The unit's values are all zero now (not in use): its next use zero-fills them
+        rather than reading the file. A read ahead or a write of older values may still be
+        going: their buffers are given back once they are done."""
+        index = unit.layout.index
+        if self._uses.get(index, 0):
+            raise RuntimeError(f"unit {unit.layout.name}: forgotten while in use")
+        self._zero.add(index)
+        self._dirty.discard(index)
+        if index in self._reads:  # long done, as a rule: reads ahead are used at once
+            buffer, reading = self._reads.pop(index)
+            concurrent.futures.wait([reading])
+            self._free.append(buffer)
+        if index in self._writes:
+            self._retired.append(self._writes.pop(index))
+
+    def is_zero(self, unit: FlatUnit) -> bool:
+        return unit.layout.index in self._zero
+
+    def in_use(self, unit: FlatUnit) -> bool:
+        return bool(self._uses.get(unit.layout.index, 0))
 
     def settle(self, wait: bool) -> None:
         """Note the failures of the writes that are done (of every write, once done, with
@@ -242,7 +284,7 @@ class DiskShards(KeptFailure):
         if self._failed is not None:
             raise OffloadError(
                 errno.EIO,
-                f"the parameter shards in {self.file.path} are incomplete since a write "
+                f"the {self.what} in {self.file.path} are incomplete since a write "
                 f"failed ({self._failed}). Load a checkpoint (engine.load_checkpoint) to "
                 "continue: the values in the file are older than the training.",
             )
@@ -276,6 +318,10 @@ class DiskShards(KeptFailure):
     def closer(self) -> Callable[[], None]:
         """Closes the file and stops the threads (it holds nothing else)."""
         return functools.partial(_close, self._reader, self._writer, self.file)
+
+
+def _tensor_bytes(region: _Region) -> int:
+    return sum(tensor.nbytes for tensor, _ in region.tensors)
 
 
 def _free_storages(region: _Region) -> None:
