@@ -205,6 +205,11 @@ def plan(
         )
     if offload in ("disk", "disk+params"):
         disk["optimizer_state"] = memory.pop("optimizer_state")
+        # Stages 2-3 (as run: one process runs stage 0 unless its parameters are
+        # offloaded) keep the gradients' fp32 shards there too.
+        ran = stage if world_size > 1 or offload == "disk+params" else 0
+        if ran >= 2:
+            disk["gradients"] = memory.pop("gradients")
     if offload == "disk+params":
         disk["parameters"] = memory.pop("parameters")
         if memory.get("master_params"):
