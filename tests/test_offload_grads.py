@@ -83,9 +83,7 @@ def _between_backward_and_step(rank, world, stage, directory):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_between_backward_and_step_the_gradients_are_the_same_and_out_of_memory(
-    stage, tmp_path
-):
+def test_between_backward_and_step_the_gradients_are_the_same_and_out_of_memory(stage, tmp_path):
     """full_grads(), clip_grad_value_ then clip_grad_norm_ (its returned norm): the same
     values with the gradient shards on disk. Meanwhile no gradient byte is in memory;
     the file holds each unit's shard rounded up to 4 KiB; and at most two units' shards
@@ -103,9 +101,7 @@ def test_between_backward_and_step_the_gradients_are_the_same_and_out_of_memory(
             assert mem_report["gradients"] == sum(shards)
             assert report["gradients"] == 0
             assert report["disk_gradients"] == sum(-(-n // 4096) * 4096 for n in shards)
-            assert report["disk_total"] == report["disk_gradients"] + report[
-                "disk_optimizer_state"
-            ]
+            assert report["disk_total"] == report["disk_gradients"] + report["disk_optimizer_state"]
             assert 0 < report["peak_gradients"] <= sum(sorted(shards)[-2:])
             if len(shards) > 2:
                 assert report["peak_gradients"] < sum(shards)
