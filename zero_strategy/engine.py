@@ -1487,6 +1487,7 @@ class ZeroEngine:
         self.close()
         self._store_finalizer()  # the offloaded state's file, closed (its space freed)
         self._shards_finalizer()
+        self._grads_finalizer()
         return self.module
 
     def reopen(self) -> None:
