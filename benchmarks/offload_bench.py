@@ -14,10 +14,10 @@ cannot run, the table says why.
 
 The moonshot sizes the GPT (d 2560, vocab 16384, seq 128) from this machine: the fewest
 layers whose model state (16 bytes per parameter: fp32 weights, gradients, Adam's two
-moments) exceeds 1.25 times the RAM, provided the part kept in memory (the gradients'
-shards, 4 bytes per parameter over the ranks, plus per-rank working memory) fits what is
-available and the disk has room for the rest (12 bytes per parameter: the weights and
-Adam's moments). Otherwise it refuses to start, saying how much it needs.
+moments) exceeds 1.25 times the RAM, provided the per-rank working memory fits what is
+available and the disk has room for the model state (all of it is in the files between
+uses: the weights, the gradients' shards and Adam's moments). Otherwise it refuses to
+start, saying how much it needs.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def moon_layers(ram: float, available: float, ranks: int) -> tuple[int, int, flo
     fixed = params(1) - per_layer
     layers = max(1, int((OVER_RAM * ram / 16 - fixed) // per_layer) + 1)  # 16 B/param
     n = params(layers)
-    in_memory = 4 * n + ranks * WORKING_MEMORY  # stage 3: the gradients' fp32 shards
+    in_memory = ranks * WORKING_MEMORY  # the model state is on disk between uses
     if in_memory > available:
         raise SystemExit(
             f"The moonshot needs {n / 1e9:.2f}B parameters ({16 * n / GB:.1f} GB of model "
@@ -114,7 +114,7 @@ def moonshot(args) -> dict:
 
     memory = psutil.virtual_memory()
     layers, n, in_memory = moon_layers(memory.total, memory.available, args.nproc)
-    disk_need = 12 * n * 1.02  # fp32 weights and Adam's two moments, rounded per view
+    disk_need = 16 * n * 1.02  # fp32 weights, gradients, Adam's moments; rounded per view
     free = shutil.disk_usage(args.offload_dir).free
     print(
         f"moonshot: {layers} layers, {n / 1e9:.2f}B parameters, model state "

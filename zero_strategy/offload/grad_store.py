@@ -10,8 +10,10 @@ that reduces every micro-batch reads each shard back at each landing after the f
 
 What changes gradients between backward and step without needing their values at once
 (taking the loss scale out, clipping's scale, a clamp, zeroing some param groups) is kept
-as a pending change of the unit (`change`) and applied, in order, when the shard is next
-in memory: no extra pass over the file. The global norm is taken as the shards land (the
+as a pending change of the unit (`change`) and applied, in order, each time the shard is
+read: the file and the pending changes together are the gradient. A use that only reads
+(the step) writes nothing back; the next write (a landing) includes the changes and
+clears them. No extra pass over the file, and no write in the step. The global norm is taken as the shards land (the
 engine's `LandedNorms`), so clipping needs no pass over them either.
 """
 
@@ -52,27 +54,32 @@ class DiskGrads:
             what="gradient shards",
         )
         self._pending: dict[int, list[Callable[[], None]]] = {}
-        self._changed: set[int] = set()  # in memory, and changed by a pending change
+        self._modified: set[int] = set()  # in use, and changed by a user: written after
 
     # ------------------------------------------------------------------ uses
     def acquire(self, unit: FlatUnit) -> None:
         """The unit's gradient shard in memory, its pending changes applied (until the
         matching `release`)."""
+        first = not self.store.in_use(unit)
         self.store.acquire(unit)
-        changes = self._pending.pop(unit.layout.index, ())
+        if not first:
+            return
         try:
-            for change in changes:
+            for change in self._pending.get(unit.layout.index, ()):
                 change()
         except BaseException:
             self.store.release(unit)
             raise
-        if changes:
-            self._changed.add(unit.layout.index)
 
     def release(self, unit: FlatUnit, modified: bool = False) -> None:
+        """One use is over; after the last, the shard is written if a use `modified` it
+        (with its pending changes, which that clears), else let go as it is in the file."""
         index = unit.layout.index
-        modified = modified or index in self._changed
-        self._changed.discard(index)
+        if modified:
+            self._modified.add(index)
+        if self.store.uses(unit) == 1 and index in self._modified:
+            self._modified.discard(index)
+            self._pending.pop(index, None)  # the values written include them
         self.store.release(unit, modified)
 
     def prefetch(self, unit: FlatUnit) -> None:
@@ -84,15 +91,15 @@ class DiskGrads:
         scale, a clamp, a zeroing): a shard known to be zero skips it."""
         index = unit.layout.index
         if self.store.in_use(unit):
-            change()
-            self._changed.add(index)
-        elif not self.store.is_zero(unit):
-            self._pending.setdefault(index, []).append(change)
+            change()  # and kept, for the next read if this use writes nothing back
+        elif self.store.is_zero(unit):
+            return
+        self._pending.setdefault(index, []).append(change)
 
     def forget(self, unit: FlatUnit) -> None:
         """zero_grad: the shard is zero, whatever the file holds."""
         self._pending.pop(unit.layout.index, None)
-        self._changed.discard(unit.layout.index)
+        self._modified.discard(unit.layout.index)
         self.store.forget(unit)
 
     def in_use(self, unit: FlatUnit) -> bool:

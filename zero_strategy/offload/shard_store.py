@@ -226,6 +226,9 @@ class DiskShards(KeptFailure):
     def in_use(self, unit: FlatUnit) -> bool:
         return bool(self._uses.get(unit.layout.index, 0))
 
+    def uses(self, unit: FlatUnit) -> int:
+        return self._uses.get(unit.layout.index, 0)
+
     def settle(self, wait: bool) -> None:
         """Note the failures of the writes that are done (of every write, once done, with
         `wait`: the start of the next step, a save) and free the buffers of superseded
