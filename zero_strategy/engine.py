@@ -156,7 +156,9 @@ class ZeroEngine:
         # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
         offloads_params = cfg.offload_params == "disk"
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
-        if offloads_params:  # before the shards are made: their memory must leave with them
+        # Before the shards are made (parameters', gradients'): their memory must leave
+        # with them.
+        if offloads_params or (cfg.offload_optimizer == "disk" and self.stage >= 2):
             free_large_blocks_at_once()
         self.module = model
 
