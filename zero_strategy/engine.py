@@ -53,6 +53,7 @@ from .offload import (
     agree_on_write_failures,
     free_large_blocks_at_once,
     grad_store,
+    offloads_gradients,
     shard_store,
     state_store,
 )
@@ -156,9 +157,10 @@ class ZeroEngine:
         # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
         offloads_params = cfg.offload_params == "disk"
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
+        self._offloads_grads = offloads_gradients(cfg, self.stage)
         # Before the shards are made (parameters', gradients'): their memory must leave
         # with them.
-        if offloads_params or (cfg.offload_optimizer == "disk" and self.stage >= 2):
+        if offloads_params or self._offloads_grads:
             free_large_blocks_at_once()
         self.module = model
 
@@ -555,8 +557,7 @@ class ZeroEngine:
             for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
         # Stepped unit by unit, each shard (parameters, gradients) read once.
-        cfg = self.config
-        if cfg.offload_params == "disk" or (cfg.offload_optimizer == "disk" and self.stage >= 2):
+        if self.config.offload_params == "disk" or self._offloads_grads:
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue
@@ -1134,20 +1135,10 @@ class ZeroEngine:
         for unit in self.units:
             if unit.grad_opt is None:
                 continue
-            # The full buffer: .grad at stages 0-1, the local sums under no_sync at 2-3.
-            if unit.grad_full is not None:
-                parts += [
-                    unit.grad_full[seg.start : seg.end]
-                    for seg in unit.layout.segments(0, unit.layout.numel)
-                    if seg.group_index in groups
-                ]
+            parts += _full_buffer_parts(unit, groups)
             buffers = unit.grad_buffers()
             if not (len(buffers) == 1 and buffers[0] is unit.grad_full):  # not a view of it
-                parts += [
-                    unit.grad_opt[seg.start - unit.opt_start : seg.end - unit.opt_start]
-                    for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
-                    if seg.group_index in groups
-                ]
+                parts += [unit.grad_opt[lo:hi] for lo, hi in _shard_ranges(unit, groups)]
         return parts
 
     def _scale_grads(self, factor: float, groups: set[int] | None = None) -> None:
@@ -1166,18 +1157,13 @@ class ZeroEngine:
         for unit in self.units:
             if unit.grad_opt is None:
                 continue
-            if groups is not None and unit.grad_full is not None:  # no_sync's local sums
-                for seg in unit.layout.segments(0, unit.layout.numel):
-                    if seg.group_index in groups:
-                        change(unit.grad_full[seg.start : seg.end])
-            segments = [
-                (seg.start - unit.opt_start, seg.end - unit.opt_start)
-                for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
-                if groups is None or seg.group_index in groups
-            ]
-            if segments:
+            if groups is not None:  # no_sync's local sums, in memory: now
+                for part in _full_buffer_parts(unit, groups):
+                    change(part)
+            ranges = _shard_ranges(unit, groups)
+            if ranges:
                 self._landed_norms.forget(unit.layout.index)
-                parts = None if groups is None else segments  # None: the whole shard
+                parts = None if groups is None else ranges  # None: the whole shard
                 unit.change_grads(functools.partial(_change_parts, change, unit, parts))
 
     def _fused_views(
@@ -1546,6 +1532,28 @@ def _resolve_device(params, device) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _full_buffer_parts(unit: FlatUnit, groups: set[int]) -> list[torch.Tensor]:
+    """`groups`' parts of the unit's full gradient buffer, if it has one: `.grad` at
+    stages 0-1, the local sums under no_sync at 2-3."""
+    if unit.grad_full is None:
+        return []
+    return [
+        unit.grad_full[seg.start : seg.end]
+        for seg in unit.layout.segments(0, unit.layout.numel)
+        if seg.group_index in groups
+    ]
+
+
+def _shard_ranges(unit: FlatUnit, groups: set[int] | None) -> list[tuple[int, int]]:
+    """The ranges of the unit's fp32 gradient shard (`grad_opt`) in `groups` (all when
+    None), relative to the shard."""
+    return [
+        (seg.start - unit.opt_start, seg.end - unit.opt_start)
+        for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
+        if groups is None or seg.group_index in groups
+    ]
 
 
 def _change_parts(

@@ -30,6 +30,7 @@ __all__ = [
     "agree_on_write_failures",
     "free_large_blocks_at_once",
     "grad_store",
+    "offloads_gradients",
     "shard_store",
     "state_store",
 ]
@@ -88,10 +89,10 @@ def grad_store(
     rank: int,
     on_memory: Callable[[], None] = lambda: None,
 ) -> DiskGrads | None:
-    """Stages 2-3 with offload_optimizer="disk": the tier that keeps `units`' fp32
-    gradient shards in a file between their reduction and the step; None when they stay
-    in memory (stages 0-1 keep whole gradients, as DDP does, for their all-reduce)."""
-    if _tier(config, "offload_optimizer", device) != "disk" or stage < 2:
+    """The tier that keeps `units`' fp32 gradient shards in a file between their
+    reduction and the step (`offloads_gradients`); None when they stay in memory."""
+    _tier(config, "offload_optimizer", device)  # refused on a CUDA device
+    if not offloads_gradients(config, stage):
         return None
     offloaded = [u for u in units if u.grad_opt is not None and u.grad_opt.numel()]
     grads = DiskGrads(
@@ -103,6 +104,13 @@ def grad_store(
     for unit in offloaded:
         unit.grad_home = grads
     return grads
+
+
+def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
+    """Whether the gradients' fp32 shards go to disk: at stages 2-3 (as run) with
+    offload_optimizer="disk". Stages 0-1 keep whole gradients, as DDP does, for their
+    all-reduce."""
+    return config.offload_optimizer == "disk" and stage >= 2
 
 
 def _tier(config: ZeroConfig, field_name: str, device: torch.device) -> str:

@@ -13,8 +13,9 @@ What changes gradients between backward and step without needing their values at
 as a pending change of the unit (`change`) and applied, in order, each time the shard is
 read: the file and the pending changes together are the gradient. A use that only reads
 (the step) writes nothing back; the next write (a landing) includes the changes and
-clears them. No extra pass over the file, and no write in the step. The global norm is taken as the shards land (the
-engine's `LandedNorms`), so clipping needs no pass over them either.
+clears them. No extra pass over the file, and no write in the step. The global norm is
+taken as the shards land (the engine's `LandedNorms`), so clipping needs no pass over
+them either.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DiskGrads:
     def acquire(self, unit: FlatUnit) -> None:
         """The unit's gradient shard in memory, its pending changes applied (until the
         matching `release`)."""
-        first = not self.store.in_use(unit)
+        first = not self.store.uses(unit)
         self.store.acquire(unit)
         if not first:
             return
@@ -90,7 +91,7 @@ class DiskGrads:
         shard is in memory, else when it next is. A change must keep zeros zero (a
         scale, a clamp, a zeroing): a shard known to be zero skips it."""
         index = unit.layout.index
-        if self.store.in_use(unit):
+        if self.store.uses(unit):
             change()  # and kept, for the next read if this use writes nothing back
         elif self.store.is_zero(unit):
             return
@@ -99,11 +100,7 @@ class DiskGrads:
     def forget(self, unit: FlatUnit) -> None:
         """zero_grad: the shard is zero, whatever the file holds."""
         self._pending.pop(unit.layout.index, None)
-        self._modified.discard(unit.layout.index)
         self.store.forget(unit)
-
-    def in_use(self, unit: FlatUnit) -> bool:
-        return self.store.in_use(unit)
 
     def resident_bytes(self) -> int:
         """The gradient shards in memory now (while their reductions land, or they step):

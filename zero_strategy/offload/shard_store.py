@@ -206,13 +206,12 @@ class DiskShards(KeptFailure):
 
     def forget(self, unit: FlatUnit) -> None:
         """The unit's values are all zero now (not in use): its next use zero-fills them
-        rather than reading the file. A read ahead or a write of older values may still be
-        going: their buffers are given back once they are done."""
+        rather than reading the file. A read ahead of older values is waited for (long
+        done, as a rule); a write of them still going gives its buffer back once done."""
         index = unit.layout.index
         if self._uses.get(index, 0):
             raise RuntimeError(f"unit {unit.layout.name}: forgotten while in use")
         self._zero.add(index)
-        self._dirty.discard(index)
         if index in self._reads:  # long done, as a rule: reads ahead are used at once
             buffer, reading = self._reads.pop(index)
             concurrent.futures.wait([reading])
@@ -223,10 +222,8 @@ class DiskShards(KeptFailure):
     def is_zero(self, unit: FlatUnit) -> bool:
         return unit.layout.index in self._zero
 
-    def in_use(self, unit: FlatUnit) -> bool:
-        return bool(self._uses.get(unit.layout.index, 0))
-
     def uses(self, unit: FlatUnit) -> int:
+        """How many uses of the unit are going on (0: it is in the file only)."""
         return self._uses.get(unit.layout.index, 0)
 
     def settle(self, wait: bool) -> None:
