@@ -147,3 +147,39 @@ def test_a_step_hook_sees_and_changes_every_offloaded_gradient(tmp_path):
         assert mem_shown > 0 and shown == 0
         if mem_weights is not None:
             assert all(torch.equal(mem_weights[k], weights[k]) for k in mem_weights)
+
+
+def _staging_after_steps(rank, world, directory):
+    model = make_model()
+    config = ZeroConfig(
+        stage=3,
+        offload_optimizer="disk",
+        offload_params="disk",
+        offload_dir=directory,
+        offload_buffer_count=3,
+    )
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    for step in range(3):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    staging = engine._staging
+    held = len(staging.free) + len(engine._shards.buffers()) + len(engine._grads.buffers())
+    largest = max(
+        [u.master.nbytes for u in engine.units if u.home is not None]
+        + [u.grad_opt.nbytes for u in engine.units if u.grad_home is not None]
+    )
+    out = staging.live, held, staging.nbytes, largest
+    engine.close()
+    return out
+
+
+def test_the_parameter_and_gradient_tiers_share_their_host_buffers(tmp_path):
+    """With both per-unit tiers, the reads and writes of both go through one set of
+    `offload_buffer_count` buffers (each tier kept a set of its own before, twice the
+    memory), each the size of the largest region of either, every one accounted for."""
+    for live, held, nbytes, largest in run_world(_staging_after_steps, 2, str(tmp_path)):
+        assert 2 <= live <= 3
+        assert held == live
+        assert nbytes == -(-largest // 4096) * 4096

@@ -50,6 +50,7 @@ from .moe.placement import (
     settle_expert_parallel,
 )
 from .offload import (
+    StagingBuffers,
     agree_on_write_failures,
     free_large_blocks_at_once,
     grad_store,
@@ -284,8 +285,15 @@ class ZeroEngine:
             )
         # Stage 3 with offload_params="disk": each unit's shard in a file between uses
         # (the gatherer has just decided which units stay gathered, and stay in memory).
+        # The host buffers the parameter and gradient shards' tiers read and write through.
+        self._staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
         self._shards = shard_store(
-            cfg, self.units, self.device, self.groups.global_rank, on_memory=self._memory.sample
+            cfg,
+            self.units,
+            self.device,
+            self.groups.global_rank,
+            self._staging,
+            on_memory=self._memory.sample,
         )
         self._shards_finalizer = weakref.finalize(
             self, self._shards.closer() if self._shards is not None else _nothing
@@ -298,6 +306,7 @@ class ZeroEngine:
             self.stage,
             self.device,
             self.groups.global_rank,
+            self._staging,
             on_memory=self._memory.sample,
         )
         self._grads_finalizer = weakref.finalize(
@@ -1249,6 +1258,7 @@ class ZeroEngine:
     def _offload_buffers(self) -> list[torch.Tensor]:
         return [
             *self._opt_state.buffers(),
+            *self._staging.free,
             *(
                 b
                 for tier in (self._shards, self._grads)

@@ -19,6 +19,7 @@ from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
 from .shard_store import DiskShards
+from .staging import StagingBuffers
 from .state_store import DiskState, ResidentState
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DiskState",
     "OffloadError",
     "ResidentState",
+    "StagingBuffers",
     "agree_on_write_failures",
     "free_large_blocks_at_once",
     "grad_store",
@@ -63,17 +65,19 @@ def shard_store(
     units: Sequence[FlatUnit],
     device: torch.device,
     rank: int,
+    staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
 ) -> DiskShards | None:
     """Stage 3 with offload_params="disk": the tier that keeps `units`' shards (those not
-    kept gathered) in a file between uses; None when they stay in memory."""
+    kept gathered) in a file between uses, through the `staging` buffers; None when they
+    stay in memory."""
     if _tier(config, "offload_params", device) != "disk":
         return None
     offloaded = [u for u in units if not u.persistent and u.layout.numel]
     shards = DiskShards(
         offloaded,
         _file(config, "offload_params", "params", rank),
-        config.offload_buffer_count,
+        staging,
         on_memory,
     )
     for unit in offloaded:
@@ -87,10 +91,12 @@ def grad_store(
     stage: int,
     device: torch.device,
     rank: int,
+    staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
 ) -> DiskGrads | None:
     """The tier that keeps `units`' fp32 gradient shards in a file between their
-    reduction and the step (`offloads_gradients`); None when they stay in memory."""
+    reduction and the step (`offloads_gradients`), through the `staging` buffers; None
+    when they stay in memory."""
     _tier(config, "offload_optimizer", device)  # refused on a CUDA device
     if not offloads_gradients(config, stage):
         return None
@@ -98,7 +104,7 @@ def grad_store(
     grads = DiskGrads(
         offloaded,
         _file(config, "offload_optimizer", "grads", rank),
-        config.offload_buffer_count,
+        staging,
         on_memory,
     )
     for unit in offloaded:

@@ -27,6 +27,7 @@ import torch
 from ..flat_unit import FlatUnit
 from .offload_file import OffloadFile
 from .shard_store import DiskShards
+from .staging import StagingBuffers
 
 
 def _gradient(unit: FlatUnit) -> list[torch.Tensor]:
@@ -42,13 +43,13 @@ class DiskGrads:
         self,
         units: Sequence[FlatUnit],
         file: OffloadFile,
-        buffer_count: int,
+        staging: StagingBuffers,
         on_memory: Callable[[], None] = lambda: None,
     ):
         self.store = DiskShards(
             units,
             file,
-            buffer_count,
+            staging,
             on_memory,
             tensors_of=_gradient,
             starts_zero=True,

@@ -12,8 +12,8 @@ out when it changed (on a writer thread: the write is not waited for until its b
 needed, not even at the end of the step) and frees the memory. A failed write is kept in
 `failure` for the engine, which asks every rank at the start of the next step.
 `prefetch` reads a unit ahead on a reader thread, so that its gather, in the order the
-gatherer recorded, finds it in memory. At most `buffer_count` host buffers of the
-largest unit's size take part.
+gatherer recorded, finds it in memory. The reads and writes go through host buffers the
+size of the largest unit's region, shared with the gradient shards' tier (`staging`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..flat_unit import FlatUnit
 from .failures import KeptFailure
 from .host_memory import return_freed_memory
 from .offload_file import OffloadError, OffloadFile, aligned_empty, round_up
+from .staging import StagingBuffers
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +62,7 @@ class DiskShards(KeptFailure):
         self,
         units: Sequence[FlatUnit],
         file: OffloadFile,
-        buffer_count: int,
+        staging: StagingBuffers,
         on_memory: Callable[[], None] = lambda: None,
         tensors_of: Callable[[FlatUnit], list[torch.Tensor]] = shard_tensors,
         starts_zero: bool = False,
@@ -74,7 +75,7 @@ class DiskShards(KeptFailure):
         # gradients after zero_grad). Their file bytes are stale and never read.
         self._zero: set[int] = set()
         self.on_memory = on_memory  # told after memory is taken or given back
-        self.buffer_count = max(2, buffer_count)
+        self.staging = staging  # the host buffers, shared with the other per-unit tier
         self._regions: dict[int, _Region] = {}
         self._uses: dict[int, int] = {}
         self._dirty: set[int] = set()  # in use, and changed by one of its users
@@ -83,8 +84,6 @@ class DiskShards(KeptFailure):
         # comes before the buffer is taken for something else copies from it.
         self._writes: dict[int, tuple[torch.Tensor, Future]] = {}
         self._retired: list[tuple[torch.Tensor, Future]] = []  # superseded writes
-        self._free: list[torch.Tensor] = []
-        self._live = 0  # buffers in existence
         self.resident_bytes = 0  # of the units' tensors in memory now (in use)
         self._failed: str | None = None
         self.failure: BaseException | None = None  # the first failed write, unreported
@@ -92,7 +91,8 @@ class DiskShards(KeptFailure):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-shards-write")
         for unit in units:
             self._lay_out(unit, starts_zero)
-        self._buffer_bytes = max((r.nbytes for r in self._regions.values()), default=0)
+        largest = max((r.nbytes for r in self._regions.values()), default=0)
+        staging.join(largest, self._reclaim_oldest_write)
         return_freed_memory()
 
     def _lay_out(self, unit: FlatUnit, starts_zero: bool) -> None:
@@ -139,18 +139,19 @@ class DiskShards(KeptFailure):
                 self._unpack(region, self._writes[index][0])
             elif index in self._reads:
                 buffer, reading = self._reads.pop(index)
+                self.staging.reading -= 1
                 try:
                     reading.result()
                     self._unpack(region, buffer)
                 finally:
-                    self._free.append(buffer)
+                    self.staging.give(buffer)
             else:
-                buffer = self._take_buffer()
+                buffer = self.staging.take(self._reclaim_oldest_write)
                 try:
                     self.file.read(region.offset, buffer[: region.nbytes])
                     self._unpack(region, buffer)
                 finally:
-                    self._free.append(buffer)
+                    self.staging.give(buffer)
         except BaseException:
             self._uses[index] = 0
             _free_storages(region)
@@ -172,7 +173,7 @@ class DiskShards(KeptFailure):
             if index in self._dirty:
                 self._dirty.discard(index)
                 self._zero.discard(index)
-                buffer = self._take_buffer()
+                buffer = self.staging.take(self._reclaim_oldest_write)
                 self._pack(region, buffer)
                 if index in self._writes:
                     self._retired.append(self._writes.pop(index))
@@ -196,11 +197,12 @@ class DiskShards(KeptFailure):
             or index in self._writes
             or index in self._zero
             or self.failure is not None
-            or len(self._reads) >= self.buffer_count - 2
+            or not self.staging.may_read_ahead()
         ):
             return
         region = self._regions[index]
-        buffer = self._take_buffer()
+        buffer = self.staging.take(self._reclaim_oldest_write)
+        self.staging.reading += 1
         reading = self._reader.submit(self.file.read, region.offset, buffer[: region.nbytes])
         self._reads[index] = (buffer, reading)
 
@@ -214,8 +216,9 @@ class DiskShards(KeptFailure):
         self._zero.add(index)
         if index in self._reads:  # long done, as a rule: reads ahead are used at once
             buffer, reading = self._reads.pop(index)
+            self.staging.reading -= 1
             concurrent.futures.wait([reading])
-            self._free.append(buffer)
+            self.staging.give(buffer)
         if index in self._writes:
             self._retired.append(self._writes.pop(index))
 
@@ -235,7 +238,7 @@ class DiskShards(KeptFailure):
         for buffer, writing in self._retired:
             if wait or writing.done():
                 self._note(writing)
-                self._free.append(buffer)
+                self.staging.give(buffer)
             else:
                 still.append((buffer, writing))
         self._retired = still
@@ -244,28 +247,23 @@ class DiskShards(KeptFailure):
                 self._note(writing)
 
     # ------------------------------------------------------------------ buffers
-    def _take_buffer(self) -> torch.Tensor:
-        """A free buffer, a new one while fewer than `buffer_count` exist, else the
-        buffer of the oldest write once it is done."""
-        if self._free:
-            return self._free.pop()
-        if self._live < self.buffer_count or not (self._retired or self._writes):
-            self._live += 1
-            buffer = aligned_empty(self._buffer_bytes)
-            self.on_memory()
-            return buffer
+    def _reclaim_oldest_write(self) -> torch.Tensor | None:
+        """The buffer of this tier's oldest write (superseded ones first), once it is
+        done (its failure kept for the start of the next step, on every rank); None when
+        no write holds one."""
         if self._retired:
             buffer, writing = self._retired.pop(0)
+        elif self._writes:
+            buffer, writing = self._writes.pop(next(iter(self._writes)))
         else:
-            index = next(iter(self._writes))
-            buffer, writing = self._writes.pop(index)
-        self._note(writing)  # reported at the start of the next step, on every rank
+            return None
+        self._note(writing)
         return buffer
 
     def buffers(self) -> list[torch.Tensor]:
-        """The host buffers held now (pooled memory)."""
+        """The host buffers this tier holds now (pooled memory; the free ones are the
+        staging buffers')."""
         return [
-            *self._free,
             *(b for b, _ in self._reads.values()),
             *(b for b, _ in self._writes.values()),
             *(b for b, _ in self._retired),
@@ -295,9 +293,9 @@ class DiskShards(KeptFailure):
         for index, (buffer, writing) in list(self._writes.items()):
             if writing.exception() is not None:
                 del self._writes[index]
-                self._free.append(buffer)
+                self.staging.give(buffer)
         for buffer, _ in self._retired:
-            self._free.append(buffer)
+            self.staging.give(buffer)
         self._retired.clear()
         self._failed = self.failure = None
 
