@@ -325,7 +325,7 @@ def zero_step_and_state(engine):
 
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
-    bf16 = impl.endswith("-bf16")
+    bf16 = "-bf16" in impl  # zero2-bf16, zero2-bf16-disk
     if tensor_parallel(impl):
         return build_tensor_parallel(impl, model)
     if impl in ("ddp", "fsdp2", "fsdp2-bf16"):

@@ -3,11 +3,14 @@ too, "+params"), beside DeepSpeed's CPU and NVMe offload; then a model whose mod
 is larger than this machine's RAM, trained through the disk tier.
 
     python benchmarks/offload_bench.py --rounds 2              # step time, ~82M GPT
+    python benchmarks/offload_bench.py --impls zero2-bf16,zero2-bf16-disk   # bf16 masters
     python benchmarks/offload_bench.py --moonshot              # model state > RAM
     python benchmarks/offload_bench.py --moonshot --dry-run    # the sizing alone
 
 Every run: 2 ranks, gloo, one thread per rank, stage 3, fp32 AdamW, clipping 1.0 (the
-engine_bench worker). The disk tiers write under --offload-dir (default: a directory
+engine_bench worker); other stages and bf16 compute by name (zero2-bf16-disk: stage 2,
+bf16 compute with fp32 masters, the state and masters on disk), each row against its
+name without the tier. The disk tiers write under --offload-dir (default: a directory
 beside this checkout, on the same disk as /tmp here). DeepSpeed's NVMe row needs its
 async-I/O op, which it compiles against libaio (`apt install libaio-dev`); where a peer
 cannot run, the table says why.
@@ -176,9 +179,17 @@ def print_moonshot(res: dict) -> None:
         print(f"| {name} | {value} |")
 
 
-def print_table(rounds: list[dict[str, dict]], skipped: dict[str, str]) -> None:
+def without_offload(impl: str) -> str:
+    """The row an implementation is compared with: its name without the offload tier."""
+    base = impl.removesuffix("+params")
+    for tier in ("-cpu", "-disk", "-nvme"):
+        base = base.removesuffix(tier)
+    return base
+
+
+def print_table(rounds: list[dict[str, dict]], skipped: dict[str, str], impls: list[str]) -> None:
     params = next(iter(rounds[0].values()))["params"] if rounds and rounds[0] else 0
-    print(f"\nGPT {params / 1e6:.1f}M, 2 ranks, stage 3, fp32 AdamW, {len(rounds)} rounds")
+    print(f"\nGPT {params / 1e6:.1f}M, 2 ranks, AdamW, {len(rounds)} rounds")
     for impl, reason in skipped.items():
         print(f"{impl}: no figures: {reason}.")
     print(
@@ -186,11 +197,11 @@ def print_table(rounds: list[dict[str, dict]], skipped: dict[str, str]) -> None:
         "| peak RSS/rank (MiB) | read/step (MB) | written/step (MB) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for impl in IMPLS:
+    for impl in impls:
         got = [rd[impl] for rd in rounds if impl in rd]
         if not got:
             continue
-        base = "zero3" if impl.startswith("zero") else "ds3"
+        base = without_offload(impl)
         ratios = [rd[impl]["step"] / rd[base]["step"] for rd in rounds if base in rd and impl in rd]
         ratio = f"{statistics.median(ratios):.2f}x" if ratios and impl != base else "-"
         print(
@@ -238,7 +249,7 @@ def main() -> None:
                 f"rss {res['rss']:.0f} MiB io {res['io_read'] / 1e6:.0f}/{res['io_write'] / 1e6:.0f} MB"
             ),
         )
-        print_table(result, run_args.skipped)
+        print_table(result, run_args.skipped, args.impls.split(","))
         result = {"rounds": result, "skipped": run_args.skipped}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

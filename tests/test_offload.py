@@ -30,6 +30,7 @@ from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.config import ZeroConfigError
 from zero_strategy.offload import OffloadError
 from zero_strategy.offload import offload_file as offload_file_module
+from zero_strategy.offload.offload_file import round_up
 
 STEPS, ACCUM, CLIP = 10, 2, 0.5
 # Small tiles and the fewest buffers: many tiles per step, each buffer reused while the
@@ -76,6 +77,8 @@ def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
             averaged = engine.full_state_dict()
         report = engine.memory_report()
         report["views"] = len(engine._opt_views)
+        # Each unit's fp32 master, a tensor of its own in bf16, at a 4 KiB-aligned place.
+        report["masters_aligned"] = sum(round_up(u.master.nbytes) for u in engine.units)
         engine.close()
         return weights, averaged, report
 
@@ -87,7 +90,13 @@ def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
     # each view's step count (a 4-byte scalar) stays in memory.
     assert disk_report["optimizer_state"] == 4 * disk_report["views"]
     assert disk_report["disk_optimizer_state"] >= mem_report["optimizer_state"]
-    assert disk_report["disk_total"] == disk_report["disk_optimizer_state"]
+    # The fp32 masters are on disk with the state: none in memory between steps.
+    assert mem_report["master_params"] > 0
+    assert disk_report["master_params"] == 0
+    assert disk_report["disk_master_params"] == disk_report["masters_aligned"]
+    assert disk_report["disk_total"] == (
+        disk_report["disk_optimizer_state"] + disk_report["disk_master_params"]
+    )
     assert mem_report["disk_total"] == 0
 
 

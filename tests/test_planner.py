@@ -187,20 +187,21 @@ def _measure_disk(rank, world, stage, directory, **extra):
     return m
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_planner_matches_disk_offload_within_2_percent(stage, tmp_path, capsys):
+@pytest.mark.parametrize(("stage", "dtype"), [(1, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")])
+def test_planner_matches_disk_offload_within_2_percent(stage, dtype, tmp_path, capsys):
     """`estimate --offload disk`: the optimizer state on disk (and at stages 2-3 the
-    gradients' fp32 shards), the rest in memory, each within 2% of what the engine reports
-    (the file rounds each view and shard up to 4 KiB)."""
+    gradients' fp32 shards, in bf16 the fp32 masters), the rest in memory, each within 2%
+    of what the engine reports (the file rounds each view and shard up to 4 KiB)."""
     params, root = count_params(make_model(cfg=WIDER))
-    predicted = plan(params, 2, stage, "fp32", root_params=root, offload="disk")
-    m = run_world(_measure_disk, 2, stage, str(tmp_path))[0]
+    predicted = plan(params, 2, stage, dtype, root_params=root, offload="disk")
+    m = run_world(_measure_disk, 2, stage, str(tmp_path), compute_dtype=dtype)[0]
     in_memory = m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
     assert abs(predicted.model_state - in_memory) <= 0.02 * in_memory, (predicted, m)
-    for kind in ("optimizer_state", "gradients"):
+    for kind in ("optimizer_state", "gradients", "master_params"):
         measured = m[f"disk_{kind}"]
         assert abs(predicted.disk.get(kind, 0) - measured) <= 0.02 * measured, (kind, predicted, m)
     assert (stage >= 2) == ("gradients" in predicted.disk) == (m["gradients"] == 0)
+    assert (dtype == "bf16") == ("master_params" in predicted.disk) == (m["disk_master_params"] > 0)
     assert main(["estimate", "--params", "7B", "--world-size", "8", "--stage", "3",
                  "--offload", "disk"]) == 0  # fmt: skip
     assert "offloaded to disk per rank:" in capsys.readouterr().out

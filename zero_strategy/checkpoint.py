@@ -267,7 +267,7 @@ def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> Lazy
 def _master_piece(in_memory: OneResident, unit: FlatUnit, a: int, b: int) -> LazyTensor:
     """Elements [a, b) of the unit's master, read when written (a copy when the shard is
     offloaded: it leaves memory when the writer moves on to the next unit)."""
-    if unit.home is None:
+    if not unit.master_offloaded:
         return lazy(unit.master[a:b])
     return LazyTensor(unit.master_dtype, (b - a,), lambda: in_memory(unit).master[a:b].clone())
 

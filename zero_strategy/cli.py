@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "--offload",
         default="none",
         choices=list(OFFLOADS),
-        help="disk: the optimizer state in files, and at stages 2-3 the gradients' fp32 shards "
-        "(offload_optimizer='disk'); disk+params: "
+        help="disk: the optimizer state in files, the fp32 masters in bf16/fp16, and at "
+        "stages 2-3 the gradients' fp32 shards (offload_optimizer='disk'); disk+params: "
         "stage 3's parameter shards too (offload_params='disk'); cpu/optimizer: "
         "masters and optimizer state in host memory; optimizer+params: parameters too",
     )

@@ -123,13 +123,15 @@ class ZeroConfig:
     # the engine a 2-D device_mesh instead for another layout. 1 = none.
     tensor_parallel_size: int = 1
     # Where the optimizer's state lives: "none" (in memory, beside the masters), "cpu"
-    # (host memory: the same memory when training on the CPU) or "disk" (one file per
-    # rank under offload_dir, streamed tile by tile at each step, as ZeRO-Infinity's NVMe
-    # tier does).
+    # (host memory: the same memory when training on the CPU) or "disk" (files per rank
+    # under offload_dir, streamed tile by tile at each step, as ZeRO-Infinity's NVMe tier
+    # does). "disk" also takes the fp32 masters there in bf16/fp16 (any stage), and at
+    # stages 2-3 the gradients' fp32 shards from their reduction to the step.
     offload_optimizer: str = "none"
-    # Stage 3: where each unit's parameter shard (and its fp32 master) lives between uses:
-    # "none", "cpu" (as above) or "disk" (a file per rank under offload_dir, read just
-    # before the unit's gather and its step, written back after the step).
+    # Stage 3: where each unit's parameter shard (and its fp32 master, unless
+    # offload_optimizer="disk" keeps it) lives between uses: "none", "cpu" (as above) or
+    # "disk" (a file per rank under offload_dir, read just before the unit's gather and
+    # its step, written back after the step).
     offload_params: str = "none"
     # offload_*="disk": a directory on a local disk with room for this rank's offloaded
     # state (Adam: 8 bytes per parameter, the masters 4 more, split over the ranks). The

@@ -14,6 +14,7 @@ meta-device materialisation (`init`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -54,7 +55,9 @@ from .offload import (
     agree_on_write_failures,
     free_large_blocks_at_once,
     grad_store,
+    master_store,
     offloads_gradients,
+    offloads_masters,
     shard_store,
     state_store,
 )
@@ -159,9 +162,9 @@ class ZeroEngine:
         offloads_params = cfg.offload_params == "disk"
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
         self._offloads_grads = offloads_gradients(cfg, self.stage)
-        # Before the shards are made (parameters', gradients'): their memory must leave
-        # with them.
-        if offloads_params or self._offloads_grads:
+        # Before the shards are made (parameters', masters', gradients'): their memory
+        # must leave with them.
+        if offloads_params or self._offloads_grads or offloads_masters(cfg):
             free_large_blocks_at_once()
         self.module = model
 
@@ -287,6 +290,19 @@ class ZeroEngine:
         # (the gatherer has just decided which units stay gathered, and stay in memory).
         # The host buffers the parameter and gradient shards' tiers read and write through.
         self._staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
+        # Mixed precision with offload_optimizer="disk": the fp32 masters in a file of
+        # their own between steps (and the parameter shards' tier keeps the compute copies).
+        self._masters = master_store(
+            cfg,
+            self.units,
+            self.device,
+            self.groups.global_rank,
+            self._staging,
+            on_memory=self._memory.sample,
+        )
+        self._masters_finalizer = weakref.finalize(
+            self, self._masters.closer() if self._masters is not None else _nothing
+        )
         self._shards = shard_store(
             cfg,
             self.units,
@@ -566,7 +582,11 @@ class ZeroEngine:
             for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
         # Stepped unit by unit, each shard (parameters, gradients) read once.
-        if self.config.offload_params == "disk" or self._offloads_grads:
+        if (
+            self.config.offload_params == "disk"
+            or self._offloads_grads
+            or offloads_masters(self.config)
+        ):
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue
@@ -781,7 +801,7 @@ class ZeroEngine:
             written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self._ema.update(self.config.ema_decay, groups, tile)
-            if self._shards is not None:  # while the shards are in memory
+            if self._masters_offloaded:  # while the masters are in memory
                 for view in tile:
                     view.unit.sync_compute_from_master(view.lo, view.hi)
 
@@ -792,7 +812,7 @@ class ZeroEngine:
             step_tile,
             needs_grads=True,
         )
-        written[0] |= self._shards is not None
+        written[0] |= self._masters_offloaded
         self._expose_grads()
         self._run_user_hooks(chosen, before=False)
         self.scaler.update(False)
@@ -845,7 +865,8 @@ class ZeroEngine:
                 self._expose_grads()
 
     def _offload_tiers(self) -> list:
-        return [t for t in (self._opt_state, self._shards, self._grads) if t is not None]
+        tiers = (self._opt_state, self._masters, self._shards, self._grads)
+        return [t for t in tiers if t is not None]
 
     def _settle_writes(self) -> None:
         """Before the tiers' files are read whole (a save): every write is done, and one
@@ -854,6 +875,12 @@ class ZeroEngine:
             tier.settle(wait=True)
             if tier.failure is not None:
                 tier.refuse()
+
+    @property
+    def _masters_offloaded(self) -> bool:
+        """Whether the masters (with the parameter shards, or in a tier of their own) are
+        in files between steps: the step then brings them in unit by unit."""
+        return self._shards is not None or self._masters is not None
 
     @property
     def _stepped_in_parts(self) -> bool:
@@ -873,7 +900,7 @@ class ZeroEngine:
         unit order then), the next unit's is read ahead, and the parameter shard is
         written back if `changes_weights`."""
         grads = needs_grads and self._grads is not None
-        if self._shards is None and not grads:
+        if not self._masters_offloaded and not grads:
             self._opt_state.apply(views, step)
             return
         units = [unit for unit, _ in itertools.groupby(views, key=lambda v: v.unit)]
@@ -886,7 +913,7 @@ class ZeroEngine:
             def run(tile: list[OptimizerView]) -> None:
                 for unit, unit_views in itertools.groupby(tile, key=lambda v: v.unit):
                     if in_memory.unit is not unit and unit in following:
-                        following[unit].prefetch()
+                        following[unit].prefetch_master()
                         if grads:
                             following[unit].prefetch_grads()
                     in_memory(unit)
@@ -1225,12 +1252,16 @@ class ZeroEngine:
             expert_units=[u for u in self.units if not u.group.spec.replicated],
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
             peaks=self._memory.peaks,
-            disk={
-                "optimizer_state": self._opt_state.disk_bytes(),
-                **(self._shards.disk_bytes() if self._shards is not None else {}),
-                **(self._grads.disk_bytes() if self._grads is not None else {}),
-            },
+            disk=self._disk_bytes(),
         )
+
+    def _disk_bytes(self) -> dict[str, int]:
+        """Bytes in the offload files by kind, summed over the tiers."""
+        disk = collections.Counter({"optimizer_state": self._opt_state.disk_bytes()})
+        for tier in (self._masters, self._shards, self._grads):
+            if tier is not None:
+                disk.update(tier.disk_bytes())
+        return dict(disk)
 
     def reset_memory_peaks(self, record_timeline: bool = False) -> None:
         """Start the `peak_*` figures of `memory_report()` over from what is held now.
@@ -1253,6 +1284,8 @@ class ZeroEngine:
         transient = {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
         if self._grads is not None:  # offloaded gradient shards come and go in backward
             transient["gradients"] = self._grads.resident_bytes()
+        if self._masters is not None:  # offloaded masters come and go in the step
+            transient["master_params"] = self._masters.resident_bytes
         return transient
 
     def _offload_buffers(self) -> list[torch.Tensor]:
@@ -1261,7 +1294,7 @@ class ZeroEngine:
             *self._staging.free,
             *(
                 b
-                for tier in (self._shards, self._grads)
+                for tier in (self._masters, self._shards, self._grads)
                 if tier is not None
                 for b in tier.buffers()
             ),
@@ -1333,8 +1366,9 @@ class ZeroEngine:
         returns the client state saved with it, if any. `load_optimizer_states=False`
         loads the model alone (evaluation, or fine-tuning with another optimizer)."""
         self.wait_for_parameters()
-        if self._shards is not None:
-            self._shards.recover()  # every shard is written afresh
+        for tier in (self._masters, self._shards):
+            if tier is not None:
+                tier.recover()  # every shard is written afresh
         if self._grads is not None:  # a load starts a step afresh: no gradient yet
             self._grads.recover()
             self.zero_grad()
@@ -1403,10 +1437,13 @@ class ZeroEngine:
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's full fp32 values (padded), identical across its shard group."""
-        if self.stage == 0:
+        if self.stage == 0 and not unit.master_offloaded:
             return unit.master
+        if self.stage == 0:
+            with unit.master_resident():
+                return unit.master.clone()
         full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device)
-        with unit.resident():
+        with unit.master_resident():
             unit.group.comm.all_gather(full, unit.master)
         return full
 

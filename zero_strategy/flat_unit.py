@@ -38,6 +38,15 @@ class ShardHome(Protocol):
     def prefetch(self, unit: FlatUnit) -> None: ...
 
 
+class MasterHome(Protocol):
+    """Where a unit's fp32 master lives between its uses when it is a tensor of its own
+    (mixed precision with offload_optimizer="disk")."""
+
+    def acquire(self, unit: FlatUnit) -> None: ...
+    def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
+    def prefetch(self, unit: FlatUnit) -> None: ...
+
+
 class GradHome(Protocol):
     """Where a unit's fp32 gradient shard lives between its reduction and the step
     (stages 2-3 with offload_optimizer="disk")."""
@@ -84,6 +93,9 @@ class FlatUnit:
         )
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
         self.home: ShardHome | None = None
+        # Mixed precision with offload_optimizer="disk": the fp32 master likewise (then
+        # `home` keeps the compute copy alone).
+        self.master_home: MasterHome | None = None
         # Stages 2-3 with offload_optimizer="disk": the gradient shard likewise.
         self.grad_home: GradHome | None = None
 
@@ -182,6 +194,50 @@ class FlatUnit:
         if self.home is not None:
             self.home.prefetch(self)
 
+    # ------------------------------------------------------------------ master
+    @property
+    def master_apart(self) -> bool:
+        """Whether the master is a tensor of its own (mixed precision) rather than the
+        compute copy or a view of it."""
+        return self.compute_dtype != self.master_dtype
+
+    @property
+    def master_offloaded(self) -> bool:
+        return self.master_home is not None or self.home is not None
+
+    def bring_master_in(self) -> None:
+        """The master and the compute copy this rank holds are needed (the step, a
+        checkpoint, a write of the weights): in memory until `let_master_go`."""
+        if self.home is not None:
+            self.home.acquire(self)
+        if self.master_home is not None:
+            try:
+                self.master_home.acquire(self)
+            except BaseException:
+                self.let_go()
+                raise
+
+    def let_master_go(self, modified: bool = False) -> None:
+        """One use is over (`modified`: the master or the compute copy changed)."""
+        if self.master_home is not None:
+            self.master_home.release(self, modified)
+        if self.home is not None:
+            self.home.release(self, modified)
+
+    @contextlib.contextmanager
+    def master_resident(self, modified: bool = False) -> Iterator[None]:
+        """The master (and the compute copy) in memory inside the block."""
+        self.bring_master_in()
+        try:
+            yield
+        finally:
+            self.let_master_go(modified)
+
+    def prefetch_master(self) -> None:
+        self.prefetch()
+        if self.master_home is not None:
+            self.master_home.prefetch(self)
+
     # ------------------------------------------------------------------ gradient shard
     def bring_grads_in(self) -> None:
         """The fp32 gradient shard (`grad_opt`) is needed: in memory until `let_grads_go`."""
@@ -268,23 +324,22 @@ class FlatUnit:
     def sync_compute_from_master(self, lo: int = 0, hi: int | None = None) -> None:
         """Write the updated fp32 master (elements [lo, hi) of this rank's slice) into the
         compute-dtype copy this rank holds."""
-        if self.stage < 3:
-            mine = self.full[self.opt_start : self.opt_end]
-            if mine.data_ptr() != self.master.data_ptr():
-                mine[lo:hi].copy_(self.master[lo:hi])
-        elif self.shard is not self.master:
-            with self.resident(modified=True):
-                if self.shard.data_ptr() != self.master.data_ptr():
-                    self.shard[lo:hi].copy_(self.master[lo:hi])
+        if not self.master_apart:
+            return  # the compute copy is the master
+        # The master is only read; the compute copy, offloaded or not, is written.
+        with self.master_resident(), self.resident(modified=True):
+            compute = self.full[self.opt_start : self.opt_end] if self.stage < 3 else self.shard
+            compute[lo:hi].copy_(self.master[lo:hi])
 
 
 class OneResident:
-    """Keeps one unit's shard in memory at a time, for walks over pieces in unit order (a
-    checkpoint's): each unit is read once, not once per piece."""
+    """Keeps one unit's master (and compute copy), or its gradient shard, in memory at a
+    time, for walks over pieces in unit order (a checkpoint's, the step's): each unit is
+    read once, not once per piece."""
 
     def __init__(self, modified: bool = False, grads: bool = False):
         self.modified = modified
-        self.grads = grads  # the gradient shard rather than the parameter shard
+        self.grads = grads  # the gradient shard rather than the master
         self.unit: FlatUnit | None = None
 
     def __call__(self, unit: FlatUnit) -> FlatUnit:
@@ -293,7 +348,7 @@ class OneResident:
             if self.grads:
                 unit.bring_grads_in()
             else:
-                unit.bring_in()
+                unit.bring_master_in()
             self.unit = unit
         return unit
 
@@ -303,7 +358,7 @@ class OneResident:
             if self.grads:
                 unit.let_grads_go(self.modified)
             else:
-                unit.let_go(self.modified)
+                unit.let_master_go(self.modified)
 
     def __enter__(self) -> OneResident:
         return self

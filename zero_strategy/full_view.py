@@ -113,7 +113,7 @@ def write_back_unit(unit: FlatUnit) -> None:
     stage 3, its compute-dtype shard. In reduced precision only the elements that differ
     from the master's rounding are written, so reading alone never rounds a master."""
     view = unit.full[unit.opt_start : unit.opt_end]
-    with unit.resident(modified=True):  # an offloaded shard: read, updated, written
+    with unit.master_resident(modified=True):  # offloaded: read, updated, written
         master = unit.master
         if view.data_ptr() != master.data_ptr():
             if view.dtype == master.dtype:

@@ -159,7 +159,7 @@ def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
     else:
         return
     local = slice(lo - unit.opt_start, hi - unit.opt_start)
-    with unit.resident(modified=True):  # an offloaded shard: read, updated, written
+    with unit.master_resident(modified=True):  # offloaded: read, updated, written
         master = unit.master[local]
         if master.data_ptr() != values.data_ptr():
             master.copy_(values)

@@ -210,10 +210,11 @@ def plan(
         ran = stage if world_size > 1 or offload == "disk+params" else 0
         if ran >= 2:
             disk["gradients"] = memory.pop("gradients")
-    if offload == "disk+params":
-        disk["parameters"] = memory.pop("parameters")
+        # Mixed precision: the fp32 masters, tensors of their own, go with the state.
         if memory.get("master_params"):
             disk["master_params"] = memory.pop("master_params")
+    if offload == "disk+params":
+        disk["parameters"] = memory.pop("parameters")
     elif offload != "none":
         moved = ("optimizer_state", "master_params") + (
             ("parameters",) if offload == "optimizer+params" else ()

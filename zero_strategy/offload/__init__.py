@@ -1,6 +1,7 @@
-"""Tiers for the optimizer's state and stage 3's parameter shards: memory, or a file on a
-local disk (ZeRO-Infinity's NVMe tier). `state_store` and `shard_store` pick one from the
-config; the engine steps and gathers through them and never knows where the bytes were."""
+"""Tiers for the optimizer's state, the fp32 masters, the gradients' fp32 shards and stage
+3's parameter shards: memory, or a file on a local disk (ZeRO-Infinity's NVMe tier). The
+`*_store` factories pick one from the config; the engine steps and gathers through them
+and never knows where the bytes were."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .failures import agree_on_write_failures
 from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
-from .shard_store import DiskShards
+from .shard_store import DiskShards, compute_copy, master_alone, shard_tensors
 from .staging import StagingBuffers
 from .state_store import DiskState, ResidentState
 
@@ -32,7 +33,9 @@ __all__ = [
     "agree_on_write_failures",
     "free_large_blocks_at_once",
     "grad_store",
+    "master_store",
     "offloads_gradients",
+    "offloads_masters",
     "shard_store",
     "state_store",
 ]
@@ -79,6 +82,7 @@ def shard_store(
         _file(config, "offload_params", "params", rank),
         staging,
         on_memory,
+        tensors_of=compute_copy if offloads_masters(config) else shard_tensors,
     )
     for unit in offloaded:
         unit.home = shards
@@ -110,6 +114,47 @@ def grad_store(
     for unit in offloaded:
         unit.grad_home = grads
     return grads
+
+
+def master_store(
+    config: ZeroConfig,
+    units: Sequence[FlatUnit],
+    device: torch.device,
+    rank: int,
+    staging: StagingBuffers,
+    on_memory: Callable[[], None] = lambda: None,
+) -> DiskShards | None:
+    """The tier that keeps `units`' fp32 masters in a file between the steps, checkpoints
+    and weight writes that use them (`offloads_masters`), through the `staging` buffers;
+    None when they stay in memory. Made before `shard_store`, which then keeps the
+    compute copies alone."""
+    _tier(config, "offload_optimizer", device)  # refused on a CUDA device
+    if not offloads_masters(config):
+        return None
+    offloaded = [u for u in units if u.master_apart and u.master is not None and u.master.numel()]
+    masters = DiskShards(
+        offloaded,
+        _file(config, "offload_optimizer", "masters", rank),
+        staging,
+        on_memory,
+        tensors_of=master_alone,
+        what="fp32 master weights",
+        kind="master_params",
+    )
+    for unit in offloaded:
+        unit.master_home = masters
+    return masters
+
+
+def offloads_masters(config: ZeroConfig) -> bool:
+    """Whether the fp32 masters go to disk: with offload_optimizer="disk" whenever they
+    are tensors of their own (bf16/fp16 compute, any stage), as DeepSpeed keeps them with
+    the optimizer state. In fp32 the master is the compute copy: stage 3's
+    offload_params="disk" moves it."""
+    return (
+        config.offload_optimizer == "disk"
+        and config.compute_torch_dtype != config.master_torch_dtype
+    )
 
 
 def offloads_gradients(config: ZeroConfig, stage: int) -> bool:

@@ -54,6 +54,7 @@ class DiskGrads:
             tensors_of=_gradient,
             starts_zero=True,
             what="gradient shards",
+            kind="gradients",
         )
         self._pending: dict[int, list[Callable[[], None]]] = {}
         self._modified: set[int] = set()  # in use, and changed by a user: written after
@@ -126,7 +127,7 @@ class DiskGrads:
         return self.store.buffers()
 
     def disk_bytes(self) -> dict[str, int]:
-        return {"gradients": sum(self.store.disk_bytes().values())}
+        return self.store.disk_bytes()
 
     def closer(self) -> Callable[[], None]:
         return self.store.closer()

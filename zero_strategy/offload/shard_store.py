@@ -53,6 +53,16 @@ def shard_tensors(unit: FlatUnit) -> list[torch.Tensor]:
     return tensors
 
 
+def compute_copy(unit: FlatUnit) -> list[torch.Tensor]:
+    """The compute copy alone: the shard's tier when the masters have a tier of their own
+    (a gather then reads 2 bytes per element in bf16, not 6)."""
+    return [unit.shard]
+
+
+def master_alone(unit: FlatUnit) -> list[torch.Tensor]:
+    return [unit.master]
+
+
 class DiskShards(KeptFailure):
     """The shards of `units` (stage 3, not persistent) in `file`."""
 
@@ -67,9 +77,11 @@ class DiskShards(KeptFailure):
         tensors_of: Callable[[FlatUnit], list[torch.Tensor]] = shard_tensors,
         starts_zero: bool = False,
         what: str = "parameter shards",
+        kind: str | None = None,
     ):
         self.file = file
         self.what = what  # for errors: what the file holds
+        self.kind = kind  # memory_report's kind of every byte (None: parameters, masters)
         self.tensors_of = tensors_of
         # Units whose values are all zero: nothing to read, zero-filled when used (the
         # gradients after zero_grad). Their file bytes are stale and never read.
@@ -301,8 +313,11 @@ class DiskShards(KeptFailure):
 
     # ------------------------------------------------------------------ accounting
     def disk_bytes(self) -> dict[str, int]:
-        """Bytes in the file by kind: the compute copies as `parameters`, the masters as
-        `master_params` (as `parameters` when they are the compute copy)."""
+        """Bytes in the file by kind: all of `kind` when given, else the compute copies as
+        `parameters`, the masters as `master_params` (as `parameters` when they are the
+        compute copy)."""
+        if self.kind is not None:
+            return {self.kind: sum(r.nbytes for r in self._regions.values())}
         out = {"parameters": 0, "master_params": 0}
         for region in self._regions.values():
             (_, first), *rest = region.tensors
