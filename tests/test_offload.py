@@ -535,27 +535,40 @@ def test_fabric_accelerate_and_hydra_take_the_fields(tmp_path):
         assert (config.offload_params, config.offload_tile_size) == ("disk", 9)
 
 
-@pytest.mark.parametrize("params", [False, True], ids=["state", "params"])
-def test_a_dropped_engine_closes_its_file(tmp_path, params):
-    """The file (the optimizer state's, or the parameter shards') is held open (unlinked)
-    by the engine alone: dropping the engine closes it, and the finalizer that does so does
-    not keep the engine alive."""
+@pytest.mark.parametrize(
+    ("kind", "files", "release"),
+    [("state", 1, False), ("params", 1, False), ("everything", 4, True)],
+)
+def test_a_dropped_or_released_engine_closes_its_files(tmp_path, kind, files, release):
+    """The files (the optimizer state's, the parameter shards'; in bf16 with everything
+    offloaded the masters' and the gradient shards' too) are held open (unlinked) by the
+    engine alone: dropping the engine, or handing its module back (`release_module`: the
+    engine is done), closes them, and the finalizer that does so does not keep the engine
+    alive."""
     import gc
 
     def open_files() -> list[str]:
         return [_link(fd) for fd in _open_under(tmp_path)]
 
     model = make_model()
-    offload = (
-        {"stage": 3, "offload_params": "disk", "offload_dir": str(tmp_path)}
-        if params
-        else {"stage": 0, **_disk(tmp_path)}
-    )
+    offload = {
+        "state": {"stage": 0, **_disk(tmp_path)},
+        "params": {"stage": 3, "offload_params": "disk", "offload_dir": str(tmp_path)},
+        "everything": {
+            "stage": 3,
+            "compute_dtype": "bf16",
+            "offload_params": "disk",
+            **_disk(tmp_path),
+        },
+    }[kind]
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(**offload))
     x, y = local_batch(0, 0, 0, 1)
     engine.backward(engine(x, y))
     engine.step()
-    assert len(open_files()) == 1 and "(deleted)" in open_files()[0]
+    assert len(open_files()) == files and all("(deleted)" in f for f in open_files())
+    if release:
+        engine.release_module()
+        assert open_files() == []
     del engine, model
     gc.collect()
     assert open_files() == []

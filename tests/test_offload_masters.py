@@ -117,23 +117,29 @@ def _fills(rank, world, directory, ckpt):
     config = ZeroConfig(stage=1, compute_dtype="bf16", **_disk(Path(directory)))
     engine = ZeroEngine(model, make_optimizer(model), config)
     message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt)
+    restored = engine.full_state_dict(rank0_only=False)
     x, y = local_batch(2, 0, rank, world)
     engine.backward(engine(x, y))
     engine.step()  # whole again after the load
-    loaded = engine.global_steps
     engine.close()
-    return message, refused, loaded
+    fresh = make_model()  # the checkpoint's weights, loaded with the masters in memory
+    again = ZeroEngine(fresh, make_optimizer(fresh), ZeroConfig(stage=1, compute_dtype="bf16"))
+    again.load_checkpoint(ckpt)
+    expected = again.full_state_dict(rank0_only=False)
+    again.close()
+    same = all(torch.equal(restored[k], expected[k]) for k in expected)
+    return message, refused, same
 
 
-def test_a_disk_that_fills_with_the_masters_on_it_fails_the_step_and_recovers(tmp_path):
+def test_a_disk_that_fills_with_the_masters_on_it_fails_the_step_and_a_load_recovers(tmp_path):
     """Stage 1 in bf16, the masters and the state on disk: the step after the disk fills
     fails on every rank naming the directory, a save is refused, and loading the last
-    checkpoint makes the engine train again."""
+    checkpoint puts its masters back (the weights of the checkpoint) and trains again."""
     offload = tmp_path / "offload"
     offload.mkdir()
     ckpt = str(tmp_path / "ckpt")
-    for message, refused, loaded in run_world(_fills, 2, str(offload), ckpt):
+    for message, refused, same in run_world(_fills, 2, str(offload), ckpt):
         assert message is not None
         assert f"no space left on the device of offload_dir {offload}" in message
         assert refused is not None and "Load a checkpoint" in refused
-        assert loaded == 3
+        assert same

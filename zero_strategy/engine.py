@@ -54,12 +54,10 @@ from .offload import (
     StagingBuffers,
     agree_on_write_failures,
     free_large_blocks_at_once,
-    grad_store,
-    master_store,
     offloads_gradients,
     offloads_masters,
-    shard_store,
     state_store,
+    unit_tiers,
 )
 from .optimizer import (
     OptimizerView,
@@ -286,37 +284,12 @@ class ZeroEngine:
                 on_backward_start=self.reducer.backward_started,
                 on_memory=self._memory.sample,
             )
-        # Stage 3 with offload_params="disk": each unit's shard in a file between uses
-        # (the gatherer has just decided which units stay gathered, and stay in memory).
-        # The host buffers the parameter and gradient shards' tiers read and write through.
+        # The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
+        # masters between steps, stage 3's parameter shards between uses, and the
+        # gradients' fp32 shards from their reduction to the step (the norm noted as they
+        # land), through one set of host buffers.
         self._staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
-        # Mixed precision with offload_optimizer="disk": the fp32 masters in a file of
-        # their own between steps (and the parameter shards' tier keeps the compute copies).
-        self._masters = master_store(
-            cfg,
-            self.units,
-            self.device,
-            self.groups.global_rank,
-            self._staging,
-            on_memory=self._memory.sample,
-        )
-        self._masters_finalizer = weakref.finalize(
-            self, self._masters.closer() if self._masters is not None else _nothing
-        )
-        self._shards = shard_store(
-            cfg,
-            self.units,
-            self.device,
-            self.groups.global_rank,
-            self._staging,
-            on_memory=self._memory.sample,
-        )
-        self._shards_finalizer = weakref.finalize(
-            self, self._shards.closer() if self._shards is not None else _nothing
-        )
-        # Stages 2-3 with offload_optimizer="disk": the fp32 gradient shards in a file
-        # from their reduction to the step, the norm noted as they land.
-        self._grads = grad_store(
+        tiers = unit_tiers(
             cfg,
             self.units,
             self.stage,
@@ -325,9 +298,8 @@ class ZeroEngine:
             self._staging,
             on_memory=self._memory.sample,
         )
-        self._grads_finalizer = weakref.finalize(
-            self, self._grads.closer() if self._grads is not None else _nothing
-        )
+        self._masters, self._shards, self._grads = tiers.masters, tiers.shards, tiers.grads
+        self._tier_finalizers = [weakref.finalize(self, t.closer()) for t in tiers.present()]
         self._landed_norms = LandedNorms(cfg.master_torch_dtype)
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
@@ -1521,8 +1493,8 @@ class ZeroEngine:
             owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again
         self.close()
         self._store_finalizer()  # the offloaded state's file, closed (its space freed)
-        self._shards_finalizer()
-        self._grads_finalizer()
+        for finalizer in self._tier_finalizers:
+            finalizer()
         return self.module
 
     def reopen(self) -> None:
@@ -1615,7 +1587,3 @@ def _change_parts(
         return
     for lo, hi in parts:
         change(unit.grad_opt[lo:hi])
-
-
-def _nothing() -> None:
-    pass

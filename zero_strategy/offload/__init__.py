@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "OffloadError",
     "ResidentState",
     "StagingBuffers",
+    "UnitTiers",
     "agree_on_write_failures",
     "free_large_blocks_at_once",
     "grad_store",
@@ -38,6 +40,7 @@ __all__ = [
     "offloads_masters",
     "shard_store",
     "state_store",
+    "unit_tiers",
 ]
 
 
@@ -144,6 +147,39 @@ def master_store(
     for unit in offloaded:
         unit.master_home = masters
     return masters
+
+
+@dataclass(frozen=True)
+class UnitTiers:
+    """The per-unit disk tiers of one engine; None where those tensors stay in memory."""
+
+    masters: DiskShards | None
+    shards: DiskShards | None
+    grads: DiskGrads | None
+
+    def present(self) -> list[DiskShards | DiskGrads]:
+        return [t for t in (self.masters, self.shards, self.grads) if t is not None]
+
+
+def unit_tiers(
+    config: ZeroConfig,
+    units: Sequence[FlatUnit],
+    stage: int,
+    device: torch.device,
+    rank: int,
+    staging: StagingBuffers,
+    on_memory: Callable[[], None] = lambda: None,
+) -> UnitTiers:
+    """Each unit's fp32 master (`master_store`), stage 3's parameter shard (`shard_store`)
+    and fp32 gradient shard (`grad_store`) in files where the config says so, all through
+    the `staging` buffers. Once the units are final: stage 3's gatherer has decided which
+    stay gathered, and those stay in memory."""
+    args = (device, rank, staging, on_memory)
+    return UnitTiers(
+        master_store(config, units, *args),
+        shard_store(config, units, *args),
+        grad_store(config, units, stage, *args),
+    )
 
 
 def offloads_masters(config: ZeroConfig) -> bool:
