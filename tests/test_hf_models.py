@@ -197,3 +197,21 @@ def test_gradient_checkpointing_at_stage_3_matches_ddp(arch, checkpointing):
 @pytest.mark.parametrize("arch", sorted(MORE))
 def test_more_architectures_match_ddp_at_stage_3(arch):
     _assert_trains_like_ddp(arch, 3)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-tied"])
+def test_hf_models_train_through_every_disk_tier(arch, tmp_path):
+    """Stage 3 with the optimizer state, masters, gradient and parameter shards on disk:
+    fp32 equals DDP to the bit; bf16 (the masters in a file of their own) equals the same
+    run with everything in memory to the bit."""
+    disk = {
+        "offload_optimizer": "disk",
+        "offload_params": "disk",
+        "offload_dir": str(tmp_path),
+        "offload_tile_size": 5000,
+    }
+    _assert_trains_like_ddp(arch, 3, **disk)
+    memory = run_world(_train, 2, arch, 3, compute_dtype="bf16")[0]
+    offloaded = run_world(_train, 2, arch, 3, compute_dtype="bf16", **disk)[0]
+    assert offloaded[0] == memory[0]
+    assert all(torch.equal(offloaded[1][k], memory[1][k]) for k in memory[1])

@@ -488,17 +488,24 @@ def test_disk_offload_lowers_peak_rss_by_most_of_the_optimizer_state(tmp_path):
 
 
 # ---------------------------------------------------------------- the doors
-@pytest.mark.parametrize("params", [False, True], ids=["state", "state+params"])
-def test_lightning_trains_identically_with_the_state_on_disk(tmp_path, params):
-    """The optimizer's state on disk, and stage 3's parameter shards too."""
+@pytest.mark.parametrize(
+    ("params", "precision"),
+    [(False, "32-true"), (True, "32-true"), (False, "16-mixed")],
+    ids=["state", "state+params", "fp16-state+masters"],
+)
+def test_lightning_trains_identically_with_the_state_on_disk(tmp_path, params, precision):
+    """The optimizer's state on disk, and stage 3's parameter shards too; with
+    `precision="16-mixed"` (fp16 compute, loss scaling) the fp32 masters go with the
+    state."""
     pytest.importorskip("lightning")
     from lightning_helpers import fit
 
     from zero_strategy.integrations.lightning import ZeroStrategy
 
-    plain = run_world(fit, 2, "zero3")
+    plain = run_world(fit, 2, "zero3", precision=precision)
     extra = {"offload_params": "disk"} if params else {}
-    disk = run_world(fit, 2, ZeroStrategy(stage=3, **_disk(tmp_path), **extra))
+    strategy = ZeroStrategy(stage=3, **_disk(tmp_path), **extra)
+    disk = run_world(fit, 2, strategy, precision=precision)
     assert [r["losses"] for r in disk] == [r["losses"] for r in plain]
 
 
