@@ -31,4 +31,5 @@ def test_gpu_check_smoke_on_cpu():
     worst = float(re.search(r"worst relative loss difference ([0-9.e+-]+)", out).group(1))
     assert calls > 0 and worst < 1e-5  # the engine took the kernel path; CPU against CPU
     assert "| fused AdamW, " in out and "| MoE permute, " in out
+    assert "offload_optimizer='cpu', world 1" in out and "| CPU offload" in out
     assert "correctness: ok" in out

@@ -808,7 +808,7 @@ def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None
             )
         for key in _keys_of(state, reader, view, keys):
             dtype = view.unit.master_dtype
-            buf = torch.empty(view.hi - view.lo, dtype=dtype, device=state.device)
+            buf = torch.empty(view.hi - view.lo, dtype=dtype, device=view.unit.host)
             for name, lo, hi, at, layout in _state_ranges(state, view):
                 values = reader.read(name, lo, hi, f"{key}/", dtype=dtype, layout=layout)
                 buf[at : at + hi - lo].copy_(values)

@@ -56,6 +56,7 @@ from .offload import (
     free_large_blocks_at_once,
     offloads_gradients,
     offloads_masters,
+    optimizer_host,
     state_store,
     unit_tiers,
 )
@@ -160,9 +161,15 @@ class ZeroEngine:
         offloads_params = cfg.offload_params == "disk"
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
         self._offloads_grads = offloads_gradients(cfg, self.stage)
+        # The optimizer's side (masters, gradient shards, state): here or in host memory.
+        self._host, self._pin = optimizer_host(cfg, self.device)
         # Before the shards are made (parameters', masters', gradients'): their memory
         # must leave with them.
-        if offloads_params or self._offloads_grads or offloads_masters(cfg):
+        if (
+            offloads_params
+            or self._offloads_grads
+            or offloads_masters(cfg, self._host, self.device)
+        ):
             free_large_blocks_at_once()
         self.module = model
 
@@ -199,6 +206,8 @@ class ZeroEngine:
                 self.groups.shard_group(lay.spec),
                 self.device,
                 cfg.compute_torch_dtype,
+                self._host,
+                self._pin,
             )
             for lay in layouts
         ]
@@ -229,7 +238,6 @@ class ZeroEngine:
             cfg,
             self._optimizer_set.state,
             self._opt_views,
-            self.device,
             self.groups.global_rank,  # names its file
             on_memory=self._memory.sample,
         )
@@ -557,7 +565,7 @@ class ZeroEngine:
         if (
             self.config.offload_params == "disk"
             or self._offloads_grads
-            or offloads_masters(self.config)
+            or offloads_masters(self.config, self._host, self.device)
         ):
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
@@ -1100,7 +1108,8 @@ class ZeroEngine:
         if not shards:
             return torch.zeros(1, dtype=master_dtype, device=self.device)
         if master_dtype == torch.float64:  # fp64 training: the norm in fp64, as torch's
-            return torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().reshape(1)
+            norms = torch.stack(torch._foreach_norm(shards, 2.0))
+            return norms.square().sum().reshape(1).to(self.device)
         return multi_tensor_sum_squares(shards).reshape(1).to(self.device)
 
     def _norm_slices(self, unit: FlatUnit) -> list[tuple[int, torch.Tensor]]:
@@ -1225,6 +1234,7 @@ class ZeroEngine:
             expert_params=[v.param for v in self._opt_views if not v.unit.group.spec.replicated],
             peaks=self._memory.peaks,
             disk=self._disk_bytes(),
+            device=self.device,
         )
 
     def _disk_bytes(self) -> dict[str, int]:
@@ -1284,6 +1294,7 @@ class ZeroEngine:
             comm_tensors=self.reducer.comm_buffers(),
             pooled_tensors=[*self.reducer.pooled_buffers(), *self._offload_buffers()],
             pooled_storages=self._pooled_storages(),
+            device=self.device,
         )
 
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -1409,14 +1420,12 @@ class ZeroEngine:
 
     def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's full fp32 values (padded), identical across its shard group."""
-        if self.stage == 0 and not unit.master_offloaded:
-            return unit.master
         if self.stage == 0:
-            with unit.master_resident():
-                return unit.master.clone()
+            with unit.master_resident():  # a copy of an offloaded one: it leaves after
+                return unit.master.to(self.device, copy=unit.master_offloaded)
         full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device)
         with unit.master_resident():
-            unit.group.comm.all_gather(full, unit.master)
+            unit.group.comm.all_gather(full, unit.master.to(self.device))
         return full
 
     def _full_copies(self, unit: FlatUnit) -> Iterator[tuple[int, torch.Tensor]]:

@@ -67,6 +67,8 @@ class FlatUnit:
         group: ShardGroup,
         device: torch.device,
         compute_dtype: torch.dtype,
+        host: torch.device | None = None,
+        pin: bool = False,
     ):
         self.layout = layout
         self.params = params  # aligned with layout.slots
@@ -74,6 +76,11 @@ class FlatUnit:
         self.group = group  # who shards, reduces and gathers this unit
         self.rank = group.rank if stage else 0  # this rank's slice of the layout
         self.device = device
+        # Where the optimizer's side lives (the fp32 master and gradient shard, and so the
+        # optimizer's state): the training device, or host memory when the optimizer is
+        # offloaded from an accelerator (`pin`: page-locked, for asynchronous copies).
+        self.host = device if host is None else host
+        self.pin = pin
         self.compute_dtype = compute_dtype
         # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
         self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
@@ -104,31 +111,40 @@ class FlatUnit:
         """Take this unit's initial values (the full flat buffer in the master dtype,
         identical on every rank) and build the persistent tensors from it."""
         lay = self.layout
-        fp32 = self.compute_dtype == self.master_dtype  # the compute copy is the master
+        apart = self.master_apart
         if self.stage < 3:
-            self.full = full_values.to(self.compute_dtype) if not fp32 else full_values
+            self.full = full_values.to(self.compute_dtype)
             my = self.full[self.opt_start : self.opt_end]
-            self.master = my if fp32 else full_values[self.opt_start : self.opt_end].clone()
+            self.master = self._on_host(full_values[self.opt_start : self.opt_end]) if apart else my
             self._point_params_at(self.full)
         else:
             start, end = lay.shard_range(self.rank)
-            mine = full_values[start:end].clone()
-            self.master = mine
-            self.shard = mine if fp32 else mine.to(self.compute_dtype)
+            mine = full_values[start:end]
+            self.master = self._on_host(mine) if apart else mine.clone()
+            self.shard = mine.to(self.compute_dtype, copy=True) if apart else self.master
             self._free_storage_views()
         self.grad_opt = None
         if self.stage < 2 and lay.trainable:
             self.grad_full = torch.zeros(
                 lay.padded_numel, dtype=self.compute_dtype, device=self.device
             )
-            if fp32:
+            if not apart:
                 self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
         if self.grad_opt is None and lay.trainable:
-            self.grad_opt = torch.zeros(
-                self.opt_end - self.opt_start, dtype=self.master_dtype, device=self.device
-            )
+            self.grad_opt = self._on_host(None)
         if self.grad_full is not None:
             self.attach_param_grads()
+
+    def _on_host(self, values: torch.Tensor | None) -> torch.Tensor:
+        """A tensor of the optimizer's side (master dtype, this rank's slice, on `host`):
+        a copy of `values`, or zeros."""
+        out = torch.empty(
+            self.opt_end - self.opt_start,
+            dtype=self.master_dtype,
+            device=self.host,
+            pin_memory=self.pin,
+        )
+        return out.zero_() if values is None else out.copy_(values)
 
     @property
     def locals(self) -> list[torch.Tensor]:
@@ -197,9 +213,9 @@ class FlatUnit:
     # ------------------------------------------------------------------ master
     @property
     def master_apart(self) -> bool:
-        """Whether the master is a tensor of its own (mixed precision) rather than the
-        compute copy or a view of it."""
-        return self.compute_dtype != self.master_dtype
+        """Whether the master is a tensor of its own (mixed precision, or the optimizer
+        offloaded from an accelerator) rather than the compute copy or a view of it."""
+        return self.compute_dtype != self.master_dtype or self.host != self.device
 
     @property
     def master_offloaded(self) -> bool:
@@ -326,10 +342,13 @@ class FlatUnit:
         compute-dtype copy this rank holds."""
         if not self.master_apart:
             return  # the compute copy is the master
-        # The master is only read; the compute copy, offloaded or not, is written.
+        # The master is only read; the compute copy, offloaded or not, is written. From
+        # page-locked host memory the copy to the device does not wait: the device runs it
+        # before the next forward's kernels, and the master changes only in the next step,
+        # after the backward's gradients came back.
         with self.master_resident(), self.resident(modified=True):
             compute = self.full[self.opt_start : self.opt_end] if self.stage < 3 else self.shard
-            compute[lo:hi].copy_(self.master[lo:hi])
+            compute[lo:hi].copy_(self.master[lo:hi], non_blocking=self.pin)
 
 
 class OneResident:

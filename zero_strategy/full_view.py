@@ -118,9 +118,10 @@ def write_back_unit(unit: FlatUnit) -> None:
         if view.data_ptr() != master.data_ptr():
             if view.dtype == master.dtype:
                 master.copy_(view)
-            else:
-                changed = view != master.to(view.dtype)
-                master[changed] = view[changed].to(master.dtype)
+            else:  # (the master may be in host memory: the comparison is made there)
+                here = view.to(master.device)
+                changed = here != master.to(view.dtype)
+                master[changed] = here[changed].to(master.dtype)
         if unit.shard is not None and unit.shard.data_ptr() != master.data_ptr():
             unit.shard.copy_(view)
 
@@ -185,7 +186,7 @@ class FullGrads:
             return unit.grad_full.to(dtype)
         full = torch.empty(unit.layout.padded_numel, dtype=dtype, device=unit.device)
         with unit.grads_resident():  # read back when offloaded
-            unit.group.comm.all_gather(full, unit.grad_opt.to(dtype))
+            unit.group.comm.all_gather(full, unit.grad_opt.to(full.device, dtype))
         return full
 
     # ---------------------------------------------------------------- on .grad

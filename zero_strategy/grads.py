@@ -72,6 +72,12 @@ class BufferPool:
         return [t for stack in self.free.values() for t in stack]
 
 
+def to_host(reduced: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
+    """A reduced gradient where the unit's fp32 shard is (itself on the training device;
+    a copy in host memory when the optimizer is offloaded from an accelerator)."""
+    return reduced if unit.host == unit.device else reduced.to(unit.host)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -398,7 +404,7 @@ class GradReducer:
                 others.all_reduce_sum(job.out)
             unit.bring_grads_in()
             try:
-                unit.grad_opt.add_(job.out)
+                unit.grad_opt.add_(to_host(job.out, unit))
                 self.on_grads_landed(unit)
             finally:
                 unit.let_grads_go(modified=True)
@@ -418,7 +424,7 @@ class GradReducer:
             self._landing[idx] = 0
         if lo < hi:
             unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start].add_(
-                job.sent[lo - slot.offset : hi - slot.offset]
+                to_host(job.sent[lo - slot.offset : hi - slot.offset], unit)
             )
         if offloaded:
             self._landing[idx] += 1

@@ -14,6 +14,7 @@ from torch import nn
 from .flat_unit import FlatUnit
 from .optimizer_set import OptimizerSet
 
+MODEL_STATE = ("parameters", "master_params", "gradients", "optimizer_state")
 KINDS = (
     "parameters",
     "master_params",
@@ -27,23 +28,26 @@ KINDS = (
 
 
 class _Ledger:
-    def __init__(self) -> None:
+    """Bytes by kind on the training device, and (`host`) in host memory when that is
+    another memory: the optimizer's side offloaded from an accelerator."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
         self.seen: set[int] = set()
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.host: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.apart = device is not None and device.type != "cpu"
 
     def add(self, kind: str, tensor: torch.Tensor | None) -> None:
         if tensor is not None and not tensor.is_meta:  # meta: offloaded state's placeholder
-            self.add_storage(kind, tensor.untyped_storage())
+            on_host = self.apart and tensor.device.type == "cpu"
+            self.add_storage(kind, tensor.untyped_storage(), on_host)
 
-    def add_storage(self, kind: str, storage: torch.UntypedStorage) -> None:
+    def add_storage(self, kind: str, storage: torch.UntypedStorage, on_host: bool = False) -> None:
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in self.seen:
             return
         self.seen.add(key)
-        self.bytes[kind] += storage.nbytes()
-
-
-MODEL_STATE = ("parameters", "master_params", "gradients", "optimizer_state")
+        (self.host if on_host else self.bytes)[kind] += storage.nbytes()
 
 
 def _add_model_state(
@@ -71,11 +75,13 @@ def held_bytes(
     comm_tensors: Iterable[torch.Tensor] = (),
     pooled_tensors: Iterable[torch.Tensor] = (),
     pooled_storages: Iterable[torch.UntypedStorage] = (),
+    device: torch.device | None = None,
 ) -> dict[str, int]:
     """The bytes of each kind held now, and their `total` (see `memory_report`): the
     tensors in flight (`comm_tensors`) and those kept idle for reuse (`pooled_*`) come
-    from the engine's reducer and gatherer."""
-    ledger = _Ledger()
+    from the engine's reducer and gatherer. On an accelerator `device`, model state in
+    host memory is `host_<kind>` (and `host_total`), in no other figure."""
+    ledger = _Ledger(device)
     _add_model_state(ledger, units, optimizer.state.values(), stage)
     for unit in units:
         if stage == 3 and unit.gathered_bytes():
@@ -92,6 +98,9 @@ def held_bytes(
         ledger.add("buffers", buf)
     report = dict(ledger.bytes)
     report["total"] = sum(report.values())
+    if ledger.apart:
+        report.update({f"host_{kind}": ledger.host[kind] for kind in KINDS})
+        report["host_total"] = sum(ledger.host.values())
     return report
 
 
@@ -103,6 +112,7 @@ def memory_report(
     expert_params: Iterable[torch.Tensor] = (),
     peaks: dict[str, int] | None = None,
     disk: dict[str, int] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, int]:
     """`held` (from `held_bytes`) with the experts' part, the peaks and the disk tier
     added.
@@ -125,12 +135,14 @@ def memory_report(
 
     `disk` (kind -> bytes) adds `disk_<kind>` and `disk_total`: what is offloaded to files
     (offload_optimizer="disk"), in no other figure. The kinds above are in memory: the
-    training device's, which is the host's when training on the CPU."""
+    training device's, which is the host's when training on the CPU. On an accelerator
+    `device` what is in host memory (the optimizer's side offloaded, the disk tiers'
+    buffers) is `host_<kind>` and `host_total`, in no other figure either."""
     report = dict(held)
     expert_units = list(expert_units)
     if expert_units:
         states = [optimizer.state.get(p, {}) for p in expert_params]
-        part = _Ledger()
+        part = _Ledger(device)
         _add_model_state(part, expert_units, states, stage)
         report.update({f"expert_{kind}": part.bytes[kind] for kind in MODEL_STATE})
     disk = disk or {}

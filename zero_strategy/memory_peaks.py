@@ -52,7 +52,11 @@ class MemoryPeaks:
         if not self.active:
             return
         now = self._measure_all()
-        self._steady = {k: v for k, v in now.items() if k not in TRANSIENT and k != "total"}
+        self._steady = {  # (host_* kinds, another memory, are not in the total)
+            k: v
+            for k, v in now.items()
+            if k not in TRANSIENT and k != "total" and not k.startswith("host_")
+        }
         self._record(now)
 
     def _record(self, now: dict[str, int]) -> None:

@@ -20,7 +20,7 @@ from .failures import agree_on_write_failures
 from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
-from .shard_store import DiskShards, compute_copy, master_alone, shard_tensors
+from .shard_store import DiskShards, master_alone
 from .staging import StagingBuffers
 from .state_store import DiskState, ResidentState
 
@@ -38,24 +38,34 @@ __all__ = [
     "master_store",
     "offloads_gradients",
     "offloads_masters",
+    "optimizer_host",
     "shard_store",
     "state_store",
     "unit_tiers",
 ]
 
 
+def optimizer_host(config: ZeroConfig, device: torch.device) -> tuple[torch.device, bool]:
+    """Where the optimizer's side (fp32 masters, fp32 gradient shards, the optimizer's
+    state) lives, and whether in page-locked memory: on the training device, or with the
+    optimizer offloaded from an accelerator in host memory, where the step runs (pinned
+    for "cpu", for asynchronous copies; pageable for "disk", whose tiers resize it)."""
+    if config.offload_optimizer == "none" or device.type == "cpu":
+        return device, False
+    return torch.device("cpu"), config.offload_optimizer == "cpu"
+
+
 def state_store(
     config: ZeroConfig,
     state: MutableMapping[Any, Any],
     views: Sequence[OptimizerView],
-    device: torch.device,
     rank: int,
     on_memory: Callable[[], None] = lambda: None,
 ) -> ResidentState | DiskState:
     """The store of `config.offload_optimizer` for this rank's optimizer state;
     `on_memory` is told when its host buffers are taken or given back."""
-    if _tier(config, "offload_optimizer", device) != "disk":
-        return ResidentState(state)  # "cpu" on a CPU device: in host memory already
+    if config.offload_optimizer != "disk":
+        return ResidentState(state)  # "cpu": in host memory already, where the step runs
     return DiskState(
         state,
         views,
@@ -77,7 +87,7 @@ def shard_store(
     """Stage 3 with offload_params="disk": the tier that keeps `units`' shards (those not
     kept gathered) in a file between uses, through the `staging` buffers; None when they
     stay in memory."""
-    if _tier(config, "offload_params", device) != "disk":
+    if _params_tier(config, device) != "disk":
         return None
     offloaded = [u for u in units if not u.persistent and u.layout.numel]
     shards = DiskShards(
@@ -85,7 +95,6 @@ def shard_store(
         _file(config, "offload_params", "params", rank),
         staging,
         on_memory,
-        tensors_of=compute_copy if offloads_masters(config) else shard_tensors,
     )
     for unit in offloaded:
         unit.home = shards
@@ -96,7 +105,6 @@ def grad_store(
     config: ZeroConfig,
     units: Sequence[FlatUnit],
     stage: int,
-    device: torch.device,
     rank: int,
     staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
@@ -104,7 +112,6 @@ def grad_store(
     """The tier that keeps `units`' fp32 gradient shards in a file between their
     reduction and the step (`offloads_gradients`), through the `staging` buffers; None
     when they stay in memory."""
-    _tier(config, "offload_optimizer", device)  # refused on a CUDA device
     if not offloads_gradients(config, stage):
         return None
     offloaded = [u for u in units if u.grad_opt is not None and u.grad_opt.numel()]
@@ -122,7 +129,6 @@ def grad_store(
 def master_store(
     config: ZeroConfig,
     units: Sequence[FlatUnit],
-    device: torch.device,
     rank: int,
     staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
@@ -131,10 +137,11 @@ def master_store(
     and weight writes that use them (`offloads_masters`), through the `staging` buffers;
     None when they stay in memory. Made before `shard_store`, which then keeps the
     compute copies alone."""
-    _tier(config, "offload_optimizer", device)  # refused on a CUDA device
-    if not offloads_masters(config):
+    if config.offload_optimizer != "disk":
         return None
     offloaded = [u for u in units if u.master_apart and u.master is not None and u.master.numel()]
+    if not offloaded:  # fp32 on the CPU: each master is the compute copy
+        return None
     masters = DiskShards(
         offloaded,
         _file(config, "offload_optimizer", "masters", rank),
@@ -174,23 +181,22 @@ def unit_tiers(
     and fp32 gradient shard (`grad_store`) in files where the config says so, all through
     the `staging` buffers. Once the units are final: stage 3's gatherer has decided which
     stay gathered, and those stay in memory."""
-    args = (device, rank, staging, on_memory)
+    args = (rank, staging, on_memory)
     return UnitTiers(
         master_store(config, units, *args),
-        shard_store(config, units, *args),
+        shard_store(config, units, device, *args),
         grad_store(config, units, stage, *args),
     )
 
 
-def offloads_masters(config: ZeroConfig) -> bool:
+def offloads_masters(config: ZeroConfig, host: torch.device, device: torch.device) -> bool:
     """Whether the fp32 masters go to disk: with offload_optimizer="disk" whenever they
-    are tensors of their own (bf16/fp16 compute, any stage), as DeepSpeed keeps them with
-    the optimizer state. In fp32 the master is the compute copy: stage 3's
-    offload_params="disk" moves it."""
-    return (
-        config.offload_optimizer == "disk"
-        and config.compute_torch_dtype != config.master_torch_dtype
-    )
+    are tensors of their own (bf16/fp16 compute, or the optimizer's side on a `host`
+    apart from the training `device`), as DeepSpeed keeps them with the optimizer state.
+    In fp32 on the CPU the master is the compute copy: stage 3's offload_params="disk"
+    moves it. (`FlatUnit.master_apart` is the same rule, unit by unit.)"""
+    mixed = config.compute_torch_dtype != config.master_torch_dtype
+    return config.offload_optimizer == "disk" and (mixed or host != device)
 
 
 def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
@@ -200,13 +206,14 @@ def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
     return config.offload_optimizer == "disk" and stage >= 2
 
 
-def _tier(config: ZeroConfig, field_name: str, device: torch.device) -> str:
-    tier = getattr(config, field_name)
+def _params_tier(config: ZeroConfig, device: torch.device) -> str:
+    tier = config.offload_params
     if tier != "none" and device.type != "cpu":
         raise OffloadError(
-            f"{field_name}={tier!r} is implemented for CPU training devices only so far "
-            f"(on a GPU the copies to and from the host are not built yet); this engine "
-            f"trains on {device}. Use {field_name}='none' there."
+            f"offload_params={tier!r} is implemented for CPU training devices only so far "
+            f"(on a GPU the parameter shards' copies to the device before each gather are "
+            f"not built yet); this engine trains on {device}. Use offload_params='none' "
+            "there; offload_optimizer='cpu' or 'disk' moves the optimizer's side."
         )
     return tier
 

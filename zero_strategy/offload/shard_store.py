@@ -45,18 +45,13 @@ class _Region:
 
 
 def shard_tensors(unit: FlatUnit) -> list[torch.Tensor]:
-    """The tensors that make up `unit`'s shard: the master, and the compute copy when it
-    is not the master itself (bf16/fp16 compute)."""
-    tensors = [unit.master]
+    """The tensors that make up `unit`'s shard: the master (unless it has a tier of its
+    own: a gather then reads 2 bytes per element in bf16, not 6), and the compute copy
+    when it is not the master itself (bf16/fp16 compute)."""
+    tensors = [unit.master] if unit.master_home is None else []
     if unit.shard is not None and unit.shard is not unit.master:
         tensors.append(unit.shard)
     return tensors
-
-
-def compute_copy(unit: FlatUnit) -> list[torch.Tensor]:
-    """The compute copy alone: the shard's tier when the masters have a tier of their own
-    (a gather then reads 2 bytes per element in bf16, not 6)."""
-    return [unit.shard]
 
 
 def master_alone(unit: FlatUnit) -> list[torch.Tensor]:

@@ -1,0 +1,149 @@
+"""The optimizer's side in host memory apart from the training device (offload_optimizer
+"cpu" or "disk" on an accelerator): fp32 masters and gradient shards of their own, the
+reduced gradients brought to them, the step on the host, the compute copies sent back.
+
+This machine has no accelerator, so the tests stand one in: the engine is told that the
+optimizer's side lives on `cpu:0`, which torch compares unequal to the training device
+`cpu` while the memory is the same. Every tensor the split creates, and every copy
+between the two sides, then happens as on a GPU (the copies cost nothing here, and
+page-locked memory is not used); what no CPU run can show is a tensor left on the wrong
+side of a real device boundary, which the GPU check covers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+from training import local_batch, make_model, make_optimizer, train_zero, train_zero_resumable
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy import engine as engine_module
+from zero_strategy.memory import held_bytes
+
+STEPS, ACCUM, CLIP = 6, 2, 0.5
+HOST = torch.device("cpu", 0)  # != torch.device("cpu"), the same memory
+
+
+def _host_apart(config, device):
+    """The engine's rule, with the optimizer's side on the stand-in host."""
+    return HOST, False
+
+
+def _apart(function):
+    """`function` run with the optimizer's side apart from the training device."""
+
+    def run(*args, **kwargs):
+        engine_module.optimizer_host = _host_apart
+        return function(*args, **kwargs)
+
+    run.__name__ = function.__name__
+    return run
+
+
+def train_apart(*args, **kwargs):
+    return _apart(train_zero)(*args, **kwargs)
+
+
+def train_resumable_apart(*args, **kwargs):
+    return _apart(train_zero_resumable)(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("stage", "extra"),
+    [
+        (1, {}),
+        (2, {}),
+        (3, {}),
+        (2, {"compute_dtype": "fp16"}),
+        (3, {"compute_dtype": "bf16"}),
+    ],
+    ids=["stage1", "stage2", "stage3", "stage2-fp16", "stage3-bf16"],
+)
+def test_the_optimizer_apart_trains_bit_identically(stage, extra, tmp_path):
+    """10 steps with accumulation and clipping: the masters and gradient shards on the
+    host side, the step there, the compute copies sent back; bit for bit the same losses
+    and weights as the optimizer on the training device."""
+    memory = run_world(train_zero, 2, STEPS, ACCUM, CLIP, stage, **extra)
+    apart = run_world(train_apart, 2, STEPS, ACCUM, CLIP, stage, offload_optimizer="cpu", **extra)
+    (mem_losses, mem_state), (losses, state) = memory[0], apart[0]
+    assert losses == mem_losses
+    assert all(torch.equal(state[k], mem_state[k]) for k in mem_state)
+
+
+def test_the_optimizer_apart_with_its_side_on_disk_trains_bit_identically(tmp_path):
+    """offload_optimizer="disk" apart from the device, in fp32: the masters (tensors of
+    their own now, as on a GPU) go to their own file with the state and the gradients."""
+    disk = {
+        "offload_optimizer": "disk",
+        "offload_dir": str(tmp_path),
+        "offload_tile_size": 700,
+        "offload_buffer_count": 2,
+    }
+    memory = run_world(train_zero, 2, STEPS, ACCUM, CLIP, 2)
+    apart = run_world(train_apart, 2, STEPS, ACCUM, CLIP, 2, **disk)
+    assert apart[0][0] == memory[0][0]
+    assert all(torch.equal(apart[0][1][k], memory[0][1][k]) for k in memory[0][1])
+
+
+def _sides(rank, world, stage):
+    """After two steps: the tensors of each side, and the memory figures."""
+    engine_module.optimizer_host = _host_apart
+    model = make_model()
+    engine = ZeroEngine(
+        model, make_optimizer(model), ZeroConfig(stage=stage, offload_optimizer="cpu")
+    )
+    for step in range(2):
+        x, y = local_batch(step, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    units = [u for u in engine.units if u.layout.numel]
+    apart = all(
+        u.master.untyped_storage().data_ptr()
+        != (u.shard if stage == 3 else u.full).untyped_storage().data_ptr()
+        and u.grad_opt.untyped_storage().data_ptr()
+        != (u.grad_full.untyped_storage().data_ptr() if u.grad_full is not None else 0)
+        for u in units
+        if u.layout.trainable
+    )
+    masters = sum(u.master.nbytes for u in units)
+    report = engine.memory_report()
+    # The same tensors counted as an accelerator's engine would: what is on the CPU is
+    # host memory there.
+    as_on_gpu = held_bytes(
+        engine.units,
+        engine._optimizer_set,
+        engine.module,
+        engine.stage,
+        device=torch.device("cuda"),
+    )
+    engine.close()
+    return apart, masters, report, as_on_gpu
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_sides_hold_tensors_of_their_own_and_are_reported(stage):
+    """In fp32 too, the masters and the optimizer's gradient slices are tensors of their
+    own (on a GPU they live in host memory); the report counts the masters exactly, and
+    an accelerator's engine would report the CPU side under host_<kind>."""
+    for apart, masters, report, as_on_gpu in run_world(_sides, 2, stage):
+        assert apart
+        assert report["master_params"] == masters
+        assert "host_total" not in report  # one memory: no host figures on the CPU
+        assert as_on_gpu["total"] == 0
+        for kind in ("parameters", "master_params", "gradients", "optimizer_state"):
+            assert as_on_gpu[f"host_{kind}"] == report[kind] > 0
+
+
+def test_a_checkpoint_of_the_optimizer_apart_resumes_without_it(tmp_path):
+    """Saved at world 2 with the optimizer's side apart, resumed at world 1 on the device:
+    bit for bit the continuation of the run that never offloaded."""
+    plain_ckpt, apart_ckpt = str(tmp_path / "plain"), str(tmp_path / "apart")
+    run_world(train_zero_resumable, 2, 2, range(3), plain_ckpt, False, True)
+    run_world(
+        train_resumable_apart, 2, 2, range(3), apart_ckpt, False, True, offload_optimizer="cpu"
+    )
+    plain = run_world(train_zero_resumable, 1, 2, range(3, 6), plain_ckpt, True, False)[0]
+    moved = run_world(train_zero_resumable, 1, 2, range(3, 6), apart_ckpt, True, False)[0]
+    assert moved[0] == plain[0]
+    assert all(torch.equal(moved[1][k], plain[1][k]) for k in plain[1])
