@@ -147,3 +147,21 @@ def test_a_checkpoint_of_the_optimizer_apart_resumes_without_it(tmp_path):
     moved = run_world(train_zero_resumable, 1, 2, range(3, 6), apart_ckpt, True, False)[0]
     assert moved[0] == plain[0]
     assert all(torch.equal(moved[1][k], plain[1][k]) for k in plain[1])
+
+
+def test_where_the_optimizer_lives_on_an_accelerator(tmp_path):
+    """On a CUDA device: "cpu" in page-locked host memory, "disk" in pageable host memory
+    (its tiers resize it), "none" on the device; on the CPU always where it is. Offloading
+    the parameters from a GPU is refused, saying what works instead."""
+    from zero_strategy.offload import OffloadError, StagingBuffers, optimizer_host, shard_store
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    disk = {"offload_dir": str(tmp_path)}
+    assert optimizer_host(ZeroConfig(offload_optimizer="cpu"), cuda) == (cpu, True)
+    assert optimizer_host(ZeroConfig(offload_optimizer="disk", **disk), cuda) == (cpu, False)
+    assert optimizer_host(ZeroConfig(), cuda) == (cuda, False)
+    assert optimizer_host(ZeroConfig(offload_optimizer="cpu"), cpu) == (cpu, False)
+    config = ZeroConfig(stage=3, offload_params="disk", **disk)
+    with pytest.raises(OffloadError, match=r"offload_params='disk' is implemented for CPU") as e:
+        shard_store(config, [], cuda, 0, StagingBuffers(2))
+    assert "offload_optimizer='cpu' or 'disk' moves the optimizer's side" in str(e.value)
