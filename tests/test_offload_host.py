@@ -165,3 +165,40 @@ def test_where_the_optimizer_lives_on_an_accelerator(tmp_path):
     with pytest.raises(OffloadError, match=r"offload_params='disk' is implemented for CPU") as e:
         shard_store(config, [], cuda, 0, StagingBuffers(2))
     assert "offload_optimizer='cpu' or 'disk' moves the optimizer's side" in str(e.value)
+
+
+def _report_apart(rank, world, stage, cfg):
+    engine_module.optimizer_host = _host_apart
+    model = make_model(cfg=cfg)
+    config = ZeroConfig(stage=stage, offload_optimizer="cpu")
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    x, y = local_batch(0, 0, rank, world, cfg)
+    engine.backward(engine(x, y))
+    engine.step()
+    report = engine.memory_report()
+    engine.close()
+    return report
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_planner_predicts_the_sides_within_2_percent(stage):
+    """`estimate --offload cpu`: the masters, the fp32 gradient shards and the state in
+    host memory, the compute copies (and at stages 0-1 the gradient buffers) on the
+    device; each kind within 2% of what the engine holds with its sides apart."""
+    from test_planner import WIDER
+
+    from zero_strategy.planner import count_params, plan
+
+    params, root = count_params(make_model(cfg=WIDER))
+    predicted = plan(params, 2, stage, "fp32", root_params=root, offload="cpu")
+    report = run_world(_report_apart, 2, stage, WIDER)[0]
+    host, device = predicted.host_memory, predicted.memory
+    expected = {
+        "parameters": device["parameters"],
+        "master_params": host["master_params"],
+        "gradients": device["gradients"] + host["gradients"],
+        "optimizer_state": host["optimizer_state"],
+    }
+    for kind, value in expected.items():
+        assert abs(value - report[kind]) <= 0.02 * report[kind], (kind, predicted, report)
+    assert (device["gradients"] > 0) == (stage < 2)

@@ -215,13 +215,20 @@ def plan(
             disk["master_params"] = memory.pop("master_params")
     if offload == "disk+params":
         disk["parameters"] = memory.pop("parameters")
-    elif offload != "none":
+    elif offload not in ("none", "disk"):  # to host memory
         moved = ("optimizer_state", "master_params") + (
             ("parameters",) if offload == "optimizer+params" else ()
         )
         for kind in moved:
             if kind in memory:
                 host[kind] = memory.pop(kind)
+        if accounting != "zero-paper":
+            # As the engine does on a GPU: the fp32 masters and gradient shards are tensors
+            # of their own in host memory (fp32 too), the device keeps the compute-dtype
+            # gradient buffers at stages 0-1 and none at stages 2-3.
+            host["master_params"] = 4 * opt_range
+            host["gradients"] = 4 * opt_range
+            memory["gradients"] = c * psi if ran < 2 else 0.0
     dtype_bytes = 2 if accounting == "zero-paper" else _DTYPE_BYTES[compute_dtype]
     comm: dict[str, float] = {}
     if world_size > 1:
