@@ -12,7 +12,12 @@
 from .adamw import fused_adamw_, reference_adamw_
 from .backend import selected_backend, triton_importable, use_backend, use_triton
 from .moe_routing import DispatchPlan, permute, plan_dispatch, topk_route, unpermute
-from .norm import multi_tensor_l2_norm, multi_tensor_sum_squares, non_finite_flag
+from .norm import (
+    multi_tensor_l2_norm,
+    multi_tensor_sum_squares,
+    non_finite_flag,
+    reference_sum_squares,
+)
 
 __all__ = [
     "DispatchPlan",
@@ -23,6 +28,7 @@ __all__ = [
     "permute",
     "plan_dispatch",
     "reference_adamw_",
+    "reference_sum_squares",
     "selected_backend",
     "topk_route",
     "triton_importable",

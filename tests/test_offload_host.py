@@ -202,3 +202,15 @@ def test_the_planner_predicts_the_sides_within_2_percent(stage):
     for kind, value in expected.items():
         assert abs(value - report[kind]) <= 0.02 * report[kind], (kind, predicted, report)
     assert (device["gradients"] > 0) == (stage < 2)
+
+
+def test_an_optimizer_tied_to_the_device_is_refused_when_offloaded(monkeypatch):
+    """With the optimizer on the host, `capturable=True` (CUDA graphs' optimizer, whose
+    state must be on the device) cannot step: refused at construction, naming the fix."""
+    from zero_strategy.optimizer import UnsupportedOptimizerError
+
+    monkeypatch.setattr(engine_module, "optimizer_host", _host_apart)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    with pytest.raises(UnsupportedOptimizerError, match=r"param group 0 has capturable=True"):
+        ZeroEngine(model, optimizer, ZeroConfig(offload_optimizer="cpu"))

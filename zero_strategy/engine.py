@@ -37,7 +37,7 @@ from .full_view import FullGrads, FullParameters
 from .gather import STATE_DICT, GatherManager, in_backward
 from .generation_sync import keep_generation_in_step
 from .grads import GradReducer
-from .kernels import multi_tensor_sum_squares
+from .kernels import multi_tensor_sum_squares, reference_sum_squares
 from .landed_norms import LandedNorms
 from .memory import held_bytes, memory_report
 from .memory_peaks import MemoryPeaks
@@ -62,6 +62,7 @@ from .offload import (
 )
 from .optimizer import (
     OptimizerView,
+    check_host_optimizers,
     check_optimizer,
     group_index_of_params,
     repoint_optimizer,
@@ -229,7 +230,11 @@ class ZeroEngine:
         self._repoint_optimizer()
         self._guards = [o.register_step_pre_hook(self._guard_direct_step) for o in optimizers]
         self._handles = list(self._guards)
-        self._fused = [fused_step.build(o, own_hooks=1) for o in optimizers]
+        # The fused kernel steps masters on the training device; offloaded, the CPU steps.
+        on_device = self._host == self.device
+        self._fused = [fused_step.build(o, own_hooks=1) if on_device else None for o in optimizers]
+        if not on_device:
+            check_host_optimizers(optimizers)
         self._ema = ShardedEMA(self._opt_views, self._optimizer_set.state)
         self._memory = MemoryPeaks(self._held_bytes, self._transient_bytes)
         self._grads = None  # the gradient shards' disk tier, made once the units are final
@@ -880,6 +885,8 @@ class ZeroEngine:
         unit order then), the next unit's is read ahead, and the parameter shard is
         written back if `changes_weights`."""
         grads = needs_grads and self._grads is not None
+        for unit in self.units:  # the masters change here: their copies out must be done
+            unit.wait_for_copies_back()
         if not self._masters_offloaded and not grads:
             self._opt_state.apply(views, step)
             return
@@ -1110,6 +1117,8 @@ class ZeroEngine:
         if master_dtype == torch.float64:  # fp64 training: the norm in fp64, as torch's
             norms = torch.stack(torch._foreach_norm(shards, 2.0))
             return norms.square().sum().reshape(1).to(self.device)
+        if self._host != self.device:  # the shards in host memory: summed there
+            return reference_sum_squares(shards).reshape(1).to(self.device)
         return multi_tensor_sum_squares(shards).reshape(1).to(self.device)
 
     def _norm_slices(self, unit: FlatUnit) -> list[tuple[int, torch.Tensor]]:
@@ -1188,11 +1197,10 @@ class ZeroEngine:
     ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """Per param group, in the group's order: (master view, gradient view, the slice of
         the compute-dtype copy it must be written to, or None when that is the master)."""
-        fp32 = self.config.compute_torch_dtype == self.config.master_torch_dtype
         by_param = {}
         for view in self._opt_views:
             unit, lo, hi = view.unit, view.lo, view.hi
-            if fp32:
+            if not unit.master_apart:
                 copy = None
             elif self.stage < 3:
                 copy = unit.full[unit.opt_start + lo : unit.opt_start + hi]
@@ -1258,16 +1266,20 @@ class ZeroEngine:
 
     def _transient_bytes(self) -> dict[str, int]:
         comm, pooled = self.reducer.transient_bytes()
-        pooled += sum(b.numel() for b in self._offload_buffers())
         gathered = 0
         if self.gather is not None:
             gathered = self.gather.gathered_bytes()
             pooled += self.gather.storage_pool.spare_bytes
         transient = {"gathered_parameters": gathered, "comm_buffers": comm, "pooled": pooled}
+        # The disk tiers' buffers, and the masters and gradient shards they bring in, are
+        # in host memory: another memory than the device's on an accelerator.
+        host = "host_" if self._host != self.device else ""
+        offload_buffers = sum(b.numel() for b in self._offload_buffers())
+        transient[f"{host}pooled"] = transient.get(f"{host}pooled", 0) + offload_buffers
         if self._grads is not None:  # offloaded gradient shards come and go in backward
-            transient["gradients"] = self._grads.resident_bytes()
+            transient[f"{host}gradients"] = self._grads.resident_bytes()
         if self._masters is not None:  # offloaded masters come and go in the step
-            transient["master_params"] = self._masters.resident_bytes
+            transient[f"{host}master_params"] = self._masters.resident_bytes
         return transient
 
     def _offload_buffers(self) -> list[torch.Tensor]:

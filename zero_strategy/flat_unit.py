@@ -81,6 +81,7 @@ class FlatUnit:
         # offloaded from an accelerator (`pin`: page-locked, for asynchronous copies).
         self.host = device if host is None else host
         self.pin = pin
+        self._copied_back: torch.cuda.Event | None = None  # pinned: the last copy out
         self.compute_dtype = compute_dtype
         # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
         self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
@@ -224,6 +225,7 @@ class FlatUnit:
     def bring_master_in(self) -> None:
         """The master and the compute copy this rank holds are needed (the step, a
         checkpoint, a write of the weights): in memory until `let_master_go`."""
+        self.wait_for_copies_back()  # the master may be written in there
         if self.home is not None:
             self.home.acquire(self)
         if self.master_home is not None:
@@ -344,11 +346,20 @@ class FlatUnit:
             return  # the compute copy is the master
         # The master is only read; the compute copy, offloaded or not, is written. From
         # page-locked host memory the copy to the device does not wait: the device runs it
-        # before the next forward's kernels, and the master changes only in the next step,
-        # after the backward's gradients came back.
+        # before the next forward's kernels. Whatever writes the master next waits for it
+        # (`wait_for_copies_back`).
         with self.master_resident(), self.resident(modified=True):
             compute = self.full[self.opt_start : self.opt_end] if self.stage < 3 else self.shard
             compute[lo:hi].copy_(self.master[lo:hi], non_blocking=self.pin)
+            if self.pin:
+                self._copied_back = torch.cuda.Event()
+                self._copied_back.record()
+
+    def wait_for_copies_back(self) -> None:
+        """Before the master is written: the last asynchronous copy out of it is done."""
+        if self._copied_back is not None:
+            self._copied_back.synchronize()
+            self._copied_back = None
 
 
 class OneResident:

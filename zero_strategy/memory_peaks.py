@@ -44,7 +44,7 @@ class MemoryPeaks:
             return
         now = dict(self._steady)
         now.update(self._measure_transient())
-        now["total"] = sum(now.values())
+        now["total"] = sum(v for k, v in now.items() if not k.startswith("host_"))
         self._record(now)
 
     def resync(self) -> None:

@@ -74,6 +74,25 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
         )
 
 
+def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    """The optimizer offloaded from an accelerator steps on the CPU: settings that tie
+    it to the device's tensors cannot work there."""
+    for optimizer in optimizers:
+        for gi, group in enumerate(optimizer.param_groups):
+            lr = group.get("lr")
+            on_device = isinstance(lr, torch.Tensor) and lr.device.type != "cpu"
+            if group.get("capturable") or on_device:
+                what = (
+                    "capturable=True" if group.get("capturable") else f"an lr tensor on {lr.device}"
+                )
+                raise UnsupportedOptimizerError(
+                    f"{type(optimizer).__name__} param group {gi} has {what}, but with "
+                    "offload_optimizer the optimizer steps on the CPU, over the fp32 masters "
+                    "in host memory. Build it without capturable (and with a float or CPU "
+                    "tensor lr), or set offload_optimizer='none'."
+                )
+
+
 def group_index_of_params(
     optimizer: torch.optim.Optimizer, model_params: list[nn.Parameter]
 ) -> dict[int, int]:
