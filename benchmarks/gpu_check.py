@@ -219,11 +219,16 @@ def check_cpu_offload(device: torch.device, steps: int, width: int) -> tuple[boo
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
         try:
-            for tier in ("none", "cpu"):
+            for tier in ("none", "cpu", "cpu+params"):
                 torch.manual_seed(0)
                 model = GPT(cfg).to(device)
                 optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3)
-                config = ZeroConfig(stage=3, gradient_clipping=1.0, offload_optimizer=tier)
+                config = ZeroConfig(
+                    stage=3,
+                    gradient_clipping=1.0,
+                    offload_optimizer=tier.removesuffix("+params"),
+                    offload_params="cpu" if tier.endswith("+params") else "none",
+                )
                 engine = ZeroEngine(model, optimizer, config)
                 g = torch.Generator().manual_seed(1)
                 losses, times = [], []
@@ -247,6 +252,8 @@ def check_cpu_offload(device: torch.device, steps: int, width: int) -> tuple[boo
             dist.destroy_process_group()
     (ref, t_ref, _), (got, t_off, report) = results["none"], results["cpu"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    with_params, t_params, params_report = results["cpu+params"]
+    worst_params = max(abs(a - b) / abs(b) for a, b in zip(with_params, ref))
     moved = params * 4 * 2  # fp32 gradients to the host, fp32 masters into the copies back
     host = {"d2h": 0.0, "h2d": 0.0}
     if device.type == "cuda":
@@ -265,14 +272,19 @@ def check_cpu_offload(device: torch.device, steps: int, width: int) -> tuple[boo
         "pinned_d2h": host["d2h"],
         "host_total": on_host,
         "device_total": report["total"],
+        "step_params": t_params,
     }
-    ok = worst < 1e-3 and (device.type != "cuda" or on_host > 0)
+    params_on_host = params_report.get("host_parameters", 0)
+    ok = worst < 1e-3 and worst_params < 1e-3
+    ok = ok and (device.type != "cuda" or (on_host > 0 and params_on_host > 0))
     return (
         ok,
         (
             f"offload_optimizer='cpu', world 1 ({params / 1e6:.1f}M params) vs none: worst "
             f"relative loss difference {worst:.2e} over {steps} steps; host memory "
-            f"{on_host / 2**20:.0f} MiB, device {report['total'] / 2**20:.0f} MiB"
+            f"{on_host / 2**20:.0f} MiB, device {report['total'] / 2**20:.0f} MiB; with "
+            f"offload_params='cpu' (stage 3 kept) {worst_params:.2e}, parameters on the "
+            f"host {params_on_host / 2**20:.0f} MiB"
         ),
         figures,
     )
@@ -433,6 +445,7 @@ def main() -> int:
         f"\n| CPU offload (world 1, offload_optimizer='cpu') | value |\n|---|---|\n"
         f"| step time, no offload / offload (s) | {offload['step_none']:.3f} / "
         f"{offload['step_cpu']:.3f} ({offload['step_cpu'] / offload['step_none']:.2f}x) |\n"
+        f"| step time with offload_params='cpu' too (s) | {offload['step_params']:.3f} |\n"
         f"| host<->device bytes per step (GB) | {offload['moved_per_step'] / 1e9:.2f} |\n"
         f"| those bytes over the offload step (GB/s) | {offload['achieved'] / 1e9:.1f} |\n"
         f"| pinned copy_ host->device / device->host (GB/s) | "

@@ -149,22 +149,69 @@ def test_a_checkpoint_of_the_optimizer_apart_resumes_without_it(tmp_path):
     assert all(torch.equal(moved[1][k], plain[1][k]) for k in plain[1])
 
 
-def test_where_the_optimizer_lives_on_an_accelerator(tmp_path):
-    """On a CUDA device: "cpu" in page-locked host memory, "disk" in pageable host memory
-    (its tiers resize it), "none" on the device; on the CPU always where it is. Offloading
-    the parameters from a GPU is refused, saying what works instead."""
-    from zero_strategy.offload import OffloadError, StagingBuffers, optimizer_host, shard_store
+def test_where_the_optimizer_and_the_parameters_live_on_an_accelerator(tmp_path):
+    """On a CUDA device the optimizer's side goes to host memory with either offload,
+    page-locked unless a disk tier resizes it; stage 3's parameter shards go there with
+    offload_params, and one process keeps stage 3 then. On the CPU all stays where it is
+    (one memory), and only the disk keeps stage 3."""
+    from zero_strategy.offload import keeps_stage_3, optimizer_host, parameters_host
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     disk = {"offload_dir": str(tmp_path)}
-    assert optimizer_host(ZeroConfig(offload_optimizer="cpu"), cuda) == (cpu, True)
-    assert optimizer_host(ZeroConfig(offload_optimizer="disk", **disk), cuda) == (cpu, False)
-    assert optimizer_host(ZeroConfig(), cuda) == (cuda, False)
-    assert optimizer_host(ZeroConfig(offload_optimizer="cpu"), cpu) == (cpu, False)
-    config = ZeroConfig(stage=3, offload_params="disk", **disk)
-    with pytest.raises(OffloadError, match=r"offload_params='disk' is implemented for CPU") as e:
-        shard_store(config, [], cuda, 0, StagingBuffers(2))
-    assert "offload_optimizer='cpu' or 'disk' moves the optimizer's side" in str(e.value)
+
+    def config(optimizer="none", params="none"):
+        extra = disk if "disk" in (optimizer, params) else {}
+        return ZeroConfig(stage=3, offload_optimizer=optimizer, offload_params=params, **extra)
+
+    assert optimizer_host(config("cpu"), cuda) == (cpu, True)
+    assert optimizer_host(config("disk"), cuda) == (cpu, False)
+    assert optimizer_host(config(params="cpu"), cuda) == (cpu, True)
+    assert optimizer_host(config("cpu", "disk"), cuda) == (cpu, False)
+    assert optimizer_host(config(), cuda) == (cuda, False)
+    assert optimizer_host(config("cpu", "cpu"), cpu) == (cpu, False)
+    assert parameters_host(config(params="cpu"), cuda, cpu) == cpu
+    assert parameters_host(config("cpu"), cuda, cpu) == cuda
+    assert parameters_host(config(params="cpu"), cpu, cpu) == cpu
+    assert keeps_stage_3(config(params="cpu"), cuda) and keeps_stage_3(config(params="disk"), cpu)
+    assert not keeps_stage_3(config(params="cpu"), cpu)
+
+
+def _params_apart(config, device, host):
+    return HOST if config.offload_params != "none" else device
+
+
+def _train_params_apart(*args, **kwargs):
+    engine_module.parameters_host = _params_apart
+    engine_module.keeps_stage_3 = lambda config, device: config.offload_params != "none"
+    return train_apart(*args, **kwargs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_parameters_on_the_host_train_bit_identically(dtype, world):
+    """offload_params="cpu" from an accelerator: stage 3's shards (and the optimizer's
+    side) on the host, each copied to the device for its gather; one process keeps stage
+    3. The same losses and weights, bit for bit, as stage 3 with nothing offloaded (at
+    world 1: with the parameters on disk, the other way to keep stage 3 there)."""
+    config = {"compute_dtype": dtype}
+    apart = run_world(
+        _train_params_apart, world, STEPS, ACCUM, CLIP, 3, offload_params="cpu", **config
+    )[0]
+    if world == 1:  # plain training at world 1 runs unsharded: another rounding order
+        return _same_as_disk_at_world_1(apart, config)
+    memory = run_world(train_zero, world, STEPS, ACCUM, CLIP, 3, **config)[0]
+    assert apart[0] == memory[0]
+    assert all(torch.equal(apart[1][k], memory[1][k]) for k in memory[1])
+
+
+def _same_as_disk_at_world_1(apart, config):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        disk = {"offload_params": "disk", "offload_dir": directory}
+        on_disk = run_world(train_zero, 1, STEPS, ACCUM, CLIP, 3, **disk, **config)[0]
+    assert apart[0] == on_disk[0]
+    assert all(torch.equal(apart[1][k], on_disk[1][k]) for k in on_disk[1])
 
 
 def _report_apart(rank, world, stage, cfg):

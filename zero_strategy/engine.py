@@ -54,9 +54,11 @@ from .offload import (
     StagingBuffers,
     agree_on_write_failures,
     free_large_blocks_at_once,
+    keeps_stage_3,
     offloads_gradients,
     offloads_masters,
     optimizer_host,
+    parameters_host,
     state_store,
     unit_tiers,
 )
@@ -159,15 +161,17 @@ class ZeroEngine:
         # One process has nothing to shard: every parameter and gradient stays in place,
         # as in plain training, whatever stage was asked for (the checkpoints are the same);
         # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
-        offloads_params = cfg.offload_params == "disk"
+        offloads_params = keeps_stage_3(cfg, self.device)
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
         self._offloads_grads = offloads_gradients(cfg, self.stage)
-        # The optimizer's side (masters, gradient shards, state): here or in host memory.
+        # The optimizer's side (masters, gradient shards, state): here or in host memory;
+        # and stage 3's parameter shards between gathers.
         self._host, self._pin = optimizer_host(cfg, self.device)
+        self._shards_host = parameters_host(cfg, self.device, self._host)
         # Before the shards are made (parameters', masters', gradients'): their memory
         # must leave with them.
         if (
-            offloads_params
+            cfg.offload_params == "disk"
             or self._offloads_grads
             or offloads_masters(cfg, self._host, self.device)
         ):
@@ -209,6 +213,7 @@ class ZeroEngine:
                 cfg.compute_torch_dtype,
                 self._host,
                 self._pin,
+                self._shards_host if self.stage == 3 else None,
             )
             for lay in layouts
         ]
@@ -306,7 +311,6 @@ class ZeroEngine:
             cfg,
             self.units,
             self.stage,
-            self.device,
             self.groups.global_rank,
             self._staging,
             on_memory=self._memory.sample,

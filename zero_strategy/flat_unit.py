@@ -69,6 +69,7 @@ class FlatUnit:
         compute_dtype: torch.dtype,
         host: torch.device | None = None,
         pin: bool = False,
+        shard_device: torch.device | None = None,
     ):
         self.layout = layout
         self.params = params  # aligned with layout.slots
@@ -81,6 +82,10 @@ class FlatUnit:
         # offloaded from an accelerator (`pin`: page-locked, for asynchronous copies).
         self.host = device if host is None else host
         self.pin = pin
+        # Stage 3: where the compute-dtype shard lives between gathers (the training
+        # device, or with offload_params from an accelerator the host: copied over for
+        # each gather).
+        self.shard_device = device if shard_device is None else shard_device
         self._copied_back: torch.cuda.Event | None = None  # pinned: the last copy out
         self.compute_dtype = compute_dtype
         # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
@@ -121,8 +126,15 @@ class FlatUnit:
         else:
             start, end = lay.shard_range(self.rank)
             mine = full_values[start:end]
-            self.master = self._on_host(mine) if apart else mine.clone()
-            self.shard = mine.to(self.compute_dtype, copy=True) if apart else self.master
+            self.master = self._on_host(mine)
+            self.shard = self.master
+            if apart:
+                self.shard = torch.empty(
+                    end - start,
+                    dtype=self.compute_dtype,
+                    device=self.shard_device,
+                    pin_memory=self.pin and self.shard_device != self.device,
+                ).copy_(mine)
             self._free_storage_views()
         self.grad_opt = None
         if self.stage < 2 and lay.trainable:
@@ -135,6 +147,18 @@ class FlatUnit:
             self.grad_opt = self._on_host(None)
         if self.grad_full is not None:
             self.attach_param_grads()
+
+    def gather_input(self) -> torch.Tensor:
+        """Stage 3: this rank's shard on the training device, for its gather (a copy
+        when the shard lives on the host: from page-locked memory it does not wait, and
+        the shard's next writer waits for it)."""
+        if self.shard_device == self.device:
+            return self.shard
+        on_device = self.shard.to(self.device, non_blocking=self.pin)
+        if self.pin:
+            self._copied_back = torch.cuda.Event()
+            self._copied_back.record()
+        return on_device
 
     def _on_host(self, values: torch.Tensor | None) -> torch.Tensor:
         """A tensor of the optimizer's side (master dtype, this rank's slice, on `host`):
@@ -216,7 +240,8 @@ class FlatUnit:
     def master_apart(self) -> bool:
         """Whether the master is a tensor of its own (mixed precision, or the optimizer
         offloaded from an accelerator) rather than the compute copy or a view of it."""
-        return self.compute_dtype != self.master_dtype or self.host != self.device
+        compute_on = self.shard_device if self.stage == 3 else self.device
+        return self.compute_dtype != self.master_dtype or self.host != compute_on
 
     @property
     def master_offloaded(self) -> bool:

@@ -331,7 +331,8 @@ class GatherManager:
         target = unit.gather_target()
         self._live.add(idx)
         unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
-        self.pending[idx] = unit.group.comm.all_gather(target, unit.shard, async_op=True)
+        shard = unit.gather_input()  # on the device (a copy of one offloaded to the host)
+        self.pending[idx] = unit.group.comm.all_gather(target, shard, async_op=True)
         self.on_memory()
 
     def gathered_bytes(self) -> int:
@@ -386,4 +387,4 @@ class GatherManager:
         for unit in self.units:
             if unit.persistent and unit.gathered:
                 with unit.resident():
-                    unit.group.comm.all_gather(unit.full, unit.shard)
+                    unit.group.comm.all_gather(unit.full, unit.gather_input())

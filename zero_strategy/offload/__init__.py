@@ -35,10 +35,12 @@ __all__ = [
     "agree_on_write_failures",
     "free_large_blocks_at_once",
     "grad_store",
+    "keeps_stage_3",
     "master_store",
     "offloads_gradients",
     "offloads_masters",
     "optimizer_host",
+    "parameters_host",
     "shard_store",
     "state_store",
     "unit_tiers",
@@ -48,11 +50,29 @@ __all__ = [
 def optimizer_host(config: ZeroConfig, device: torch.device) -> tuple[torch.device, bool]:
     """Where the optimizer's side (fp32 masters, fp32 gradient shards, the optimizer's
     state) lives, and whether in page-locked memory: on the training device, or with the
-    optimizer offloaded from an accelerator in host memory, where the step runs (pinned
-    for "cpu", for asynchronous copies; pageable for "disk", whose tiers resize it)."""
-    if config.offload_optimizer == "none" or device.type == "cpu":
+    optimizer (or the parameters) offloaded from an accelerator in host memory, where the
+    step runs; pinned unless a disk tier resizes that memory."""
+    offloaded = (config.offload_optimizer, config.offload_params)
+    if offloaded == ("none", "none") or device.type == "cpu":
         return device, False
-    return torch.device("cpu"), config.offload_optimizer == "cpu"
+    return torch.device("cpu"), "disk" not in offloaded
+
+
+def parameters_host(config: ZeroConfig, device: torch.device, host: torch.device) -> torch.device:
+    """Where stage 3's parameter shards (the compute copies) live between gathers: on the
+    training device, or with offload_params from an accelerator on the optimizer's
+    `host`, each copied to the device for its gather."""
+    if config.offload_params == "none" or device.type == "cpu":
+        return device
+    return host
+
+
+def keeps_stage_3(config: ZeroConfig, device: torch.device) -> bool:
+    """Whether one process keeps stage 3 (which otherwise trains unsharded): when its
+    parameter shards leave the training device's memory for the disk or the host."""
+    return config.offload_params == "disk" or (
+        config.offload_params == "cpu" and device.type != "cpu"
+    )
 
 
 def state_store(
@@ -79,7 +99,6 @@ def state_store(
 def shard_store(
     config: ZeroConfig,
     units: Sequence[FlatUnit],
-    device: torch.device,
     rank: int,
     staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
@@ -87,7 +106,7 @@ def shard_store(
     """Stage 3 with offload_params="disk": the tier that keeps `units`' shards (those not
     kept gathered) in a file between uses, through the `staging` buffers; None when they
     stay in memory."""
-    if _params_tier(config, device) != "disk":
+    if config.offload_params != "disk":
         return None
     offloaded = [u for u in units if not u.persistent and u.layout.numel]
     shards = DiskShards(
@@ -172,7 +191,6 @@ def unit_tiers(
     config: ZeroConfig,
     units: Sequence[FlatUnit],
     stage: int,
-    device: torch.device,
     rank: int,
     staging: StagingBuffers,
     on_memory: Callable[[], None] = lambda: None,
@@ -184,7 +202,7 @@ def unit_tiers(
     args = (rank, staging, on_memory)
     return UnitTiers(
         master_store(config, units, *args),
-        shard_store(config, units, device, *args),
+        shard_store(config, units, *args),
         grad_store(config, units, stage, *args),
     )
 
@@ -204,18 +222,6 @@ def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
     offload_optimizer="disk". Stages 0-1 keep whole gradients, as DDP does, for their
     all-reduce."""
     return config.offload_optimizer == "disk" and stage >= 2
-
-
-def _params_tier(config: ZeroConfig, device: torch.device) -> str:
-    tier = config.offload_params
-    if tier != "none" and device.type != "cpu":
-        raise OffloadError(
-            f"offload_params={tier!r} is implemented for CPU training devices only so far "
-            f"(on a GPU the parameter shards' copies to the device before each gather are "
-            f"not built yet); this engine trains on {device}. Use offload_params='none' "
-            "there; offload_optimizer='cpu' or 'disk' moves the optimizer's side."
-        )
-    return tier
 
 
 def _file(config: ZeroConfig, field_name: str, what: str, rank: int) -> OffloadFile:
