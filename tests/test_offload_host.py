@@ -261,3 +261,26 @@ def test_an_optimizer_tied_to_the_device_is_refused_when_offloaded(monkeypatch):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     with pytest.raises(UnsupportedOptimizerError, match=r"param group 0 has capturable=True"):
         ZeroEngine(model, optimizer, ZeroConfig(offload_optimizer="cpu"))
+
+
+def _hf_apart(*args, **kwargs):
+    from test_hf_models import _train
+
+    engine_module.optimizer_host = _host_apart
+    engine_module.parameters_host = _params_apart
+    return _train(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-tied"])
+def test_hf_models_train_with_both_sides_on_the_host(arch):
+    """Hugging Face GPT-2 and a Llama with tied embeddings at stage 3, the optimizer's
+    side and the parameter shards on the (stand-in) host: DDP's losses and weights, to
+    the bit."""
+    from test_hf_models import _train
+
+    ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
+    losses, state = run_world(_hf_apart, 2, arch, 3, offload_optimizer="cpu", offload_params="cpu")[
+        0
+    ]
+    assert losses == ddp_losses
+    assert all(torch.equal(state[k], v) for k, v in ddp_state.items() if k in state)
