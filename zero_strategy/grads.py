@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .flat_unit import FlatUnit
+from .host_landing import HostLandings
 from .tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
@@ -148,6 +149,9 @@ class GradReducer:
         self._launched: set[int] = set()
         self._callback_queued = False
         self.pool = BufferPool()
+        # The optimizer offloaded from an accelerator: reduced gradients copied to the
+        # host shards without stalling backward.
+        self.host_landings = HostLandings(self._add_landed, MAX_IN_FLIGHT)
         self._written: dict[int, set[int]] = {}  # unit index -> slots written this window
         # A no_sync() backward ran since the last synchronised one: local sums may wait
         # in unit buffers (on some ranks only), so every rank reduces through them.
@@ -402,14 +406,22 @@ class GradReducer:
             others = unit.group.summed_over_copies
             if others is not None:  # the other copies' sums of this shard
                 others.all_reduce_sum(job.out)
-            unit.bring_grads_in()
-            try:
-                unit.grad_opt.add_(to_host(job.out, unit))
-                self.on_grads_landed(unit)
-            finally:
-                unit.let_grads_go(modified=True)
-            self.pool.give(job.sent)
+            if unit.host != unit.device:
+                self.host_landings.send(unit, job.out)
+            else:
+                self._add_landed(unit, job.out)
+            self.pool.give(job.sent)  # (reused on the device after the copy to the host)
         self.on_memory()
+
+    def _add_landed(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        """Add a unit's reduced gradient (this rank's part, where its shard is) into the
+        shard, and let the engine note its norm."""
+        unit.bring_grads_in()
+        try:
+            unit.grad_opt.add_(reduced)
+            self.on_grads_landed(unit)
+        finally:
+            unit.let_grads_go(modified=True)
 
     def _land_slot(self, job: _InFlight) -> None:
         """Add the part of one parameter's summed gradient inside this rank's shard to
@@ -439,11 +451,13 @@ class GradReducer:
         """Finish every reduction in flight and land the results in the fp32 slices."""
         while self.in_flight:
             self._land(self._pop())
+        self.host_landings.finish()
 
     def drop(self) -> None:
         """Let go of the reductions in flight without waiting (a peer is gone, or the
         process is ending after an error)."""
         self.in_flight.clear()
+        self.host_landings.drop()
         self._sent_bytes = 0
         self._direct.clear()
         self._let_landing_go()
@@ -464,7 +478,8 @@ class GradReducer:
     def comm_buffers(self) -> list[torch.Tensor]:
         """Gradients being reduced, and where other ranks' parts land (the buffers being
         filled are the units')."""
-        return [t for job in self.in_flight for t in _held_by(job)]
+        in_flight = [t for job in self.in_flight for t in _held_by(job)]
+        return in_flight + self.host_landings.tensors()
 
     def pooled_buffers(self) -> list[torch.Tensor]:
         """Full-size gradient buffers kept idle for reuse."""
