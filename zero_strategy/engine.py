@@ -301,6 +301,7 @@ class ZeroEngine:
                 cfg.max_reuse_distance,
                 on_backward_start=self.reducer.backward_started,
                 on_memory=self._memory.sample,
+                finish_reductions=self.reducer.finish_sent,
             )
         # The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
         # masters between steps, stage 3's parameter shards between uses, and the

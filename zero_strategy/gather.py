@@ -17,6 +17,7 @@ a unit early, so that their exchanges have landed by the time they are due.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,7 @@ class GatherManager:
         max_reuse_distance: int,
         on_backward_start: Callable[[], None],
         on_memory: Callable[[], None] = lambda: None,
+        finish_reductions: Callable[[], None] = lambda: None,
     ):
         self.units = units
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
@@ -67,6 +69,7 @@ class GatherManager:
                 order_tags,
                 lambda i: units[i].layout.name if 0 <= i < len(units) else None,
                 lambda i: self._launch_gather(units[i]),
+                lambda: self._finish_agreed(finish_reductions),
             )
         )
         # The units every data-parallel rank holds alike, whose gathers and reductions
@@ -361,6 +364,16 @@ class GatherManager:
         self.pending.pop(unit.layout.index).wait()
         unit.let_go()
         unit.expose_full()
+
+    def _finish_agreed(self, finish_reductions: Callable[[], None]) -> None:
+        """A divergence was found: wait for the gathers (and, through the engine, the
+        reductions) this rank issued, each agreed on by every rank, so that none is left
+        half done when this rank raises. A peer lost meanwhile is the error raised then."""
+        for work in list(self.pending.values()):
+            with contextlib.suppress(Exception):
+                work.wait()
+        with contextlib.suppress(Exception):
+            finish_reductions()
 
     def release_all(self) -> None:
         """Free every non-persistent gathered unit (and finish stray prefetches first)."""

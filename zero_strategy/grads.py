@@ -453,6 +453,15 @@ class GradReducer:
             self._land(self._pop())
         self.host_landings.finish()
 
+    def finish_sent(self) -> None:
+        """Wait for the dense units' reductions in flight (each issued once every rank's
+        module path agreed) to complete on the wire, without landing them: the engine is
+        about to raise, and peers waiting on them get their data. Experts' reductions,
+        outside that agreement, are not waited for."""
+        for job in self.in_flight:
+            if job.unit.group.spec.replicated:
+                job.work.wait()
+
     def drop(self) -> None:
         """Let go of the reductions in flight without waiting (a peer is gone, or the
         process is ending after an error)."""

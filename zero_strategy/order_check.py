@@ -65,10 +65,15 @@ class OrderCheck:
         comm: Communicator,
         unit_name: Callable[[int], str | None],
         launch_gather: Callable[[int], None],
+        before_raising: Callable[[], None] = lambda: None,
     ):
         self.comm = comm
         self.unit_name = unit_name  # a unit's module name, None for an unknown index
         self.launch_gather = launch_gather  # issues a checked gather of a unit index
+        # Before this rank raises a divergence: the collectives every rank agreed on and
+        # this one issued are finished, so that a peer waiting for their data gets it and
+        # reaches the differing tag itself (rather than finding this rank gone).
+        self.before_raising = before_raising
         self._posted: deque[_Posted] = deque()
         self._announced: set[int] = set()  # unit indices with a GATHER tag posted
         self._seq = 0  # tags posted by this process
@@ -134,6 +139,7 @@ class OrderCheck:
             posted.work.wait()
             tags = posted.everyone.tolist()
             if any(t != tags[0] for t in tags):
+                self.before_raising()
                 raise self._divergence(posted.seq, tags)
             if posted.kind == GATHER:
                 self._announced.discard(posted.index)
