@@ -228,6 +228,9 @@ def check_cpu_offload(device: torch.device, steps: int, width: int) -> tuple[boo
                     gradient_clipping=1.0,
                     offload_optimizer=tier.removesuffix("+params"),
                     offload_params="cpu" if tier.endswith("+params") else "none",
+                    # unit buffers: the reduced gradients go to the host through the
+                    # page-locked landings (per-parameter reductions copy them directly)
+                    overlap_comm=not tier.endswith("+params"),
                 )
                 engine = ZeroEngine(model, optimizer, config)
                 g = torch.Generator().manual_seed(1)

@@ -168,12 +168,15 @@ class ZeroEngine:
         # and stage 3's parameter shards between gathers.
         self._host, self._pin = optimizer_host(cfg, self.device)
         self._shards_host = parameters_host(cfg, self.device, self._host)
+        # Where the compute copies this rank steps into live: the device, or stage 3's
+        # shards on the host (then the fp32 master is the shard itself, as on the CPU).
+        self._compute_home = self._shards_host if self.stage == 3 else self.device
         # Before the shards are made (parameters', masters', gradients'): their memory
         # must leave with them.
         if (
             cfg.offload_params == "disk"
             or self._offloads_grads
-            or offloads_masters(cfg, self._host, self.device)
+            or offloads_masters(cfg, self._host, self._compute_home)
         ):
             free_large_blocks_at_once()
         self.module = model
@@ -575,7 +578,7 @@ class ZeroEngine:
         if (
             self.config.offload_params == "disk"
             or self._offloads_grads
-            or offloads_masters(self.config, self._host, self.device)
+            or offloads_masters(self.config, self._host, self._compute_home)
         ):
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
@@ -1281,6 +1284,8 @@ class ZeroEngine:
         host = "host_" if self._host != self.device else ""
         offload_buffers = sum(b.numel() for b in self._offload_buffers())
         transient[f"{host}pooled"] = transient.get(f"{host}pooled", 0) + offload_buffers
+        landing = self.reducer.host_landings.nbytes()  # reduced gradients on their way
+        transient[f"{host}comm_buffers"] = transient.get(f"{host}comm_buffers", 0) + landing
         if self._grads is not None:  # offloaded gradient shards come and go in backward
             transient[f"{host}gradients"] = self._grads.resident_bytes()
         if self._masters is not None:  # offloaded masters come and go in the step

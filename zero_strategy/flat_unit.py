@@ -148,17 +148,25 @@ class FlatUnit:
         if self.grad_full is not None:
             self.attach_param_grads()
 
-    def gather_input(self) -> torch.Tensor:
-        """Stage 3: this rank's shard on the training device, for its gather (a copy
-        when the shard lives on the host: from page-locked memory it does not wait, and
-        the shard's next writer waits for it)."""
+    def gather_input(self, target: torch.Tensor) -> torch.Tensor:
+        """Stage 3: this rank's shard on the training device, as the input of its gather
+        into `target`. A shard that lives on the host is copied straight into its place
+        in `target` (gathered in place from there): from page-locked memory the copy does
+        not wait, and the shard's next writer waits for it."""
         if self.shard_device == self.device:
             return self.shard
-        on_device = self.shard.to(self.device, non_blocking=self.pin)
+        n = self.shard.numel()
+        place = target[self.rank * n : (self.rank + 1) * n]
+        place.copy_(self.shard, non_blocking=self.pin)
+        self._note_copy()
+        return place
+
+    def _note_copy(self) -> None:
+        """After an asynchronous copy between this unit's host memory and the device: an
+        event on the device's stream, for `wait_for_copies_back`."""
         if self.pin:
             self._copied_back = torch.cuda.Event()
-            self._copied_back.record()
-        return on_device
+            self._copied_back.record(torch.cuda.current_stream(self.device))
 
     def _on_host(self, values: torch.Tensor | None) -> torch.Tensor:
         """A tensor of the optimizer's side (master dtype, this rank's slice, on `host`):
@@ -376,9 +384,8 @@ class FlatUnit:
         with self.master_resident(), self.resident(modified=True):
             compute = self.full[self.opt_start : self.opt_end] if self.stage < 3 else self.shard
             compute[lo:hi].copy_(self.master[lo:hi], non_blocking=self.pin)
-            if self.pin:
-                self._copied_back = torch.cuda.Event()
-                self._copied_back.record()
+            if compute.device != self.master.device:
+                self._note_copy()
 
     def wait_for_copies_back(self) -> None:
         """Before the master is written: the last asynchronous copy out of it is done."""

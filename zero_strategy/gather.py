@@ -334,7 +334,7 @@ class GatherManager:
         target = unit.gather_target()
         self._live.add(idx)
         unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
-        shard = unit.gather_input()  # on the device (a copy of one offloaded to the host)
+        shard = unit.gather_input(target)  # on the device (copied in, when on the host)
         self.pending[idx] = unit.group.comm.all_gather(target, shard, async_op=True)
         self.on_memory()
 
@@ -400,4 +400,4 @@ class GatherManager:
         for unit in self.units:
             if unit.persistent and unit.gathered:
                 with unit.resident():
-                    unit.group.comm.all_gather(unit.full, unit.gather_input())
+                    unit.group.comm.all_gather(unit.full, unit.gather_input(unit.full))

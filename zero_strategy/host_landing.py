@@ -42,9 +42,9 @@ class HostLandings:
         )
         staged.copy_(reduced, non_blocking=unit.pin)
         copied = None
-        if unit.pin:
+        if unit.pin:  # on the stream of the device the copy is queued on
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(reduced.device))
         self.pending.append(_Pending(unit, staged, copied))
         while len(self.pending) > self.depth:
             self._land_oldest()
@@ -58,6 +58,9 @@ class HostLandings:
         """Let go of the pending ones (a peer is gone, or the process ends after an
         error): the shards are not used again before a zero_grad or a load."""
         self.pending.clear()
+
+    def nbytes(self) -> int:
+        return sum(p.staged.numel() * p.staged.element_size() for p in self.pending)
 
     def tensors(self) -> list[torch.Tensor]:
         """The host buffers held now (`comm_buffers`: host memory on an accelerator)."""

@@ -87,9 +87,10 @@ def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                 )
                 raise UnsupportedOptimizerError(
                     f"{type(optimizer).__name__} param group {gi} has {what}, but with "
-                    "offload_optimizer the optimizer steps on the CPU, over the fp32 masters "
-                    "in host memory. Build it without capturable (and with a float or CPU "
-                    "tensor lr), or set offload_optimizer='none'."
+                    "offload_optimizer (or offload_params) the optimizer steps on the CPU, "
+                    "over the fp32 masters in host memory. Build it without capturable (and "
+                    "with a float or CPU tensor lr), or set offload_optimizer='none' and "
+                    "offload_params='none'."
                 )
 
 

@@ -207,14 +207,15 @@ def unit_tiers(
     )
 
 
-def offloads_masters(config: ZeroConfig, host: torch.device, device: torch.device) -> bool:
+def offloads_masters(config: ZeroConfig, host: torch.device, compute: torch.device) -> bool:
     """Whether the fp32 masters go to disk: with offload_optimizer="disk" whenever they
     are tensors of their own (bf16/fp16 compute, or the optimizer's side on a `host`
-    apart from the training `device`), as DeepSpeed keeps them with the optimizer state.
-    In fp32 on the CPU the master is the compute copy: stage 3's offload_params="disk"
-    moves it. (`FlatUnit.master_apart` is the same rule, unit by unit.)"""
+    apart from where the `compute` copies live), as DeepSpeed keeps them with the
+    optimizer state. In fp32 with both in one memory the master is the compute copy:
+    stage 3's offload_params="disk" moves it. (`FlatUnit.master_apart` is the same rule,
+    unit by unit.)"""
     mixed = config.compute_torch_dtype != config.master_torch_dtype
-    return config.offload_optimizer == "disk" and (mixed or host != device)
+    return config.offload_optimizer == "disk" and (mixed or host != compute)
 
 
 def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
