@@ -40,7 +40,8 @@ class ShardHome(Protocol):
 
 class MasterHome(Protocol):
     """Where a unit's fp32 master lives between its uses when it is a tensor of its own
-    (mixed precision with offload_optimizer="disk")."""
+    (mixed precision, or on a host apart from the compute copies) and
+    offload_optimizer="disk"."""
 
     def acquire(self, unit: FlatUnit) -> None: ...
     def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
@@ -106,8 +107,8 @@ class FlatUnit:
         )
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
         self.home: ShardHome | None = None
-        # Mixed precision with offload_optimizer="disk": the fp32 master likewise (then
-        # `home` keeps the compute copy alone).
+        # offload_optimizer="disk" with the master a tensor of its own: the master likewise
+        # (then `home` keeps the compute copy alone).
         self.master_home: MasterHome | None = None
         # Stages 2-3 with offload_optimizer="disk": the gradient shard likewise.
         self.grad_home: GradHome | None = None

@@ -151,7 +151,7 @@ class GradReducer:
         self.pool = BufferPool()
         # The optimizer offloaded from an accelerator: reduced gradients copied to the
         # host shards without stalling backward.
-        self.host_landings = HostLandings(self._add_landed, MAX_IN_FLIGHT)
+        self.host_landings = HostLandings(self._add_landed, DIRECT_IN_FLIGHT_BYTES)
         self._written: dict[int, set[int]] = {}  # unit index -> slots written this window
         # A no_sync() backward ran since the last synchronised one: local sums may wait
         # in unit buffers (on some ranks only), so every rank reduces through them.
@@ -413,9 +413,13 @@ class GradReducer:
             self.pool.give(job.sent)  # (reused on the device after the copy to the host)
         self.on_memory()
 
-    def _add_landed(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+    def _add_landed(self, unit: FlatUnit, reduced: torch.Tensor, at: int | None = None) -> None:
         """Add a unit's reduced gradient (this rank's part, where its shard is) into the
-        shard, and let the engine note its norm."""
+        shard, and let the engine note its norm; or (`at`) one parameter's part of it at
+        that offset of a shard kept in memory."""
+        if at is not None:
+            unit.grad_opt[at : at + reduced.numel()].add_(reduced)
+            return
         unit.bring_grads_in()
         try:
             unit.grad_opt.add_(reduced)
@@ -435,9 +439,11 @@ class GradReducer:
             unit.bring_grads_in()  # until the unit's last parameter has landed
             self._landing[idx] = 0
         if lo < hi:
-            unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start].add_(
-                to_host(job.sent[lo - slot.offset : hi - slot.offset], unit)
-            )
+            part, at = job.sent[lo - slot.offset : hi - slot.offset], lo - unit.opt_start
+            if unit.host != unit.device and not offloaded:
+                self.host_landings.send(unit, part, at)  # without stalling backward
+            else:
+                unit.grad_opt[at : at + hi - lo].add_(to_host(part, unit))
         if offloaded:
             self._landing[idx] += 1
             if self._landing[idx] == self._trainable_count[idx]:
