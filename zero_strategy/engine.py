@@ -813,7 +813,7 @@ class ZeroEngine:
         if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
             self._full_grads.hide()
         # The fused kernel wrote the compute copies in the same pass.
-        self._publish_parameters(copies_written=written[0])
+        self._publish_parameters(copies_written=written[0], after_step=True)
         self._grads_unscaled = False
         self._norms.clear()
         self.global_steps += 1
@@ -1217,12 +1217,14 @@ class ZeroEngine:
             by_param[id(view.param)] = (view.param.detach(), view.param.grad, copy)
         return [[by_param[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
-    def _publish_parameters(self, copies_written: bool = False) -> None:
+    def _publish_parameters(self, copies_written: bool = False, after_step: bool = False) -> None:
         """Make the updated shards visible: compute copies (unless the fused step wrote
-        them), then (stages 1-2) every rank's full parameters, (stage 3) units that stay
-        gathered."""
+        them; `after_step`, only those of units the step can change: a frozen unit's
+        master is not stepped), then (stages 1-2) every rank's full parameters, (stage 3)
+        units that stay gathered."""
         for unit in self.units:
-            if unit.layout.numel and not copies_written:
+            changed = unit.layout.trainable or not after_step
+            if unit.layout.numel and changed and not copies_written:
                 unit.sync_compute_from_master()
         if self.publisher is not None:
             self.publisher.launch()
