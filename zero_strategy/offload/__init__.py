@@ -1,7 +1,8 @@
 """Tiers for the optimizer's state, the fp32 masters, the gradients' fp32 shards and stage
 3's parameter shards: memory, or a file on a local disk (ZeRO-Infinity's NVMe tier). The
 `*_store` factories pick one from the config; the engine steps and gathers through them
-and never knows where the bytes were."""
+and never knows where the bytes were. Which memory holds each kind (the device's or the
+host's) is `rules`'."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..config import ZeroConfig
 from ..flat_unit import FlatUnit
 from ..optimizer import OptimizerView
@@ -20,6 +19,13 @@ from .failures import agree_on_write_failures
 from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
 from .offload_file import OffloadError, OffloadFile, check_directory
+from .rules import (
+    keeps_stage_3,
+    offloads_gradients,
+    offloads_masters,
+    optimizer_host,
+    parameters_host,
+)
 from .shard_store import DiskShards, master_alone
 from .staging import StagingBuffers
 from .state_store import DiskState, ResidentState
@@ -45,34 +51,6 @@ __all__ = [
     "state_store",
     "unit_tiers",
 ]
-
-
-def optimizer_host(config: ZeroConfig, device: torch.device) -> tuple[torch.device, bool]:
-    """Where the optimizer's side (fp32 masters, fp32 gradient shards, the optimizer's
-    state) lives, and whether in page-locked memory: on the training device, or with the
-    optimizer (or the parameters) offloaded from an accelerator in host memory, where the
-    step runs; pinned unless a disk tier resizes that memory."""
-    offloaded = (config.offload_optimizer, config.offload_params)
-    if offloaded == ("none", "none") or device.type == "cpu":
-        return device, False
-    return torch.device("cpu"), "disk" not in offloaded
-
-
-def parameters_host(config: ZeroConfig, device: torch.device, host: torch.device) -> torch.device:
-    """Where stage 3's parameter shards (the compute copies) live between gathers: on the
-    training device, or with offload_params from an accelerator on the optimizer's
-    `host`, each copied to the device for its gather."""
-    if config.offload_params == "none" or device.type == "cpu":
-        return device
-    return host
-
-
-def keeps_stage_3(config: ZeroConfig, device: torch.device) -> bool:
-    """Whether one process keeps stage 3 (which otherwise trains unsharded): when its
-    parameter shards leave the training device's memory for the disk or the host."""
-    return config.offload_params == "disk" or (
-        config.offload_params == "cpu" and device.type != "cpu"
-    )
 
 
 def state_store(
@@ -205,24 +183,6 @@ def unit_tiers(
         shard_store(config, units, *args),
         grad_store(config, units, stage, *args),
     )
-
-
-def offloads_masters(config: ZeroConfig, host: torch.device, compute: torch.device) -> bool:
-    """Whether the fp32 masters go to disk: with offload_optimizer="disk" whenever they
-    are tensors of their own (bf16/fp16 compute, or the optimizer's side on a `host`
-    apart from where the `compute` copies live), as DeepSpeed keeps them with the
-    optimizer state. In fp32 with both in one memory the master is the compute copy:
-    stage 3's offload_params="disk" moves it. (`FlatUnit.master_apart` is the same rule,
-    unit by unit.)"""
-    mixed = config.compute_torch_dtype != config.master_torch_dtype
-    return config.offload_optimizer == "disk" and (mixed or host != compute)
-
-
-def offloads_gradients(config: ZeroConfig, stage: int) -> bool:
-    """Whether the gradients' fp32 shards go to disk: at stages 2-3 (as run) with
-    offload_optimizer="disk". Stages 0-1 keep whole gradients, as DDP does, for their
-    all-reduce."""
-    return config.offload_optimizer == "disk" and stage >= 2
 
 
 def _file(config: ZeroConfig, field_name: str, what: str, rank: int) -> OffloadFile:
