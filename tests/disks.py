@@ -7,7 +7,10 @@ import os
 import subprocess
 from pathlib import Path
 
-from training import local_batch
+import torch
+
+from training import local_batch, make_model, make_optimizer
+from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.offload import OffloadError
 from zero_strategy.offload import offload_file as offload_file_module
 
@@ -58,6 +61,29 @@ def fill_the_disk_mid_training(engine, rank: int, world: int, ckpt: str, failing
     refused = _error_of(lambda: engine.save_checkpoint(ckpt + "-after"), Exception)
     engine.load_checkpoint(ckpt)
     return message, refused
+
+
+def fill_the_disk_then_recover(
+    config: ZeroConfig, in_memory: ZeroConfig, rank: int, world: int, ckpt: str
+) -> tuple:
+    """An engine with `config` through `fill_the_disk_mid_training`, then one more step
+    (usable again after the load): (the step's error, the save's, whether the weights
+    the load restored are the checkpoint's, as an engine with `in_memory` loads them)."""
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt)
+    restored = engine.full_state_dict(rank0_only=False)
+    x, y = local_batch(2, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
+    fresh = make_model()
+    again = ZeroEngine(fresh, make_optimizer(fresh), in_memory)
+    again.load_checkpoint(ckpt)
+    expected = again.full_state_dict(rank0_only=False)
+    again.close()
+    same = all(torch.equal(restored[k], expected[k]) for k in expected)
+    return message, refused, same
 
 
 def _error_of(action, kind: type[BaseException]) -> str | None:

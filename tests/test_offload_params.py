@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_offload import _peak_rss, _save_then_resume
 
-from disks import fill_the_disk_mid_training
+from disks import fill_the_disk_then_recover
 from distributed import run_world
 from training import local_batch, make_model, make_optimizer, train_zero, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
@@ -117,24 +117,10 @@ def test_a_checkpoint_moves_between_offloaded_and_resident_shards(
 
 
 def _fails_mid_training(rank, world, directory, ckpt):
-    model = make_model()
-    config = ZeroConfig(stage=3, **_params_on_disk(Path(directory)))
-    engine = ZeroEngine(model, make_optimizer(model), config)
     # The file is behind the training after the failed step: the shards are refused
-    # until the checkpoint is loaded.
-    message, refused = fill_the_disk_mid_training(engine, rank, world, ckpt)
-    restored = engine.full_state_dict(rank0_only=False)
-    x, y = local_batch(2, 0, rank, world)
-    engine.backward(engine(x, y))
-    engine.step()  # the shards are usable again
-    engine.close()
-    fresh = make_model()  # the checkpoint's weights, loaded with the shards in memory
-    again = ZeroEngine(fresh, make_optimizer(fresh), ZeroConfig(stage=3))
-    again.load_checkpoint(ckpt)
-    expected = again.full_state_dict(rank0_only=False)
-    again.close()
-    same = all(torch.equal(restored[k], expected[k]) for k in expected)
-    return message, refused, same
+    # until the checkpoint is loaded, then usable again.
+    config = ZeroConfig(stage=3, **_params_on_disk(Path(directory)))
+    return fill_the_disk_then_recover(config, ZeroConfig(stage=3), rank, world, ckpt)
 
 
 def test_a_disk_that_fills_fails_the_step_and_a_load_recovers(tmp_path):
