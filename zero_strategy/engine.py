@@ -163,21 +163,21 @@ class ZeroEngine:
         # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
         offloads_params = keeps_stage_3(cfg, self.device)
         self.stage = cfg.stage if self.world_size > 1 or offloads_params else 0
-        self._offloads_grads = offloads_gradients(cfg, self.stage)
         # The optimizer's side (masters, gradient shards, state): here or in host memory;
         # and stage 3's parameter shards between gathers.
         self._host, self._pin = optimizer_host(cfg, self.device)
         self._shards_host = parameters_host(cfg, self.device, self._host)
         # Where the compute copies this rank steps into live: the device, or stage 3's
         # shards on the host (then the fp32 master is the shard itself, as on the CPU).
-        self._compute_home = self._shards_host if self.stage == 3 else self.device
-        # Before the shards are made (parameters', masters', gradients'): their memory
-        # must leave with them.
-        if (
+        compute_home = self._shards_host if self.stage == 3 else self.device
+        # Whether a per-unit tier (parameters', masters', gradients') keeps shards in a
+        # file: their memory must leave with them, and the step goes unit by unit.
+        self._units_on_disk = (
             cfg.offload_params == "disk"
-            or self._offloads_grads
-            or offloads_masters(cfg, self._host, self._compute_home)
-        ):
+            or offloads_gradients(cfg, self.stage)
+            or offloads_masters(cfg, self._host, compute_home)
+        )
+        if self._units_on_disk:  # before the shards are made
             free_large_blocks_at_once()
         self.module = model
 
@@ -574,12 +574,8 @@ class ZeroEngine:
             for gi, segs in by_group.items()
             for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
         ]
-        # Stepped unit by unit, each shard (parameters, gradients) read once.
-        if (
-            self.config.offload_params == "disk"
-            or self._offloads_grads
-            or offloads_masters(self.config, self._host, self._compute_home)
-        ):
+        # Stepped unit by unit, each shard (parameters, masters, gradients) read once.
+        if self._units_on_disk:
             self._opt_views.sort(key=lambda view: view.unit.layout.index)
 
     # ================================================================ stage-3 glue

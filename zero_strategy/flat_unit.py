@@ -31,17 +31,8 @@ from .topology import ShardGroup
 
 
 class ShardHome(Protocol):
-    """Where a stage-3 shard lives between uses (offload_params="disk")."""
-
-    def acquire(self, unit: FlatUnit) -> None: ...
-    def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
-    def prefetch(self, unit: FlatUnit) -> None: ...
-
-
-class MasterHome(Protocol):
-    """Where a unit's fp32 master lives between its uses when it is a tensor of its own
-    (mixed precision, or on a host apart from the compute copies) and
-    offload_optimizer="disk"."""
+    """Where a stage-3 shard lives between uses (offload_params="disk"), or a master
+    that is a tensor of its own (offload_optimizer="disk")."""
 
     def acquire(self, unit: FlatUnit) -> None: ...
     def release(self, unit: FlatUnit, modified: bool = False) -> None: ...
@@ -109,7 +100,7 @@ class FlatUnit:
         self.home: ShardHome | None = None
         # offload_optimizer="disk" with the master a tensor of its own: the master likewise
         # (then `home` keeps the compute copy alone).
-        self.master_home: MasterHome | None = None
+        self.master_home: ShardHome | None = None
         # Stages 2-3 with offload_optimizer="disk": the gradient shard likewise.
         self.grad_home: GradHome | None = None
 

@@ -443,7 +443,7 @@ class GradReducer:
             if unit.host != unit.device and not offloaded:
                 self.host_landings.send(unit, part, at)  # without stalling backward
             else:
-                unit.grad_opt[at : at + hi - lo].add_(to_host(part, unit))
+                self._add_landed(unit, to_host(part, unit), at)
         if offloaded:
             self._landing[idx] += 1
             if self._landing[idx] == self._trainable_count[idx]:
