@@ -47,6 +47,7 @@ from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .pairing import model_of, one_optimizer_message
+from .replica_grads import ReplicatedModels
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
 ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"
@@ -200,6 +201,8 @@ class ZeroAccelerator(Accelerator):
         )
         self.engine: ZeroEngine | None = None
         self._unpaired_models: list[nn.Module] = []
+        # Trainable models prepared without an optimizer: replicated, averaged as by DDP.
+        self._replicas = ReplicatedModels()
         self._saving_state = False
         self._save_hook = self.register_save_state_pre_hook(self._save_engine_checkpoint)
         self._load_hook = self.register_load_state_pre_hook(self._load_engine_checkpoint)
@@ -235,11 +238,13 @@ class ZeroAccelerator(Accelerator):
             replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
+                self._replicas.remove(model)
         for model in fresh:
             if self._engine_of(model) is None:
                 self._unpaired_models.append(model)
                 place_buffers(model, self.device)
                 replaced[id(model)] = super().prepare_model(model, evaluation_mode=True)
+                self._replicas.add(model)
         args = tuple(replaced.get(id(a), a) for a in args)
         return super().prepare(*args, device_placement=device_placement)
 
@@ -288,10 +293,15 @@ class ZeroAccelerator(Accelerator):
             self.engine.close()
         self.engine = None
         self._unpaired_models = []
+        self._replicas = ReplicatedModels()
         return super().free_memory(*objects)
 
+    def _raw(self, model: nn.Module) -> nn.Module:
+        """The user's module under Accelerate's wrappers (compile, autocast), ungathered."""
+        return super().unwrap_model(model, keep_torch_compile=False)
+
     def _engine_of(self, model: nn.Module) -> ZeroEngine | None:
-        return engine_of(super().unwrap_model(model, keep_torch_compile=False))
+        return engine_of(self._raw(model))
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's module, as Accelerate's; at stage 3 with its full parameters
@@ -307,18 +317,38 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.engine is None:
-            return super().backward(loss, **kwargs)
-        self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+            super().backward(loss, **kwargs)
+        else:
+            self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+        self._replicas.after_backward()
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         engine = self._engine_of(model)
-        if engine is None:
+        if engine is not None:
+            with engine.no_sync():
+                yield
+        elif self._raw(model) in self._replicas:
+            with self._replicas.no_sync(self._raw(model)):
+                yield
+        else:
             with super().no_sync(model):
                 yield
-            return
-        with engine.no_sync():
-            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """The next backward synchronises, even inside `no_sync()`. The engine's
+        models decide at backward already (a backward outside `no_sync()` reduces)."""
+        engine = self._engine_of(model)
+        if engine is not None:
+            with engine.synchronised():
+                yield
+        elif self._raw(model) in self._replicas:
+            with self._replicas.synchronised(self._raw(model)):
+                yield
+        else:
+            with Accelerator.trigger_sync_in_backward(model):
+                yield
 
     def _engine_for(self, parameters: Iterable[torch.Tensor]) -> ZeroEngine | None:
         if self.engine is None:

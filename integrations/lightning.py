@@ -254,10 +254,11 @@ def make_strategy(root: str):
         def _around_forward(self, name: str, *args, **kwargs):
             """The user's step runs the model through submodules, not the root's forward:
             run the engine's forward bookkeeping around it (buffer broadcast, an outside
-            zero_grad), as DDP's forward redirection does."""
+            zero_grad, the root unit gathered at stage 3), as DDP's and FSDP's forward
+            redirection does through the root's forward."""
             if self.engine is None:
                 return getattr(super(), name)(*args, **kwargs)
-            self.engine.before_forward()
+            self.engine.begin_step()
             try:
                 return getattr(super(), name)(*args, **kwargs)
             finally:

@@ -295,3 +295,51 @@ def test_unwrap_model_shows_the_full_parameters_and_training_goes_on():
         for snap, ddp_snap in zip(snaps, ddp_snaps):  # after step 2 and after step 3
             for name, value in ddp_snap.items():
                 torch.testing.assert_close(snap[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _prepared_alone(rank, world, kind, stage):
+    """Accelerate's own no_sync checks (test_sync.py): a model prepared without an
+    optimizer, run under no_sync, then synchronised by a plain backward and by
+    trigger_sync_in_backward after several no_sync forwards. Its .grad after each backward,
+    and whether ranks start from rank 0's weights, as under DDP."""
+    accelerator = _accelerator(kind, stage, accum=1)
+    model = make_model(seed=rank)  # different on each rank: DDP starts from rank 0's
+    model = accelerator.prepare(model)
+    inner = accelerator.unwrap_model(model)
+    seen = []
+
+    def grads():
+        seen.append({n: p.grad.clone() for n, p in inner.named_parameters()})
+
+    for micro in range(3):
+        x, y = local_batch(0, micro, rank, world)
+        if micro % 2 == 0:
+            with accelerator.no_sync(model):
+                accelerator.backward(model(x, y))
+        else:
+            accelerator.backward(model(x, y))
+        grads()
+    losses = []
+    with accelerator.no_sync(model):
+        for micro in range(3, 5):
+            losses.append(model(*local_batch(0, micro, rank, world)))
+    accelerator.backward(losses[0])  # the forward ran under no_sync: DDP keeps it local
+    with accelerator.trigger_sync_in_backward(model):
+        accelerator.backward(losses[1])
+    grads()
+    accelerator.end_training()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_prepared_without_optimizer_is_averaged_as_ddp_does(stage):
+    ddp = run_world(_prepared_alone, 2, "ddp", stage)
+    ours = run_world(_prepared_alone, 2, "zero", stage)
+    name = "blocks.0.fc.weight"
+    assert not torch.equal(ddp[0][0][name], ddp[1][0][name])  # no_sync: local
+    assert torch.equal(ddp[0][1][name], ddp[1][1][name])  # synchronised
+    for got_rank, want_rank in zip(ours, ddp):
+        for got, want in zip(got_rank, want_rank):
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7)

@@ -242,3 +242,25 @@ def test_kept_gradients_are_local_under_no_sync_and_reduced_after_as_ddp(stage):
             assert got.keys() == want.keys()
             for name, value in want.items():
                 torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7)
+
+
+def _synchronised_inside_no_sync(rank, world, stage):
+    """Accelerate's trigger_sync_in_backward: inside no_sync(), synchronised() makes the
+    backward reduce; the gradients are then DDP's after its synchronising backward."""
+    engine = _engine(stage, keep_full_grads=True)
+    with engine.no_sync():
+        engine.backward(engine(*local_batch(0, 0, rank, world)))
+        with engine.synchronised():
+            engine.backward(engine(*local_batch(0, 1, rank, world)))
+    seen = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_synchronised_backward_inside_no_sync_reduces_as_ddp(stage):
+    ddp = run_world(_accumulated_ddp, 2)
+    zero = run_world(_synchronised_inside_no_sync, 2, stage)
+    for ours, reference in zip(zero, ddp):
+        for name, value in reference[1].items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7)

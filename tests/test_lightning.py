@@ -741,3 +741,50 @@ def batchnorm_net() -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
     )
+
+
+def _root_parameters_read_in_steps(rank, world, strategy):
+    """A LightningModule's own parameters (the root unit: beside a ModuleList of blocks)
+    used or read directly in its steps, not through a submodule's forward: a learnable
+    scale multiplied in training_step, a head's weight read in test_step (as Lightning's
+    own test_params_synced_during_nonfit reads `self.layer.weight.item()`)."""
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+
+    class ReadsItsOwnParameters(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1 + rank)  # different on each rank: the strategy syncs them
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 3)])
+            self.head = torch.nn.Linear(3, 1)
+            self.scale = torch.nn.Parameter(torch.full((1,), 0.5))
+            self.seen: list[list[float]] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append([self.scale.item(), *self.head.weight.flatten().tolist()])
+            hidden = self.blocks[0](batch[0]) * self.scale  # the parameter itself, used
+            return self.head(hidden).pow(2).mean()
+
+        def test_step(self, batch, batch_idx):
+            self.seen.append([self.scale.item(), *self.head.weight.flatten().tolist()])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = ReadsItsOwnParameters()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * world, 3, generator=g))
+    trainer = quiet_trainer(world, strategy, max_steps=3)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    trainer.test(module, torch.utils.data.DataLoader(data, batch_size=2), verbose=False)
+    return module.seen
+
+
+def test_root_parameters_used_directly_in_a_step_are_whole_as_under_ddp():
+    ddp = run_world(_root_parameters_read_in_steps, 2, "ddp")
+    zero = run_world(_root_parameters_read_in_steps, 2, "zero3")
+    assert ddp[0] == ddp[1] and len(ddp[0]) == 3 + 4  # 3 steps, 4 test batches
+    for ours, reference in zip(zero, ddp):
+        assert len(ours) == len(reference)
+        for got, want in zip(ours, reference):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)

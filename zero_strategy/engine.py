@@ -625,6 +625,17 @@ class ZeroEngine:
             self._sync_buffers()
             self._buffers_stale = False
 
+    def begin_step(self) -> None:
+        """What the root module's forward pre-hooks do, for a framework that runs the
+        user's step (Lightning's `training_step`, `test_step`) instead of the root's
+        forward: `before_forward`, and at stage 3 the root unit gathered, so that the root
+        module's own parameters read directly in the step (`self.layer.weight.item()`) are
+        whole, as they are inside the root's forward (and under DDP). Pair it with
+        `after_forward`; an evaluation step then `reshard()`s."""
+        self.before_forward()
+        if self.gather is not None:
+            self.gather.gather_root()
+
     def after_forward(self) -> None:
         """As DDP: a forward followed by a synchronised backward may have changed buffers
         (BatchNorm statistics); the next forward, of any kind, starts from rank 0's.
@@ -731,6 +742,18 @@ class ZeroEngine:
         synchronised backward."""
         previous = self.reducer.sync
         self.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    @contextlib.contextmanager
+    def synchronised(self) -> Iterator[None]:
+        """The backward inside reduces, even within `no_sync()` (Accelerate's
+        `trigger_sync_in_backward`: several forwards under no_sync, the last backward
+        synchronised)."""
+        previous = self.reducer.sync
+        self.reducer.sync = True
         try:
             yield
         finally:

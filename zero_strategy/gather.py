@@ -118,18 +118,26 @@ class GatherManager:
                 owners.add(name.rsplit(".", 1)[0] if "." in name else "")
 
         def gather_root(*_) -> None:  # a pre-hook's return value would replace the inputs
-            starting = not in_backward() and self.order is not None and self._cursor == 0
-            if starting:  # the forward's first gathers: their checks go out together
-                for unit in (root, *(self.units[i] for i in self.order[: self.prefetch_depth + 1])):
-                    self._announce(unit, FORWARD)
-            self.ensure(root, FORWARD)
-            if starting:
-                self._prefetch_forward(root)
+            self.gather_root()
 
         for path in sorted(owners):
             module = model.get_submodule(path)
             self.handles.append(module.register_forward_pre_hook(EngineHook(gather_root)))
         self.handles.append(model.register_forward_hook(EngineHook(self._root_post_forward)))
+
+    def gather_root(self) -> None:
+        """Make the root unit usable (kept until the end of backward, or the evaluation's
+        release): from its first module's forward, or from the start of a step that a
+        framework runs instead of the root's forward. The first call of a forward also
+        posts the checks of the next gathers and starts their prefetch."""
+        root = self.units[0]
+        starting = not in_backward() and self.order is not None and self._cursor == 0
+        if starting:  # the forward's first gathers: their checks go out together
+            for unit in (root, *(self.units[i] for i in self.order[: self.prefetch_depth + 1])):
+                self._announce(unit, FORWARD)
+        self.ensure(root, FORWARD)
+        if starting:
+            self._prefetch_forward(root)
 
     def _make_pre_forward(self, unit: FlatUnit):
         has_frozen = any(not slot.trainable for slot in unit.layout.slots)
