@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,11 +231,8 @@ class ZeroAccelerator(Accelerator):
         for optimizer in optimizers:
             model = model_of(optimizer, fresh + self._unpaired_models)
             if model is None:
-                raise ValueError(
-                    "ZeroAccelerator.prepare got an optimizer whose parameters belong to no "
-                    "model being prepared. Pass the model and its optimizer to the same "
-                    "prepare() call (or prepare the model first)."
-                )
+                self._prepare_unpaired(optimizer)
+                continue
             replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
@@ -247,6 +245,29 @@ class ZeroAccelerator(Accelerator):
                 self._replicas.add(model)
         args = tuple(replaced.get(id(a), a) for a in args)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _prepare_unpaired(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer whose model was not prepared (yet): Accelerate prepares it on
+        its own, unsharded, and so does this class, saying so; its model, prepared later,
+        is then replicated as under DDP. An optimizer over parameters an engine already
+        shards is a second optimizer, refused."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._engine_for(params) is not None:
+            raise ValueError(
+                one_optimizer_message(
+                    "ZeroAccelerator",
+                    "prepare() got a second optimizer over the parameters of the model "
+                    "it already shards",
+                )
+            )
+        warnings.warn(
+            "ZeroAccelerator.prepare got an optimizer whose model was not prepared before "
+            "it or with it: the optimizer is prepared as Accelerate prepares it, unsharded, "
+            "and its model, prepared later, is replicated on every rank as under DDP. To "
+            "shard them, pass the model and its optimizer to the same prepare() call (or "
+            "prepare the model first).",
+            stacklevel=3,
+        )
 
     def _adopt(self, engine: ZeroEngine) -> None:
         if self.engine is None:

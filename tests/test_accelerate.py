@@ -343,3 +343,46 @@ def test_a_model_prepared_without_optimizer_is_averaged_as_ddp_does(stage):
             assert got.keys() == want.keys()
             for key, value in want.items():
                 torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7)
+
+
+def _optimizer_first(rank, world, kind):
+    """The optimizer prepared before its model, in separate calls (Accelerate allows any
+    order): here unsharded, with a warning, and its model replicated; the training is
+    DDP's. A second optimizer over a model the engine shards is refused."""
+    import pickle
+    import warnings
+
+    accelerator = _accelerator(kind, 3, accum=1)
+    model = make_model(seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = accelerator.prepare(make_optimizer(model))
+    said = [str(w.message) for w in caught if "ZeroAccelerator" in str(w.message)]
+    pickle.loads(pickle.dumps(optimizer))  # Accelerate's test_accelerated_optimizer_pickling
+    model = accelerator.prepare(model)
+    losses = []
+    for step in range(3):
+        loss = model(*local_batch(step, 0, rank, world))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    refused = ""
+    if kind == "zero":
+        other = make_model(seed=0)
+        sharded, _ = accelerator.prepare(other, make_optimizer(other))
+        try:
+            accelerator.prepare(make_optimizer(sharded))
+        except ValueError as error:
+            refused = str(error)
+    accelerator.end_training()
+    return losses, said, refused
+
+
+def test_an_optimizer_prepared_before_its_model_trains_as_ddp_with_a_warning():
+    ddp = run_world(_optimizer_first, 2, "ddp")
+    ours = run_world(_optimizer_first, 2, "zero")
+    for (losses, said, refused), (want, _, _) in zip(ours, ddp):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
+        assert len(said) == 1 and "same prepare() call" in said[0]
+        assert "second optimizer" in refused and "param groups" in refused

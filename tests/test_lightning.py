@@ -788,3 +788,57 @@ def test_root_parameters_used_directly_in_a_step_are_whole_as_under_ddp():
         assert len(ours) == len(reference)
         for got, want in zip(ours, reference):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)
+
+
+def _read_at_epoch_end(rank, world, strategy, pruning):
+    """A callback reading the parameters at each epoch's end (a user's weight statistics),
+    or Lightning's ModelPruning (masks computed there)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelPruning
+    from lightning_helpers import quiet_trainer
+
+    class Small(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.first = torch.nn.Linear(4, 8)
+            self.second = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.second(torch.tanh(self.first(batch[0]))).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Reader(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.seen.append(pl_module.first.weight.detach().clone())
+
+    module, reader = Small(), Reader()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * world, 4, generator=g))
+    callbacks = [ModelPruning("l1_unstructured", amount=0.5, verbose=0)] if pruning else [reader]
+    trainer = quiet_trainer(world, strategy, max_epochs=2, callbacks=callbacks)
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    except RuntimeError as error:
+        return str(error)
+    return reader.seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_read_at_an_epochs_end_are_the_last_steps_as_under_ddp(stage):
+    ddp = run_world(_read_at_epoch_end, 2, "ddp", False)
+    ours = run_world(_read_at_epoch_end, 2, f"zero{stage}", False)
+    for got, want in zip(ours, ddp):
+        assert len(got) == len(want) == 2
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_model_pruning_at_stage_3_is_refused_naming_the_fix():
+    for message in run_world(_read_at_epoch_end, 2, "zero3", True):
+        assert "ModelPruning" in message and "strategy='zero2'" in message
