@@ -820,12 +820,22 @@ def _read_at_epoch_end(rank, world, strategy, pruning):
     module, reader = Small(), Reader()
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(4 * world, 4, generator=g))
-    callbacks = [ModelPruning("l1_unstructured", amount=0.5, verbose=0)] if pruning else [reader]
-    trainer = quiet_trainer(world, strategy, max_epochs=2, callbacks=callbacks)
+    # The lottery-ticket reset at the first epoch's end only: it writes `weight_orig.data`,
+    # which under DDP then shares memory with the callback's copy of the initial weights,
+    # so a later reset there would restore trained values, not the initial ones.
+    ticket = lambda epoch: epoch == 0  # noqa: E731
+    callbacks = (
+        [ModelPruning("l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=ticket)]
+        if pruning
+        else [reader]
+    )
+    trainer = quiet_trainer(world, strategy, max_epochs=3 if pruning else 2, callbacks=callbacks)
     try:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     except RuntimeError as error:
         return str(error)
+    if pruning:
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
     return reader.seen
 
 
@@ -837,6 +847,20 @@ def test_parameters_read_at_an_epochs_end_are_the_last_steps_as_under_ddp(stage)
         assert len(got) == len(want) == 2
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_pruning_with_its_lottery_ticket_reset_matches_ddp(stage):
+    """ModelPruning writes `weight_orig.data` (the lottery ticket) at an epoch's end, and
+    `.data` again when it makes the pruning permanent: the engine adopts what was written
+    and trains on from it (the step's updates used to stop reaching the module)."""
+    ddp = run_world(_read_at_epoch_end, 2, "ddp", True)
+    ours = run_world(_read_at_epoch_end, 2, f"zero{stage}", True)
+    for got, want in zip(ours, ddp):
+        assert got.keys() == want.keys()
+        assert (got["first.weight"] == 0).sum() == (want["first.weight"] == 0).sum() > 0
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7)
 
 
 def test_model_pruning_at_stage_3_is_refused_naming_the_fix():

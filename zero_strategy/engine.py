@@ -93,6 +93,7 @@ from .placement import (
 from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
+from .replaced_data import adopt_replaced, replaced_slots
 from .routed_zero_grad import route_zero_grad
 from .tensor_parallel import (
     broadcast_whole_parameters,
@@ -616,6 +617,7 @@ class ZeroEngine:
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
+        self._adopt_replaced_data()
         self._opt_state.settle(wait=False)  # the last step's writes: their buffers go
         if self._grads is not None:
             self._grads.settle(wait=False)
@@ -665,6 +667,19 @@ class ZeroEngine:
             self._world.broadcast(flat, src=0, kind="buffers")
             for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
                 buf.copy_(value.view_as(buf))
+
+    def _adopt_replaced_data(self) -> None:
+        """Stages 0-2: parameters whose `.data` was replaced since the last look (a
+        lottery-ticket reset, `prune.remove`) go on training from the written values, as
+        under DDP (`replaced_data`)."""
+        if self.stage == 3:
+            return
+        found = [(unit, slots) for unit in self.units if (slots := replaced_slots(unit))]
+        if not found:
+            return
+        self.wait_for_parameters()  # a post-step gather into the same buffers lands first
+        for unit, slots in found:
+            adopt_replaced(unit, slots)
 
     def _zero_if_cleared_elsewhere(self) -> None:
         """Honour a zero_grad() that did not come through the engine: optimizer params
@@ -795,6 +810,7 @@ class ZeroEngine:
         if self._stepped_in_parts:  # a write of the last step failed on some rank: raise
             agree_on_write_failures(self._offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()
+        self._adopt_replaced_data()
         chosen, groups = self._chosen(optimizer)
         norm, overflow = self._unscale_and_measure(groups)
         if overflow:

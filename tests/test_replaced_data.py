@@ -1,0 +1,98 @@
+"""Stages 0-2: a parameter whose `.data` is replaced (ModelPruning's lottery-ticket reset,
+`prune.remove`, a weight pinned by hand) keeps training from the written values, as under
+DDP, instead of losing the step's updates to a buffer the module no longer reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.training import local_batch, make_model, make_optimizer
+from zero_strategy import ZeroConfig, ZeroEngine
+
+WRITTEN = ("blocks.0.fc.weight", "blocks.1.attn.proj.bias")
+
+
+def _written_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a lottery-ticket reset writes: the initial values (here: another seed's)."""
+    fresh = dict(make_model(seed=7).named_parameters())
+    return {name: fresh[name].detach() for name in WRITTEN}
+
+
+def _train(rank, world, kind, stage, how, compute="fp32"):
+    """Two steps, the written values, two more steps; the final parameters."""
+    model = make_model()
+    if kind == "ddp":
+        engine = model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = make_optimizer(model)
+        params = dict(model.module.named_parameters())
+    else:
+        optimizer = make_optimizer(model)
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, compute_dtype=compute))
+        params = dict(model.named_parameters())
+    for step in range(4):
+        if step == 2:
+            values = _written_values(model)
+            if how == "data":
+                for name, value in values.items():
+                    params[name].data = value.to(params[name].dtype).clone()
+            else:  # the engine's own way to write weights
+                with engine.gathered_parameters(modifier_rank=None), torch.no_grad():
+                    for name, value in values.items():
+                        params[name].copy_(value)
+        loss = engine(*local_batch(step, 0, rank, world))
+        if kind == "ddp":
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+    if kind == "ddp":
+        return {n: p.detach().clone() for n, p in params.items()}
+    state = engine.full_state_dict(rank0_only=False)
+    live = {n: p.detach().float().clone() for n, p in params.items()}
+    engine.close()
+    return state, live
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_replaced_data_trains_on_from_the_written_values_as_ddp(stage):
+    ddp = run_world(_train, 2, "ddp", None, "data")
+    ours = run_world(_train, 2, "zero", stage, "data")
+    for (state, live), reference in zip(ours, ddp):
+        for name, value in reference.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(live[name], value, rtol=1e-5, atol=1e-6)  # the module's
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replaced_data_in_bf16_equals_a_write_through_gathered_parameters(stage):
+    written = run_world(_train, 2, "zero", stage, "gathered", "bf16")
+    replaced = run_world(_train, 2, "zero", stage, "data", "bf16")
+    for (state, live), (want_state, want_live) in zip(replaced, written):
+        for name in want_state:
+            assert torch.equal(state[name], want_state[name]), name
+        for name in want_live:
+            assert torch.equal(live[name], want_live[name]), name
+
+
+def _wrong_shape(rank, world):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2))
+    model.blocks[0].fc.weight.data = torch.zeros(3, 3)
+    try:
+        engine(*local_batch(0, 0, rank, world))
+    except ValueError as error:
+        return str(error)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def test_replaced_data_of_another_shape_is_refused_naming_the_parameter():
+    for message in run_world(_wrong_shape, 2):
+        assert "blocks.0.fc.weight" in message and "(3, 3)" in message
+        assert "same shape" in message

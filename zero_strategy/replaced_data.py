@@ -1,0 +1,64 @@
+"""Parameters whose `.data` was replaced outside the engine, at stages 0-2.
+
+`param.data = tensor` is how some code writes weights: Lightning's ModelPruning resets
+the surviving weights to their initial values that way (the lottery ticket), and
+`torch.nn.utils.prune.remove` makes a pruning permanent with it. At stages 0-2 a
+parameter is a view of its unit's flat buffer, which each step refreshes from the fp32
+master. A replaced `.data` is a view no longer: the module would go on computing with the
+written values while the step's updates land in a buffer nothing reads. Under DDP the
+written values are the parameter, and training goes on from them.
+
+Before each forward and each step the engine finds such parameters (a pointer
+comparison per parameter) and adopts what was written: the values go into the flat
+buffer and into this rank's slice of the master, and the parameter is a view again.
+Stage 3 is not covered: there a parameter outside forward is an empty placeholder, and
+writes to the full weights go through `engine.gathered_parameters()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flat_unit import FlatUnit
+from .full_view import write_back_unit
+from .tensor_parallel import local_tensor, match_local_dtype
+
+
+def replaced_slots(unit: FlatUnit) -> list[int]:
+    """The indices of `unit`'s parameters whose memory is no longer the flat buffer's but
+    a tensor of the same device and dtype: written values. A parameter moved or converted
+    (`model.cpu()`, `model.half()` for inference after training) is left as the user
+    made it."""
+    full = unit.full
+    if full is None:
+        return []
+    base, size = full.data_ptr(), full.element_size()
+    return [
+        i
+        for i, (slot, local) in enumerate(zip(unit.layout.slots, unit.locals))
+        if slot.end > slot.offset
+        and local.data_ptr() != base + slot.offset * size
+        and local.device == full.device
+        and local.dtype == full.dtype
+    ]
+
+
+@torch.no_grad()
+def adopt_replaced(unit: FlatUnit, indices: list[int]) -> None:
+    """Take the written values of `unit`'s parameters at `indices` into the flat buffer
+    and this rank's master slice, and point the parameters back at the buffer."""
+    for i in indices:
+        slot, param = unit.layout.slots[i], unit.params[i]
+        local = local_tensor(param)
+        if tuple(local.shape) != tuple(slot.shape):
+            raise ValueError(
+                f"The .data of parameter {slot.name!r} was replaced by a tensor of shape "
+                f"{tuple(local.shape)}, but it has shape {tuple(slot.shape)} in the ZeRO "
+                "engine. Assign a tensor of the same shape, or write in place "
+                "(param.data.copy_(values))."
+            )
+        view = unit.full[slot.offset : slot.end]
+        view.copy_(local.detach().reshape(-1))
+        local.data = view.view(slot.shape)
+        match_local_dtype(param)
+    write_back_unit(unit)
