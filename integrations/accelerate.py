@@ -204,6 +204,7 @@ class ZeroAccelerator(Accelerator):
         self._unpaired_models: list[nn.Module] = []
         # Trainable models prepared without an optimizer: replicated, averaged as by DDP.
         self._replicas = ReplicatedModels()
+        self._unsharded_params: set[int] = set()  # id() of lone optimizers' parameters
         self._saving_state = False
         self._save_hook = self.register_save_state_pre_hook(self._save_engine_checkpoint)
         self._load_hook = self.register_load_state_pre_hook(self._load_engine_checkpoint)
@@ -231,26 +232,26 @@ class ZeroAccelerator(Accelerator):
         for optimizer in optimizers:
             model = model_of(optimizer, fresh + self._unpaired_models)
             if model is None:
-                self._prepare_unpaired(optimizer)
+                self._prepare_unpaired(optimizer, fresh + self._unpaired_models)
                 continue
             replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
-                self._replicas.remove(model)
+                self._replicas.remove(self._raw(model))
         for model in fresh:
             if self._engine_of(model) is None:
                 self._unpaired_models.append(model)
                 place_buffers(model, self.device)
                 replaced[id(model)] = super().prepare_model(model, evaluation_mode=True)
-                self._replicas.add(model)
+                self._replicas.add(self._raw(model))
         args = tuple(replaced.get(id(a), a) for a in args)
         return super().prepare(*args, device_placement=device_placement)
 
-    def _prepare_unpaired(self, optimizer: torch.optim.Optimizer) -> None:
+    def _prepare_unpaired(self, optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> None:
         """An optimizer whose model was not prepared (yet): Accelerate prepares it on
         its own, unsharded, and so does this class, saying so; its model, prepared later,
-        is then replicated as under DDP. An optimizer over parameters an engine already
-        shards is a second optimizer, refused."""
+        is then replicated as under DDP. Refused: one over part of a model being prepared
+        (or over several), and one over parameters an engine already shards."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self._engine_for(params) is not None:
             raise ValueError(
@@ -260,6 +261,14 @@ class ZeroAccelerator(Accelerator):
                     "it already shards",
                 )
             )
+        known = {id(p) for model in models for p in model.parameters()}
+        if any(id(p) in known for p in params):
+            raise ValueError(
+                "ZeroAccelerator.prepare got an optimizer over parameters of several models "
+                "(or over part of one model and tensors of no model): the engine shards one "
+                "model with the optimizer over its parameters. Give each model its own "
+                "optimizer, or make one module that holds them all."
+            )
         warnings.warn(
             "ZeroAccelerator.prepare got an optimizer whose model was not prepared before "
             "it or with it: the optimizer is prepared as Accelerate prepares it, unsharded, "
@@ -268,6 +277,7 @@ class ZeroAccelerator(Accelerator):
             "prepare the model first).",
             stacklevel=3,
         )
+        self._unsharded_params.update(id(p) for p in params)
 
     def _adopt(self, engine: ZeroEngine) -> None:
         if self.engine is None:
@@ -286,6 +296,13 @@ class ZeroAccelerator(Accelerator):
         """(the module to hand back, the optimizer to hand back) for a new pair."""
         if self.engine is not None:
             raise ValueError(self._ONE_MODEL)
+        if any(id(p) in self._unsharded_params for p in model.parameters()):
+            raise ValueError(
+                "ZeroAccelerator.prepare: an optimizer prepared earlier, on its own and so "
+                "unsharded, already holds parameters of this model; sharding the model now "
+                "would leave that optimizer stepping tensors the engine owns. Pass the model "
+                "and its one optimizer to the same prepare() call."
+            )
         place_buffers(model, self.device)
         self.engine = ZeroEngine(
             model, optimizer, self.zero_config, device=self.device, device_mesh=self.device_mesh
@@ -315,6 +332,7 @@ class ZeroAccelerator(Accelerator):
         self.engine = None
         self._unpaired_models = []
         self._replicas = ReplicatedModels()
+        self._unsharded_params = set()
         return super().free_memory(*objects)
 
     def _raw(self, model: nn.Module) -> nn.Module:

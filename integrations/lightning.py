@@ -27,6 +27,7 @@ from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .lightning_averaging import averaging_classes, refuse_stock_averaging
+from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
 from .lightning_summary import patch_model_summary_callback
 from .pairing import stand_in_optimizer
 from .strategy_config import (
@@ -89,32 +90,6 @@ def make_precision(root: str):
             self._strategy.engine.clip_grad_value_(float(clip_val), optimizer)
 
     return ZeroPrecision
-
-
-def ends_an_epoch(trainer) -> bool:
-    """Whether the step running now is the last of its epoch or of the training.
-    Stages 1-2 finish a step's parameter gathers during the next forward; callbacks at an
-    epoch's or the training's end (ModelPruning, a user's weight statistics) read the
-    parameters before any forward, so those steps finish their gathers at once."""
-    loop = trainer.fit_loop
-    last_batch = loop.epoch_loop.batch_progress.is_last_batch
-    max_steps = trainer.max_steps
-    return bool(last_batch) or (max_steps >= 0 and trainer.global_step + 1 >= max_steps)
-
-
-def refuse_pruning(callbacks: list, pruning: type) -> None:
-    """Stage 3 over several ranks: ModelPruning computes its masks from the parameters
-    outside forward, where they are sharded (empty), and re-registers each pruned weight
-    as `weight_orig` with a mask; it would fail mid-epoch (or prune nothing). Refuse it at
-    setup, naming the stage that prunes as DDP does."""
-    for callback in callbacks:
-        if isinstance(callback, pruning):
-            raise RuntimeError(
-                f"{type(callback).__name__} computes pruning masks from the model's "
-                "parameters between steps, and at ZeRO stage 3 they are sharded (empty "
-                "outside forward). Use strategy='zero2' (or zero1), where the parameters "
-                "are whole and pruning works as under DDP."
-            )
 
 
 def make_strategy(root: str):
@@ -216,7 +191,7 @@ def make_strategy(root: str):
             kinds = (stock.WeightAveraging, stock.StochasticWeightAveraging)
             kinds += tuple(averaging_classes(root).values())
             averaging = [c for c in trainer.callbacks if isinstance(c, kinds)]
-            if self.engine_config.stage == 3 and self.world_size > 1:
+            if shards_parameters(self.engine_config, self.world_size, self.root_device):
                 refuse_stock_averaging(averaging, root)
                 refuse_pruning(trainer.callbacks, stock.ModelPruning)
             self.parameters_read_after_step = bool(averaging)

@@ -297,12 +297,12 @@ def test_unwrap_model_shows_the_full_parameters_and_training_goes_on():
                 torch.testing.assert_close(snap[name], value, rtol=1e-5, atol=1e-6)
 
 
-def _prepared_alone(rank, world, kind, stage):
+def _prepared_alone(rank, world, kind):
     """Accelerate's own no_sync checks (test_sync.py): a model prepared without an
     optimizer, run under no_sync, then synchronised by a plain backward and by
     trigger_sync_in_backward after several no_sync forwards. Its .grad after each backward,
     and whether ranks start from rank 0's weights, as under DDP."""
-    accelerator = _accelerator(kind, stage, accum=1)
+    accelerator = _accelerator(kind, 3, accum=1)
     model = make_model(seed=rank)  # different on each rank: DDP starts from rank 0's
     model = accelerator.prepare(model)
     inner = accelerator.unwrap_model(model)
@@ -331,10 +331,9 @@ def _prepared_alone(rank, world, kind, stage):
     return seen
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_model_prepared_without_optimizer_is_averaged_as_ddp_does(stage):
-    ddp = run_world(_prepared_alone, 2, "ddp", stage)
-    ours = run_world(_prepared_alone, 2, "zero", stage)
+def test_a_model_prepared_without_optimizer_is_averaged_as_ddp_does():
+    ddp = run_world(_prepared_alone, 2, "ddp")
+    ours = run_world(_prepared_alone, 2, "zero")
     name = "blocks.0.fc.weight"
     assert not torch.equal(ddp[0][0][name], ddp[1][0][name])  # no_sync: local
     assert torch.equal(ddp[0][1][name], ddp[1][1][name])  # synchronised
@@ -367,14 +366,23 @@ def _optimizer_first(rank, world, kind):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    refused = ""
+    refused = []
     if kind == "zero":
-        other = make_model(seed=0)
-        sharded, _ = accelerator.prepare(other, make_optimizer(other))
-        try:
-            accelerator.prepare(make_optimizer(sharded))
-        except ValueError as error:
-            refused = str(error)
+
+        def refusal(*args) -> str:
+            try:
+                accelerator.prepare(*args)
+            except ValueError as error:
+                return str(error)
+            return "accepted"
+
+        # a second optimizer over the model the first one (unsharded) holds
+        refused.append(refusal(make_optimizer(accelerator.unwrap_model(model))))
+        first, second = make_model(seed=0), make_model(seed=1)
+        both = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+        refused.append(refusal(first, second, both))  # one optimizer over two models
+        sharded, _ = accelerator.prepare(first, make_optimizer(first))
+        refused.append(refusal(make_optimizer(sharded)))  # a second one over a sharded model
     accelerator.end_training()
     return losses, said, refused
 
@@ -385,4 +393,7 @@ def test_an_optimizer_prepared_before_its_model_trains_as_ddp_with_a_warning():
     for (losses, said, refused), (want, _, _) in zip(ours, ddp):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
         assert len(said) == 1 and "same prepare() call" in said[0]
-        assert "second optimizer" in refused and "param groups" in refused
+        earlier, spanning, second = refused
+        assert "prepared earlier" in earlier and "same prepare() call" in earlier
+        assert "several models" in spanning and "its own optimizer" in spanning
+        assert "second optimizer" in second and "param groups" in second

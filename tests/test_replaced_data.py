@@ -96,3 +96,53 @@ def test_replaced_data_of_another_shape_is_refused_naming_the_parameter():
     for message in run_world(_wrong_shape, 2):
         assert "blocks.0.fc.weight" in message and "(3, 3)" in message
         assert "same shape" in message
+
+
+def _saved_right_after(rank, world, stage, tmp):
+    """Written by `.data`, then saved and consolidated before any forward or step (a
+    callback's write at on_train_end, a checkpoint next): both hold the written values."""
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine.backward(engine(*local_batch(0, 0, rank, world)))
+    engine.step()
+    values = _written_values(model)
+    params = dict(model.named_parameters())
+    for name, value in values.items():
+        params[name].data = value.clone()
+    state = engine.full_state_dict(rank0_only=False)
+    engine.save_checkpoint(tmp)
+    engine.close()
+    model = make_model(seed=3)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine.load_checkpoint(tmp)
+    loaded = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return [(state[n], loaded[n], v) for n, v in values.items()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_values_written_by_data_reach_a_checkpoint_taken_before_any_forward(stage, tmp_path):
+    for rank in run_world(_saved_right_after, 2, stage, str(tmp_path / "ck")):
+        for state, loaded, written in rank:
+            assert torch.equal(state, written) and torch.equal(loaded, written)
+
+
+def _other_dtype(rank, world):
+    import warnings
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2, compute_dtype="bf16"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.float()  # the parameters converted: the engine's steps no longer reach them
+        for step in range(2):
+            engine.backward(engine(*local_batch(step, 0, rank, world)))
+            engine.step()
+    engine.close()
+    return [str(w.message) for w in caught if "dtype" in str(w.message)]
+
+
+def test_data_replaced_by_another_dtype_is_named_once():
+    for said in run_world(_other_dtype, 2):
+        assert len(said) == 1 and "blocks.0.fc.weight" in said[0]
+        assert "torch.bfloat16" in said[0]

@@ -93,7 +93,7 @@ from .placement import (
 from .precision import LossScaler
 from .pretrained import load_pretrained
 from .publish import ParameterPublisher
-from .replaced_data import adopt_replaced, replaced_slots
+from .replaced_data import adopt_replaced, converted_warning, replaced_slots
 from .routed_zero_grad import route_zero_grad
 from .tensor_parallel import (
     broadcast_whole_parameters,
@@ -265,6 +265,7 @@ class ZeroEngine:
             route_zero_grad(opt, functools.partial(self.zero_grad, optimizer=opt))
         route_zero_grad(model, self.zero_grad)
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
+        self._converted_named: set[str] = set()  # replaced by another dtype, warned once
         if len(optimizers) > 1:
             owners = {id(p) for u in self.units for s, p in zip(u.layout.slots, u.params)}
             self._handles += [
@@ -636,7 +637,7 @@ class ZeroEngine:
         `after_forward`; an evaluation step then `reshard()`s."""
         self.before_forward()
         if self.gather is not None:
-            self.gather.gather_root()
+            self.gather.begin_step()
 
     def after_forward(self) -> None:
         """As DDP: a forward followed by a synchronised backward may have changed buffers
@@ -671,14 +672,27 @@ class ZeroEngine:
     def _adopt_replaced_data(self) -> None:
         """Stages 0-2: parameters whose `.data` was replaced since the last look (a
         lottery-ticket reset, `prune.remove`) go on training from the written values, as
-        under DDP (`replaced_data`)."""
+        under DDP (`replaced_data`); replaced by another dtype, they are named once."""
         if self.stage == 3:
             return
-        found = [(unit, slots) for unit in self.units if (slots := replaced_slots(unit))]
-        if not found:
+        found = [(unit, replaced_slots(unit)) for unit in self.units]
+        converted = [
+            unit.layout.slots[i].name
+            for unit, (_, other) in found
+            for i in other
+            if unit.layout.slots[i].name not in self._converted_named
+        ]
+        if converted:
+            self._converted_named.update(converted)
+            warnings.warn(
+                converted_warning(converted, self.config.compute_torch_dtype), stacklevel=3
+            )
+        written = [(unit, slots) for unit, (slots, _) in found if slots]
+        if not written:
             return
-        self.wait_for_parameters()  # a post-step gather into the same buffers lands first
-        for unit, slots in found:
+        if self.publisher is not None:
+            self.publisher.wait_all()  # a post-step gather into the same buffers lands first
+        for unit, slots in written:
             adopt_replaced(unit, slots)
 
     def _zero_if_cleared_elsewhere(self) -> None:
@@ -810,7 +824,6 @@ class ZeroEngine:
         if self._stepped_in_parts:  # a write of the last step failed on some rank: raise
             agree_on_write_failures(self._offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()
-        self._adopt_replaced_data()
         chosen, groups = self._chosen(optimizer)
         norm, overflow = self._unscale_and_measure(groups)
         if overflow:
@@ -1085,10 +1098,12 @@ class ZeroEngine:
         return 1.0 if self._grads_unscaled or not self.scaler.enabled else self.scaler.scale
 
     def wait_for_parameters(self) -> None:
-        """Finish the post-step parameter gathers (stages 1-2) before reading the full
-        parameters outside the module's forward."""
+        """Finish the post-step parameter gathers (stages 1-2), and take in `.data` written
+        since (stages 0-2), before the full parameters are read or written outside the
+        module's forward: a checkpoint, a state dict, a step."""
         if self.publisher is not None:
             self.publisher.wait_all()
+        self._adopt_replaced_data()
 
     def zero_grad(
         self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None
@@ -1514,7 +1529,8 @@ class ZeroEngine:
         try:
             if wait:
                 self.reducer.wait()
-                self.wait_for_parameters()
+                if self.publisher is not None:  # (a `.data` written since is adopted at
+                    self.publisher.wait_all()  # the next use, if the engine is used again)
                 if self.gather is not None:
                     self.gather.release_all()
         finally:

@@ -86,6 +86,8 @@ class GatherManager:
         self.order: list[int] | None = None  # recorded forward order (non-root units)
         self._recording: list[int] = []
         self._cursor = 0
+        # A framework's step holds the root unit (begin_step) until it ends (release_all).
+        self._step_holds_root = False
         self._backward_left: set[int] = set()  # this backward: units it has passed through
         self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
@@ -124,6 +126,16 @@ class GatherManager:
             module = model.get_submodule(path)
             self.handles.append(module.register_forward_pre_hook(EngineHook(gather_root)))
         self.handles.append(model.register_forward_hook(EngineHook(self._root_post_forward)))
+
+    def begin_step(self) -> None:
+        """A framework's step begins instead of the root's forward (Lightning's
+        training_step): the forward order starts over, and the root unit is gathered and
+        held until the step's end frees it (`release_all`: the end of backward, or the
+        evaluation step's reshard), even across root forwards inside the step."""
+        if not in_backward():
+            self._cursor = 0
+        self._step_holds_root = True
+        self.gather_root()
 
     def gather_root(self) -> None:
         """Make the root unit usable (kept until the end of backward, or the evaluation's
@@ -221,7 +233,8 @@ class GatherManager:
         if in_backward():
             return output
         if not torch.is_grad_enabled():
-            self.release_all()  # evaluation: nothing will need the parameters again
+            if not self._step_holds_root:  # evaluation: nothing needs the parameters again
+                self.release_all()
             self._cursor = 0
         elif self.order is not None:  # backward's first gathers: their checks go out now
             for idx in reversed(self.order[-(self.prefetch_depth + 2) :]):
@@ -399,6 +412,7 @@ class GatherManager:
         self._free_all()
 
     def _free_all(self) -> None:
+        self._step_holds_root = False
         for unit in self.units:
             if not unit.persistent:
                 self._free(unit)

@@ -24,23 +24,36 @@ from .full_view import write_back_unit
 from .tensor_parallel import local_tensor, match_local_dtype
 
 
-def replaced_slots(unit: FlatUnit) -> list[int]:
-    """The indices of `unit`'s parameters whose memory is no longer the flat buffer's but
-    a tensor of the same device and dtype: written values. A parameter moved or converted
-    (`model.cpu()`, `model.half()` for inference after training) is left as the user
-    made it."""
+def replaced_slots(unit: FlatUnit) -> tuple[list[int], list[int]]:
+    """The indices of `unit`'s parameters whose memory is no longer the flat buffer's:
+    (written values: a tensor of the same device and dtype, to adopt; values of another
+    dtype on the same device, which are not adopted). A parameter moved to another device
+    (`model.cpu()` for inference after training) is left as the user made it."""
     full = unit.full
     if full is None:
-        return []
+        return [], []
     base, size = full.data_ptr(), full.element_size()
-    return [
-        i
-        for i, (slot, local) in enumerate(zip(unit.layout.slots, unit.locals))
-        if slot.end > slot.offset
-        and local.data_ptr() != base + slot.offset * size
-        and local.device == full.device
-        and local.dtype == full.dtype
-    ]
+    written, converted = [], []
+    for i, (slot, local) in enumerate(zip(unit.layout.slots, unit.locals)):
+        if (
+            slot.end == slot.offset
+            or local.data_ptr() == base + slot.offset * size
+            or local.device != full.device
+        ):
+            continue
+        (written if local.dtype == full.dtype else converted).append(i)
+    return written, converted
+
+
+def converted_warning(names: list[str], dtype: torch.dtype) -> str:
+    """The warning for parameters whose `.data` now holds another dtype than the engine's
+    (`model.half()`, or values assigned in fp32 to a bf16 model)."""
+    return (
+        f"The .data of parameter(s) {names} was replaced by tensors of another dtype than "
+        f"the ZeRO engine's {dtype}: they are left as they are, and the optimizer's steps "
+        "no longer reach them. To change the weights and keep training, assign values of "
+        f"dtype {dtype} (or write them in place, or inside engine.gathered_parameters())."
+    )
 
 
 @torch.no_grad()

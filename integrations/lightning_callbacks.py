@@ -1,0 +1,47 @@
+"""What Lightning's callbacks that read the weights between steps need from the strategy.
+
+Stage 3 keeps the parameters sharded outside forward (empty tensors), and stages 1-2
+finish a step's parameter gathers during the next forward. A callback that reads the
+weights between steps (at an epoch's end: ModelPruning, a user's statistics) must find
+them whole and current; where it cannot (stage 3), it is refused at setup by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_strategy import ZeroConfig
+from zero_strategy.offload import keeps_stage_3
+
+
+def shards_parameters(config: ZeroConfig, world_size: int, device: torch.device) -> bool:
+    """Whether the engine keeps stage 3 (parameters empty outside forward): over several
+    ranks, or on one whose parameter shards are offloaded."""
+    return config.stage == 3 and (world_size > 1 or keeps_stage_3(config, device))
+
+
+def ends_an_epoch(trainer: Any) -> bool:
+    """Whether the step running now is the last of its epoch or of the training (by
+    max_steps): the epoch-end callbacks run next, before any forward, so that step
+    finishes its parameter gathers at once. Not known in advance: a step that takes the
+    dataloader iterator, and an end by max_time or should_stop."""
+    last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    max_steps = trainer.max_steps
+    return bool(last_batch) or (max_steps >= 0 and trainer.global_step + 1 >= max_steps)
+
+
+def refuse_pruning(callbacks: list, pruning: type) -> None:
+    """Stage 3: ModelPruning computes its masks from the parameters between steps, where
+    they are sharded (empty), and re-registers each pruned weight as `weight_orig` with a
+    mask; it would fail mid-epoch (or prune nothing). Refuse it at setup, naming the
+    stages that prune as DDP does."""
+    for callback in callbacks:
+        if isinstance(callback, pruning):
+            raise RuntimeError(
+                f"{type(callback).__name__} computes pruning masks from the model's "
+                "parameters between steps, and at ZeRO stage 3 they are sharded (empty "
+                "outside forward). Use strategy='zero2' (or zero1), where the parameters "
+                "are whole and pruning works as under DDP."
+            )
