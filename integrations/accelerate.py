@@ -29,7 +29,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,33 +361,26 @@ class ZeroAccelerator(Accelerator):
             self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
         self._replicas.after_backward()
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        engine = self._engine_of(model)
-        if engine is not None:
-            with engine.no_sync():
-                yield
-        elif self._raw(model) in self._replicas:
-            with self._replicas.no_sync(self._raw(model)):
-                yield
-        else:
-            with super().no_sync(model):
-                yield
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self._sync_choice(model, False) or super().no_sync(model)
 
-    @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """The next backward synchronises, even inside `no_sync()`. The engine's
         models decide at backward already (a backward outside `no_sync()` reduces)."""
+        return self._sync_choice(model, True) or Accelerator.trigger_sync_in_backward(model)
+
+    def _sync_choice(
+        self, model: nn.Module, sync: bool
+    ) -> contextlib.AbstractContextManager[None] | None:
+        """Whether the backwards inside reduce, for the engine's model or a replicated
+        one; None for a model Accelerate handles itself."""
         engine = self._engine_of(model)
         if engine is not None:
-            with engine.synchronised():
-                yield
-        elif self._raw(model) in self._replicas:
-            with self._replicas.synchronised(self._raw(model)):
-                yield
-        else:
-            with Accelerator.trigger_sync_in_backward(model):
-                yield
+            return engine.synchronised() if sync else engine.no_sync()
+        raw = self._raw(model)
+        if raw in self._replicas:
+            return self._replicas.synchronised(raw) if sync else self._replicas.no_sync(raw)
+        return None
 
     def _engine_for(self, parameters: Iterable[torch.Tensor]) -> ZeroEngine | None:
         if self.engine is None:

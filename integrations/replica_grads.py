@@ -90,27 +90,22 @@ class ReplicatedModels:
     def __contains__(self, model: nn.Module) -> bool:
         return any(m is model for m in self._models)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        nested = id(model) in self._local
-        self._local.add(id(model))
-        try:
-            yield
-        finally:
-            if not nested:
-                self._local.discard(id(model))
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self._local_while(model, True)
 
-    @contextlib.contextmanager
-    def synchronised(self, model: nn.Module) -> Iterator[None]:
+    def synchronised(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """`trigger_sync_in_backward`: the backward inside synchronises, even under
         `no_sync()`."""
-        local = id(model) in self._local
-        self._local.discard(id(model))
+        return self._local_while(model, False)
+
+    @contextlib.contextmanager
+    def _local_while(self, model: nn.Module, local: bool) -> Iterator[None]:
+        was = id(model) in self._local
+        (self._local.add if local else self._local.discard)(id(model))
         try:
             yield
         finally:
-            if local:
-                self._local.add(id(model))
+            (self._local.add if was else self._local.discard)(id(model))
 
     def after_backward(self) -> None:
         """Average the gradients of every model not under `no_sync()`; every rank calls

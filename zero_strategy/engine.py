@@ -764,25 +764,22 @@ class ZeroEngine:
         if self.gather is not None:
             self.gather.release_all()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally without communication (all but the last
         micro-batch). At stages 2-3 this holds full-size gradients until the next
         synchronised backward."""
-        previous = self.reducer.sync
-        self.reducer.sync = False
-        try:
-            yield
-        finally:
-            self.reducer.sync = previous
+        return self._reducing(False)
 
-    @contextlib.contextmanager
-    def synchronised(self) -> Iterator[None]:
+    def synchronised(self) -> contextlib.AbstractContextManager[None]:
         """The backward inside reduces, even within `no_sync()` (Accelerate's
         `trigger_sync_in_backward`: several forwards under no_sync, the last backward
         synchronised)."""
+        return self._reducing(True)
+
+    @contextlib.contextmanager
+    def _reducing(self, sync: bool) -> Iterator[None]:
         previous = self.reducer.sync
-        self.reducer.sync = True
+        self.reducer.sync = sync
         try:
             yield
         finally:
