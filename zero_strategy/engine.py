@@ -690,8 +690,7 @@ class ZeroEngine:
         written = [(unit, slots) for unit, (slots, _) in found if slots]
         if not written:
             return
-        if self.publisher is not None:
-            self.publisher.wait_all()  # a post-step gather into the same buffers lands first
+        self._finish_parameter_gathers()  # a post-step gather into the same buffers first
         for unit, slots in written:
             adopt_replaced(unit, slots)
 
@@ -1098,9 +1097,12 @@ class ZeroEngine:
         """Finish the post-step parameter gathers (stages 1-2), and take in `.data` written
         since (stages 0-2), before the full parameters are read or written outside the
         module's forward: a checkpoint, a state dict, a step."""
+        self._finish_parameter_gathers()
+        self._adopt_replaced_data()
+
+    def _finish_parameter_gathers(self) -> None:
         if self.publisher is not None:
             self.publisher.wait_all()
-        self._adopt_replaced_data()
 
     def zero_grad(
         self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None
@@ -1526,8 +1528,8 @@ class ZeroEngine:
         try:
             if wait:
                 self.reducer.wait()
-                if self.publisher is not None:  # (a `.data` written since is adopted at
-                    self.publisher.wait_all()  # the next use, if the engine is used again)
+                # (a `.data` written since is adopted at the engine's next use, if any)
+                self._finish_parameter_gathers()
                 if self.gather is not None:
                     self.gather.release_all()
         finally:

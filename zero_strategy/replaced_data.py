@@ -8,9 +8,11 @@ master. A replaced `.data` is a view no longer: the module would go on computing
 written values while the step's updates land in a buffer nothing reads. Under DDP the
 written values are the parameter, and training goes on from them.
 
-Before each forward and each step the engine finds such parameters (a pointer
-comparison per parameter) and adopts what was written: the values go into the flat
-buffer and into this rank's slice of the master, and the parameter is a view again.
+Before each forward, and wherever the weights are read or written outside forward (a
+step, a checkpoint, a state dict: `wait_for_parameters`), the engine finds such
+parameters (a pointer comparison per parameter) and adopts what was written: the values
+go into the flat buffer and into this rank's slice of the master, and the parameter is a
+view again.
 Stage 3 is not covered: there a parameter outside forward is an empty placeholder, and
 writes to the full weights go through `engine.gathered_parameters()`.
 """
