@@ -45,7 +45,7 @@ def skip_reason(impl: str, args) -> str | None:
 
     from benchmarks.engine_worker import SIZES
     from examples.gpt import GPT
-    from zero_strategy.planner import plan
+    from zero_strategy.memory.planner import plan
 
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(SIZES[args.size]).parameters())

@@ -28,8 +28,8 @@ from benchmarks.engine_worker import PeakRSS, finish_rank, init_ranks, worker_ar
 from examples.corpus import byte_tokens
 from examples.gpt import GPT, GPTConfig
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.distillation import Distillation
 from zero_strategy.moe import moe_losses
+from zero_strategy.moe.distillation import Distillation
 
 BASE = GPTConfig(
     vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128, tie_embeddings=True

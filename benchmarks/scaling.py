@@ -23,7 +23,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from zero_strategy.planner import GB, count_params, plan  # noqa: E402
+from zero_strategy.memory.planner import GB, count_params, plan  # noqa: E402
 
 WORLDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 SIZES = {

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.corpus import byte_tokens
 from examples.gpt import GPT, GPTConfig, decay_groups
-from zero_strategy.consolidate import consolidate
+from zero_strategy.checkpoint.consolidate import consolidate
 
 
 class ByteWindows(Dataset):

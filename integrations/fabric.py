@@ -20,9 +20,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.checkpoint import client_state_of
-from zero_strategy.consolidate import iter_tensors
-from zero_strategy.safe_load import safe_torch_load
+from zero_strategy.checkpoint.consolidate import iter_tensors
+from zero_strategy.checkpoint.safe_load import safe_torch_load
+from zero_strategy.checkpoint.sharded import client_state_of
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state

@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from ..distillation import StagedKD, freeze, teacher_forward
+from ..moe.distillation import StagedKD, freeze, teacher_forward
 
 TEACHER = "mos_teacher"
 

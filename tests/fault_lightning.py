@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import zero_strategy  # noqa: E402, F401
 from training import local_batch, make_model, make_optimizer  # noqa: E402
-from zero_strategy import save_agreement  # noqa: E402
+from zero_strategy.checkpoint import save_agreement  # noqa: E402
 
 
 def main(directory: str, steps: str, kill: str) -> None:

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from training import TINY, local_batch, make_model, make_optimizer  # noqa: E402
-from zero_strategy import ZeroConfig, ZeroEngine, atomic_dir, save_agreement  # noqa: E402
+from zero_strategy import ZeroConfig, ZeroEngine  # noqa: E402
+from zero_strategy.checkpoint import atomic_dir, save_agreement  # noqa: E402
 
 
 def _kill(sig: signal.Signals = signal.SIGKILL) -> None:

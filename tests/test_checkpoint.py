@@ -14,10 +14,11 @@ import torch
 from disks import mount_small_tmpfs, unmount
 from distributed import run_world
 from training import make_model, make_optimizer, train_zero_resumable
-from zero_strategy import ZeroConfig, ZeroEngine, save_agreement
-from zero_strategy.checkpoint import CheckpointError
-from zero_strategy.consolidate import consolidate
-from zero_strategy.safetensors_io import SafetensorsFile
+from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.checkpoint import save_agreement
+from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.safetensors_io import SafetensorsFile
+from zero_strategy.checkpoint.sharded import CheckpointError
 
 TOTAL, CUT = 8, 4
 
@@ -334,7 +335,7 @@ def test_a_rank_file_that_links_out_of_the_directory_is_refused(tmp_path):
 def test_a_flipped_byte_in_a_shard_is_refused_by_its_checksum(tmp_path):
     """The index records a CRC-32 of every chunk of every tensor; a load (and so a
     consolidation) verifies each chunk it reads."""
-    from zero_strategy.consolidate import consolidate
+    from zero_strategy.checkpoint.consolidate import consolidate
 
     path, _ = _save_single(tmp_path)
     _flip_a_weight_byte(path)

@@ -15,9 +15,9 @@ from distributed import run_world
 from examples.gpt import GPT
 from training import TINY, make_model, make_optimizer, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.checkpoint import CheckpointError
+from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.sharded import CheckpointError
 from zero_strategy.cli import main
-from zero_strategy.consolidate import consolidate
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_cli_errors_name_the_problem(tmp_path, trained):
     f = broken / "rank00001.safetensors"
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="unreadable"):
-        from zero_strategy.inspect_checkpoint import summary
+        from zero_strategy.checkpoint.inspect import summary
 
         summary(broken)
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from distributed import run_world
 from examples.gpt import GPT, GPTConfig
-from zero_strategy.distillation import Distillation, StagedKD, kd_loss
 from zero_strategy.moe import moe_losses
+from zero_strategy.moe.distillation import Distillation, StagedKD, kd_loss
 
 TEACHER = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, n_experts=4)
 STUDENT = replace(TEACHER, n_layer=1)

@@ -11,8 +11,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tests.distributed import run_world
 from tests.training import global_batch, local_batch, make_model, make_optimizer, rel_l2
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.consolidate import consolidate
-from zero_strategy.safetensors_io import SafetensorsFile
+from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.safetensors_io import SafetensorsFile
 
 DECAY = 0.8
 STEPS = 6

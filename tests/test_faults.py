@@ -147,7 +147,7 @@ def test_restarts_over_torchruns_shared_store_are_named_with_the_fix(monkeypatch
     """torchrun (torch >= 2.5) shares its rendezvous store across restarts; a restarted
     attempt's group creation can then read a dead attempt's address. The engine warns
     when it runs so, and a failed group creation in a restart names the cause and fix."""
-    from zero_strategy import elastic_store
+    from zero_strategy.comm import elastic_store
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
@@ -208,7 +208,8 @@ def _save_failing_on_rank_1(rank, world, ckpt):
     from safetensors import SafetensorError
 
     from training import local_batch, make_model, make_optimizer
-    from zero_strategy import CheckpointError, ZeroConfig, ZeroEngine, save_agreement
+    from zero_strategy import CheckpointError, ZeroConfig, ZeroEngine
+    from zero_strategy.checkpoint import save_agreement
 
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, collective_timeout=60))

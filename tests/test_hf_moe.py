@@ -168,7 +168,7 @@ def test_expert_parallel_1_keeps_every_expert_and_matches_too():
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
 def test_consolidated_model_loads_with_from_pretrained_and_gives_the_same_logits(arch, tmp_path):
-    from zero_strategy.consolidate import consolidate
+    from zero_strategy.checkpoint.consolidate import consolidate
 
     checkpoint = tmp_path / "checkpoint"
     results = run_world(_train, 2, arch, 3, 2, str(checkpoint))

@@ -225,7 +225,7 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(stage):
     """ep_size 2 on 4 ranks: each rank holds 2 of the 4 experts, sharded over the 2 ranks
     holding the same ones, so its expert Adam moments are 1/4 of all experts' (8 bytes
     an element), as memory_report() shows; the planner's ep_size accounting agrees."""
-    from zero_strategy.planner import count_params, plan
+    from zero_strategy.memory.planner import count_params, plan
 
     model = moe_model(1)
     every_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

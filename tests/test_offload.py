@@ -262,7 +262,7 @@ def test_checkpoints_with_and_without_offload_hold_the_same_tensors(tmp_path):
     """The same training saved from disk and from memory: identical files' tensors."""
     from safetensors.torch import load_file
 
-    from zero_strategy.safetensors_io import SafetensorsFile
+    from zero_strategy.checkpoint.safetensors_io import SafetensorsFile
 
     offload = tmp_path / "offload"
     offload.mkdir()

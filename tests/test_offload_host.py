@@ -18,7 +18,7 @@ from distributed import run_world
 from training import local_batch, make_model, make_optimizer, train_zero, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy import engine as engine_module
-from zero_strategy.memory import held_bytes
+from zero_strategy.memory.accounting import held_bytes
 
 STEPS, ACCUM, CLIP = 6, 2, 0.5
 HOST = torch.device("cpu", 0)  # != torch.device("cpu"), the same memory
@@ -234,7 +234,7 @@ def test_the_planner_predicts_the_sides_within_2_percent(stage):
     device; each kind within 2% of what the engine holds with its sides apart."""
     from test_planner import WIDER
 
-    from zero_strategy.planner import count_params, plan
+    from zero_strategy.memory.planner import count_params, plan
 
     params, root = count_params(make_model(cfg=WIDER))
     predicted = plan(params, 2, stage, "fp32", root_params=root, offload="cpu")
@@ -254,7 +254,7 @@ def test_the_planner_predicts_the_sides_within_2_percent(stage):
 def test_an_optimizer_tied_to_the_device_is_refused_when_offloaded(monkeypatch):
     """With the optimizer on the host, `capturable=True` (CUDA graphs' optimizer, whose
     state must be on the device) cannot step: refused at construction, naming the fix."""
-    from zero_strategy.optimizer import UnsupportedOptimizerError
+    from zero_strategy.optim.shard_views import UnsupportedOptimizerError
 
     monkeypatch.setattr(engine_module, "optimizer_host", _host_apart)
     model = make_model()

@@ -25,7 +25,7 @@ from training import (
     train_zero_resumable,
 )
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.placement import ShardSpec
+from zero_strategy.layout.shard_spec import ShardSpec
 
 STEPS, ACCUM, CLIP = 20, 2, 0.5
 PAIRS = ShardSpec(((0, 1), (2, 3)))

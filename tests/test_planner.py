@@ -11,7 +11,7 @@ from examples.gpt import GPTConfig
 from training import local_batch, make_model, make_optimizer
 from zero_strategy import ShardSpec, ZeroConfig, ZeroEngine
 from zero_strategy.cli import main
-from zero_strategy.planner import GB, PlanError, cheapest_stage, count_params, plan
+from zero_strategy.memory.planner import GB, PlanError, cheapest_stage, count_params, plan
 
 
 @pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])

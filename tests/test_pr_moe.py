@@ -100,7 +100,7 @@ def test_pr_moe_checkpoint_continues_at_another_expert_parallel_size(tmp_path):
     # model's names, the saved values.
     from safetensors.torch import load_file
 
-    from zero_strategy.consolidate import consolidate
+    from zero_strategy.checkpoint.consolidate import consolidate
 
     consolidate(checkpoint, tmp_path / "model", show_progress=False)
     state = load_file(str(tmp_path / "model" / "model.safetensors"))

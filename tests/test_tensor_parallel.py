@@ -99,7 +99,7 @@ def test_dp2_tp2_llama_matches_one_process(stage, tmp_path):
     """Stages 1 and 3 over the data dimension, with clipping (the norm spans shards of
     both dimensions): the losses are one process's within 1e-5, and the checkpoint,
     consolidated to a plain model, holds one process's weights."""
-    from zero_strategy.consolidate import iter_tensors
+    from zero_strategy.checkpoint.consolidate import iter_tensors
 
     path = tmp_path / "ck"
     ref_losses, _ = _single_process(STEPS)
@@ -339,7 +339,7 @@ def _model_state(rank, world, stage, dtype):
 
 @pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (3, "fp32"), (3, "bf16")])
 def test_planner_accounts_for_tensor_parallelism_within_2_percent(stage, dtype):
-    from zero_strategy.planner import count_params, plan, tensor_shardable_params
+    from zero_strategy.memory.planner import count_params, plan, tensor_shardable_params
 
     model = llama()
     params, root = count_params(model)

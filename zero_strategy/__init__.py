@@ -5,15 +5,15 @@
 """
 
 from . import torch_floor  # noqa: F401  (first: an older torch fails here, naming the fix)
-from .checkpoint import CheckpointError
-from .comm import PeerLostError
+from .builder.meta_init import init_on_meta
+from .checkpoint.sharded import CheckpointError
+from .comm.communicator import PeerLostError
 from .config import ZeroConfig, ZeroConfigError
 from .deepspeed_config import from_deepspeed_config
 from .engine import ZeroEngine
-from .gather import ModulePathDivergenceError
-from .meta_init import init_on_meta
-from .optimizer import UnsupportedOptimizerError
-from .placement import ShardSpec
+from .layout.shard_spec import ShardSpec
+from .optim.shard_views import UnsupportedOptimizerError
+from .units.gather import ModulePathDivergenceError
 
 __all__ = [
     "CheckpointError",

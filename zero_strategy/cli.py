@@ -22,7 +22,7 @@ def _env(_: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from .consolidate import consolidate
+    from .checkpoint.consolidate import consolidate
 
     files = consolidate(
         args.checkpoint,
@@ -40,7 +40,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect_checkpoint import summary
+    from .checkpoint.inspect import summary
 
     print(summary(args.checkpoint))
     return 0
@@ -49,7 +49,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from . import planner
+    from .memory import planner
 
     root, sharded = 0, None
     if args.hf_config:
@@ -102,7 +102,7 @@ def _params_of_hf_config(path: str) -> tuple[int, int, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .planner import count_params, tensor_shardable_params
+    from .memory.planner import count_params, tensor_shardable_params
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -111,7 +111,7 @@ def _params_of_hf_config(path: str) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .planner import OFFLOADS
+    from .memory.planner import OFFLOADS
 
     parser = argparse.ArgumentParser(prog="zero-strategy", description="ZeRO sharding for PyTorch.")
     parser.add_argument("--version", action="version", version=f"zero-strategy {__version__}")

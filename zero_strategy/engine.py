@@ -29,21 +29,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint, fused_step, meta_init, shutdown
+from .builder import meta_init
+from .checkpoint import sharded as checkpoint
+from .checkpoint.pretrained import load_pretrained
+from .comm import shutdown
+from .comm.topology import ProcessGroups
 from .config import ZeroConfig
-from .ema import ShardedEMA
-from .flat_unit import FlatUnit, OneResident
-from .full_view import FullGrads, FullParameters
-from .gather import STATE_DICT, GatherManager, in_backward
-from .generation_sync import keep_generation_in_step
-from .grads import GradReducer
 from .kernels import multi_tensor_sum_squares, reference_sum_squares
-from .landed_norms import LandedNorms
-from .memory import held_bytes, memory_report
-from .memory_peaks import MemoryPeaks
-from .module_hooks import EngineHook
-from .module_state import ModuleStateHooks
-from .moe.placement import (
+from .layout.partition import (
+    FROZEN_GROUP,
+    Stored,
+    UnitLayout,
+    bucket_layouts,
+    frozen_leftover_modules,
+    module_layouts,
+    select_unit_modules,
+    unique_parameters,
+)
+from .layout.shard_spec import (
+    PlacementFn,
+    ShardSpec,
+    owner_of,
+    placed_modules,
+    placed_path_of_names,
+    spec_of_owner,
+)
+from .memory.accounting import held_bytes, memory_report
+from .memory.peaks import MemoryPeaks
+from .model_view.full_view import FullGrads, FullParameters
+from .model_view.generation_sync import keep_generation_in_step
+from .model_view.module_state import ModuleStateHooks
+from .model_view.replaced_data import adopt_replaced, converted_warning, replaced_slots
+from .model_view.routed_zero_grad import route_zero_grad
+from .moe.expert_placement import (
     ExpertNames,
     expert_layers,
     expert_parallel_partition,
@@ -62,7 +80,12 @@ from .offload import (
     state_store,
     unit_tiers,
 )
-from .optimizer import (
+from .optim import fused_step
+from .optim.ema import ShardedEMA
+from .optim.landed_norms import LandedNorms
+from .optim.loss_scaler import LossScaler
+from .optim.optimizer_set import OptimizerSet
+from .optim.shard_views import (
     OptimizerView,
     check_host_optimizers,
     check_optimizer,
@@ -71,30 +94,6 @@ from .optimizer import (
     user_step_hooks,
     without_user_step_hooks,
 )
-from .optimizer_set import OptimizerSet
-from .partition import (
-    FROZEN_GROUP,
-    Stored,
-    UnitLayout,
-    bucket_layouts,
-    frozen_leftover_modules,
-    module_layouts,
-    select_unit_modules,
-    unique_parameters,
-)
-from .placement import (
-    PlacementFn,
-    ShardSpec,
-    owner_of,
-    placed_modules,
-    placed_path_of_names,
-    spec_of_owner,
-)
-from .precision import LossScaler
-from .pretrained import load_pretrained
-from .publish import ParameterPublisher
-from .replaced_data import adopt_replaced, converted_warning, replaced_slots
-from .routed_zero_grad import route_zero_grad
 from .tensor_parallel import (
     broadcast_whole_parameters,
     check_head_counts,
@@ -103,7 +102,11 @@ from .tensor_parallel import (
     whole_for_init,
 )
 from .tensor_parallel import check_parameters as check_tensor_parameters
-from .topology import ProcessGroups
+from .units.flat_unit import FlatUnit, OneResident
+from .units.gather import STATE_DICT, GatherManager, in_backward
+from .units.grads import GradReducer
+from .units.module_hooks import EngineHook
+from .units.publish import ParameterPublisher
 
 
 class ZeroEngine:

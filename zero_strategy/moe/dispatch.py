@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 
 
 class _AllToAll(torch.autograd.Function):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..partition import Stored
+from ..layout.partition import Stored
 
 
 def batched_rows(name: str, shape: tuple[int, ...], num_experts: int, ep_rank: int) -> Stored:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..kernels import permute, unpermute
-from ..partition import Stored
+from ..layout.partition import Stored
 from . import capacity, dispatch
 from .experts import Experts, batched_rows
 from .router import Router

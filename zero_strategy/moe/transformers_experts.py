@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Communicator
-from ..partition import Stored
-from ..placement import within
+from ..comm.communicator import Communicator
+from ..layout.partition import Stored
+from ..layout.shard_spec import within
 from . import dispatch
 from .experts import batched_rows
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ZeroConfig
-from ..flat_unit import FlatUnit
-from ..optimizer import OptimizerView
+from ..optim.shard_views import OptimizerView
+from ..units.flat_unit import FlatUnit
 from .failures import agree_on_write_failures
 from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from .offload_file import OffloadError
 
 

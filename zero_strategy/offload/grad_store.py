@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..flat_unit import FlatUnit
+from ..units.flat_unit import FlatUnit
 from .offload_file import OffloadFile
 from .shard_store import DiskShards
 from .staging import StagingBuffers

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..flat_unit import FlatUnit
+from ..units.flat_unit import FlatUnit
 from .failures import KeptFailure
 from .host_memory import return_freed_memory
 from .offload_file import OffloadError, OffloadFile, aligned_empty, round_up

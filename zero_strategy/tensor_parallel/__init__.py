@@ -17,6 +17,13 @@ tensors), `checks` (what is refused) and `init` (meta-device initialisation).
 
 from __future__ import annotations
 
+from .blocks import (
+    TensorPlacement,
+    broadcast_whole_parameters,
+    full_tensor,
+    placement_of,
+    read_block,
+)
 from .checks import check_head_counts, check_parameters
 from .dtensors import (
     is_dtensor,
@@ -28,13 +35,6 @@ from .dtensors import (
 )
 from .init import whole_for_init
 from .mesh import MeshLayout, tensor_parallel_mesh
-from .placement import (
-    TensorPlacement,
-    broadcast_whole_parameters,
-    full_tensor,
-    placement_of,
-    read_block,
-)
 
 __all__ = [
     "MeshLayout",

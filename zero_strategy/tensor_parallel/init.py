@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from .placement import TensorPlacement
+from .blocks import TensorPlacement
 
 
 @contextlib.contextmanager

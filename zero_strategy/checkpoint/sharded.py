@@ -32,14 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm.communicator import Communicator
+from ..layout.partition import ParamSlot, Stored
+from ..offload.state_store import OptimizerStateStore
+from ..optim.optimizer_set import OptimizerSet
+from ..optim.shard_views import OptimizerView
+from ..tensor_parallel import TensorPlacement, read_block
+from ..units.flat_unit import FlatUnit, OneResident
 from . import atomic_dir
 from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
-from .comm import Communicator
-from .flat_unit import FlatUnit, OneResident
-from .offload.state_store import OptimizerStateStore
-from .optimizer import OptimizerView
-from .optimizer_set import OptimizerSet
-from .partition import ParamSlot, Stored
 from .safe_load import CheckpointError, safe_torch_load
 from .safetensors_io import LazyTensor, SafetensorsFile, lazy
 from .save_agreement import (
@@ -49,7 +50,6 @@ from .save_agreement import (
     file_bytes,
     write_rank_file,
 )
-from .tensor_parallel import TensorPlacement, read_block
 
 FORMAT = "zero-strategy/1"
 INDEX = "index.json"

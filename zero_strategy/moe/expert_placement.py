@@ -16,9 +16,9 @@ from typing import Protocol
 
 from torch import nn
 
-from ..comm import Communicator
-from ..partition import Stored
-from ..placement import ShardSpec
+from ..comm.communicator import Communicator
+from ..layout.partition import Stored
+from ..layout.shard_spec import ShardSpec
 from . import transformers_experts
 from .layer import MoE
 

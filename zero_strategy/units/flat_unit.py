@@ -24,10 +24,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .partition import UnitLayout
+from ..comm.topology import ShardGroup
+from ..layout.partition import UnitLayout
+from ..tensor_parallel import local_tensor, match_local_dtype, set_local_grad
 from .storage_pool import StoragePool
-from .tensor_parallel import local_tensor, match_local_dtype, set_local_grad
-from .topology import ShardGroup
 
 
 class ShardHome(Protocol):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .placement import ShardSpec, owner_of, within
-from .tensor_parallel import TensorPlacement, local_tensor, placement_of
+from ..tensor_parallel import TensorPlacement, local_tensor, placement_of
+from .shard_spec import ShardSpec, owner_of, within
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
 

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit
-from .optimizer_set import OptimizerSet
+from ..optim.optimizer_set import OptimizerSet
+from ..units.flat_unit import FlatUnit
 
 MODEL_STATE = ("parameters", "master_params", "gradients", "optimizer_state")
 KINDS = (

@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from .comm import Communicator
+from ..comm.communicator import Communicator
 from .flat_unit import FlatUnit
 from .module_hooks import EngineHook
 from .order_check import (  # noqa: F401 (re-exported)

@@ -24,11 +24,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit
-from .gather import STATE_DICT, GatherManager
-from .module_hooks import EngineHook
-from .partition import ParamSlot
-from .tensor_parallel import local_tensor
+from ..layout.partition import ParamSlot
+from ..tensor_parallel import local_tensor
+from ..units.flat_unit import FlatUnit
+from ..units.gather import STATE_DICT, GatherManager
+from ..units.module_hooks import EngineHook
 
 
 class ModuleStateHooks:

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit, OneResident
-from .partition import Stored
+from ..layout.partition import Stored
+from ..tensor_parallel import TensorPlacement, read_block
+from ..units.flat_unit import FlatUnit, OneResident
 from .safetensors_io import SafetensorsFile
-from .tensor_parallel import TensorPlacement, read_block
 
 
 def _locate(path: Path) -> dict[str, Path]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .optimizer import OptimizerView
+from .shard_views import OptimizerView
 
 EMA_KEY = "ema"
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .kernels import fused_adamw_, use_triton
+from ..kernels import fused_adamw_, use_triton
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 # (master view, gradient view, compute copy) per optimizer param of a group; the copy is

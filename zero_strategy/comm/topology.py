@@ -23,10 +23,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..layout.shard_spec import ShardSpec
+from ..tensor_parallel import MeshLayout
 from . import elastic_store
-from .comm import Communicator
-from .placement import ShardSpec
-from .tensor_parallel import MeshLayout
+from .communicator import Communicator
 
 
 def backend_for(device: torch.device) -> str:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .flat_unit import FlatUnit
+from ..tensor_parallel import local_tensor, match_local_dtype
+from ..units.flat_unit import FlatUnit
 from .full_view import write_back_unit
-from .tensor_parallel import local_tensor, match_local_dtype
 
 
 def replaced_slots(unit: FlatUnit) -> tuple[list[int], list[int]]:

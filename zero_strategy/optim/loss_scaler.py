@@ -7,7 +7,7 @@ flag before calling `update`.
 
 from __future__ import annotations
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 
 class LossScaler:

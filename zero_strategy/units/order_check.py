@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Communicator
+from ..comm.communicator import Communicator
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}

@@ -8,8 +8,8 @@ from collections import defaultdict
 
 from safetensors import safe_open
 
-from .checkpoint import CheckpointError, located, read_index
-from .partition import FROZEN_GROUP
+from ..layout.partition import FROZEN_GROUP
+from .sharded import CheckpointError, located, read_index
 
 
 def _mib(n: int) -> str:

@@ -76,7 +76,7 @@ def tensor_shardable_params(model: nn.Module) -> int:
     """The parameters a standard tensor-parallel plan splits: the weights of every
     nn.Linear inside the stage-3 units (a transformer block's attention and MLP
     projections, column- or row-wise; their biases and the norms stay whole)."""
-    from .partition import select_unit_modules
+    from ..layout.partition import select_unit_modules
 
     units = [model.get_submodule(p) for p in select_unit_modules(model, [])]
     return sum(
@@ -87,8 +87,8 @@ def tensor_shardable_params(model: nn.Module) -> int:
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(parameters, parameters of the stage-3 root unit), each tied tensor once; works on
     a model built on the meta device."""
-    from .partition import module_layouts, select_unit_modules, unique_parameters
-    from .placement import ShardSpec
+    from ..layout.partition import module_layouts, select_unit_modules, unique_parameters
+    from ..layout.shard_spec import ShardSpec
 
     params = unique_parameters(model)
     one = ShardSpec.world(1)

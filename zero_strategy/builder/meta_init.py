@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .partition import ParamSlot
-from .placement import within
-from .tensor_parallel import is_dtensor, real_dtensor_like
+from ..layout.partition import ParamSlot
+from ..layout.shard_spec import within
+from ..tensor_parallel import is_dtensor, real_dtensor_like
 
 InitFn = Callable[[nn.Module], None]
 

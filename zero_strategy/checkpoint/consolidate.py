@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CLIENT_STATE, CheckpointReader
-from .ema import EMA_KEY
-from .partition import FROZEN_GROUP
+from ..layout.partition import FROZEN_GROUP
+from ..optim.ema import EMA_KEY
 from .safe_load import safe_torch_load
+from .sharded import CLIENT_STATE, CheckpointReader
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {

@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .comm import Communicator
-from .flat_unit import FlatUnit
-from .gather import STATE_DICT, GatherManager
-from .partition import ParamSlot
-from .tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
+from ..comm.communicator import Communicator
+from ..layout.partition import ParamSlot
+from ..tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
+from ..units.flat_unit import FlatUnit
+from ..units.gather import STATE_DICT, GatherManager
 
 
 def units_of(

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 from .flat_unit import FlatUnit
 from .host_landing import HostLandings
-from .tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
 # with the one being filled, that bounds the transient gradient memory to three units
