@@ -43,7 +43,7 @@ def _optimizer_bytes(rank, world, stage, decay):
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, ema_decay=decay))
     _train(engine, range(2), rank, world)
-    shard = sum(v.hi - v.lo for v in engine._opt_views)
+    shard = sum(v.hi - v.lo for v in engine.optim.views)
     held = engine.memory_report()["optimizer_state"]
     engine.close()
     return held, shard

@@ -76,7 +76,7 @@ def test_disk_offload_in_one_process_with_bf16_and_ema(tmp_path):
         with engine.ema_weights():
             averaged = engine.full_state_dict()
         report = engine.memory_report()
-        report["views"] = len(engine._opt_views)
+        report["views"] = len(engine.optim.views)
         # Each unit's fp32 master, a tensor of its own in bf16, at a 4 KiB-aligned place.
         report["masters_aligned"] = sum(round_up(u.master.nbytes) for u in engine.units)
         engine.close()
@@ -153,7 +153,7 @@ def _report_run(rank, world, stage, directory):
     with torch.no_grad():
         engine(x, y)  # a forward lets go of the finished writes' buffers
     later = engine.memory_report()
-    views = [v.hi - v.lo for v in engine._opt_views]
+    views = [v.hi - v.lo for v in engine.optim.views]
     engine.close()
     return before, after, later, views
 
@@ -204,8 +204,8 @@ def _hooked_run(rank, world, directory):
             engine.backward(engine(x, y))
             engine.step()
             engine.zero_grad()
-        views = len(engine._opt_views)
-        tiles = len(getattr(engine._opt_state, "tiles", [[]]))
+        views = len(engine.optim.views)
+        tiles = len(getattr(engine.optim.state_store, "tiles", [[]]))
         results[name] = (calls, engine.full_state_dict(), views, tiles)
         engine.close()
     return results
@@ -452,7 +452,7 @@ PEAK_RSS_SCRIPT = textwrap.dedent(
                       "save_growth": max(samples) - before,
                       "disk": report["disk_optimizer_state"],
                       "disk_parameters": report["disk_parameters"],
-                      "state": report["optimizer_state"], "views": len(engine._opt_views)}))
+                      "state": report["optimizer_state"], "views": len(engine.optim.views)}))
     """
 )
 

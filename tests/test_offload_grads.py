@@ -164,8 +164,10 @@ def _staging_after_steps(rank, world, directory):
         engine.backward(engine(x, y))
         engine.step()
         engine.zero_grad()
-    staging = engine._staging
-    held = len(staging.free) + len(engine._shards.buffers()) + len(engine._grads.buffers())
+    staging = engine.staging
+    held = (
+        len(staging.free) + len(engine.tiers.shards.buffers()) + len(engine.tiers.grads.buffers())
+    )
     largest = max(
         [u.master.nbytes for u in engine.units if u.home is not None]
         + [u.grad_opt.nbytes for u in engine.units if u.grad_home is not None]

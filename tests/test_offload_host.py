@@ -17,7 +17,7 @@ import torch
 from distributed import run_world
 from training import local_batch, make_model, make_optimizer, train_zero, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy import engine as engine_module
+from zero_strategy.builder import steps as builder_steps
 from zero_strategy.memory.accounting import held_bytes
 
 STEPS, ACCUM, CLIP = 6, 2, 0.5
@@ -33,7 +33,7 @@ def _apart(function):
     """`function` run with the optimizer's side apart from the training device."""
 
     def run(*args, **kwargs):
-        engine_module.optimizer_host = _host_apart
+        builder_steps.optimizer_host = _host_apart
         return function(*args, **kwargs)
 
     run.__name__ = function.__name__
@@ -87,7 +87,7 @@ def test_the_optimizer_apart_with_its_side_on_disk_trains_bit_identically(tmp_pa
 
 def _sides(rank, world, stage):
     """After two steps: the tensors of each side, and the memory figures."""
-    engine_module.optimizer_host = _host_apart
+    builder_steps.optimizer_host = _host_apart
     model = make_model()
     engine = ZeroEngine(
         model, make_optimizer(model), ZeroConfig(stage=stage, offload_optimizer="cpu")
@@ -112,7 +112,7 @@ def _sides(rank, world, stage):
     # host memory there.
     as_on_gpu = held_bytes(
         engine.units,
-        engine._optimizer_set,
+        engine.optim.optimizer_set,
         engine.module,
         engine.stage,
         device=torch.device("cuda"),
@@ -181,8 +181,8 @@ def _params_apart(config, device, host):
 
 
 def _train_params_apart(*args, **kwargs):
-    engine_module.parameters_host = _params_apart
-    engine_module.keeps_stage_3 = lambda config, device: config.offload_params != "none"
+    builder_steps.parameters_host = _params_apart
+    builder_steps.keeps_stage_3 = lambda config, device: config.offload_params != "none"
     return train_apart(*args, **kwargs)
 
 
@@ -215,7 +215,7 @@ def _same_as_disk_at_world_1(apart, config):
 
 
 def _report_apart(rank, world, stage, cfg):
-    engine_module.optimizer_host = _host_apart
+    builder_steps.optimizer_host = _host_apart
     model = make_model(cfg=cfg)
     config = ZeroConfig(stage=stage, offload_optimizer="cpu")
     engine = ZeroEngine(model, make_optimizer(model), config)
@@ -256,7 +256,7 @@ def test_an_optimizer_tied_to_the_device_is_refused_when_offloaded(monkeypatch):
     state must be on the device) cannot step: refused at construction, naming the fix."""
     from zero_strategy.optim.shard_views import UnsupportedOptimizerError
 
-    monkeypatch.setattr(engine_module, "optimizer_host", _host_apart)
+    monkeypatch.setattr(builder_steps, "optimizer_host", _host_apart)
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     with pytest.raises(UnsupportedOptimizerError, match=r"param group 0 has capturable=True"):
@@ -266,8 +266,8 @@ def test_an_optimizer_tied_to_the_device_is_refused_when_offloaded(monkeypatch):
 def _hf_apart(*args, **kwargs):
     from test_hf_models import _train
 
-    engine_module.optimizer_host = _host_apart
-    engine_module.parameters_host = _params_apart
+    builder_steps.optimizer_host = _host_apart
+    builder_steps.parameters_host = _params_apart
     return _train(*args, **kwargs)
 
 

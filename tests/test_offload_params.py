@@ -60,7 +60,7 @@ def _report_run(rank, world, directory, compute_dtype):
     engine.step()
     report = engine.memory_report()
     shards = [u.opt_end - u.opt_start for u in engine.units if not u.persistent]
-    buffers = len(engine._shards.buffers())
+    buffers = len(engine.tiers.shards.buffers())
     gather_spares = engine.gather.storage_pool.spare_bytes  # stage 3's own pooled memory
     engine.close()
     return report, shards, buffers, gather_spares, engine.stage

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..torch_internals import mark_sharded_for_generate
+
 
 def keep_generation_in_step(model: nn.Module) -> None:
     """Mark every Transformers model in `model` (a module with `generate` and a `config`)
     so that its `generate()` defaults to `synced_gpus=True` on more than one rank."""
     for module in model.modules():
         if callable(getattr(module, "generate", None)) and hasattr(module, "config"):
-            module._is_fsdp_managed_module = True
+            mark_sharded_for_generate(module)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import fused_adamw_, use_triton
+from ..torch_internals import has_user_step_hooks, mark_stepped
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 # (master view, gradient view, compute copy) per optimizer param of a group; the copy is
@@ -37,7 +38,7 @@ class FusedAdamStep:
         opt = self.optimizer
         if type(opt) not in ADAM_FAMILY or not masters or not use_triton(*masters):
             return False
-        if len(opt._optimizer_step_pre_hooks) > self.own_hooks or opt._optimizer_step_post_hooks:
+        if has_user_step_hooks(opt, self.own_hooks):
             return False  # the user's hooks run only through optimizer.step()
         for group in opt.param_groups:
             if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
@@ -74,8 +75,7 @@ class FusedAdamStep:
             )
             for other in steps[1:]:
                 other.copy_(steps[0])
-        # What LR schedulers check to warn about a scheduler step before an optimizer step.
-        opt._opt_called = True
+        mark_stepped(opt)
 
     def _state(self, p: torch.Tensor) -> dict:
         """torch's Adam state for `p`, created or moved to the device the kernel reads it on

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..torch_internals import foreach_norm
+
 Slices = Sequence[tuple[int, torch.Tensor]]  # (param group index, slice of the gradient)
 
 
@@ -29,7 +31,7 @@ class LandedNorms:
         """The unit's gradient as it is now (in memory): its slices' norms."""
         if self.dtype != torch.float64:
             slices = [(gi, t.to(torch.float32)) for gi, t in slices if t.numel()]
-        norms = torch._foreach_norm([t for _, t in slices], 2.0) if slices else []
+        norms = foreach_norm([t for _, t in slices], 2.0) if slices else []
         self._by_unit[unit_index] = [(gi, n) for (gi, _), n in zip(slices, norms)]
 
     def has(self, unit_index: int) -> bool:

@@ -11,9 +11,7 @@ new value depends on that element alone); others are refused unless the user opt
 
 from __future__ import annotations
 
-import contextlib
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -129,51 +127,3 @@ def repoint_optimizer(
     for gi, group in enumerate(optimizer.param_groups):
         group["params"] = [nn.Parameter(v, requires_grad=True) for v in views_by_group.get(gi, [])]
     optimizer.state = defaultdict(dict)
-
-
-def user_step_hooks(
-    optimizer: torch.optim.Optimizer, own_hook: int
-) -> tuple[list[Callable], list[Callable]]:
-    """The pre- and post-step hooks `optimizer.step()` would run (global and the
-    optimizer's own, in torch's order), less the engine's guard (handle id `own_hook`)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    pre = [
-        *torch_optimizer._global_optimizer_pre_hooks.values(),
-        *(h for k, h in optimizer._optimizer_step_pre_hooks.items() if k != own_hook),
-    ]
-    post = [
-        *optimizer._optimizer_step_post_hooks.values(),
-        *torch_optimizer._global_optimizer_post_hooks.values(),
-    ]
-    return pre, post
-
-
-@contextlib.contextmanager
-def without_user_step_hooks(optimizer: torch.optim.Optimizer, own_hook: int) -> Iterator[None]:
-    """`optimizer.step()` inside runs the engine's guard (handle id `own_hook`) and no other
-    hook: one step taken as several partial steps (offloaded state, a tile at a time)
-    runs the user's hooks itself, once, around all of them (`user_step_hooks`)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    saved = (
-        optimizer._optimizer_step_pre_hooks,
-        optimizer._optimizer_step_post_hooks,
-        torch_optimizer._global_optimizer_pre_hooks,
-        torch_optimizer._global_optimizer_post_hooks,
-    )
-    optimizer._optimizer_step_pre_hooks = OrderedDict(
-        (k, h) for k, h in saved[0].items() if k == own_hook
-    )
-    optimizer._optimizer_step_post_hooks = OrderedDict()
-    torch_optimizer._global_optimizer_pre_hooks = OrderedDict()
-    torch_optimizer._global_optimizer_post_hooks = OrderedDict()
-    try:
-        yield
-    finally:
-        (
-            optimizer._optimizer_step_pre_hooks,
-            optimizer._optimizer_step_post_hooks,
-            torch_optimizer._global_optimizer_pre_hooks,
-            torch_optimizer._global_optimizer_post_hooks,
-        ) = saved

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtensors import Shard, is_dtensor
+from .dtensors import Shard, is_dtensor, local_tensor
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, shape) in the full tensor
 
@@ -63,10 +63,10 @@ def placement_of(p: torch.Tensor) -> TensorPlacement | None:
     )
     mesh = p.device_mesh
     placed = TensorPlacement(tuple(p.shape), names, mesh.get_local_rank(), mesh.size())
-    if placed.block(placed.position)[1] != tuple(p._local_tensor.shape):
+    if placed.block(placed.position)[1] != tuple(local_tensor(p).shape):
         raise ValueError(
             f"A DTensor parameter of shape {tuple(p.shape)} with placements {p.placements} "
-            f"holds a local shard of shape {tuple(p._local_tensor.shape)}, not torch.chunk's "
+            f"holds a local shard of shape {tuple(local_tensor(p).shape)}, not torch.chunk's "
             "split; shard parameters with distribute_tensor / parallelize_module."
         )
     return placed

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import torch_internals
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch without distributed
@@ -20,7 +22,7 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The plain tensor a parameter's values live in on this rank: a DTensor's local
     shard (the same object for the DTensor's lifetime: the engine re-points its `.data`),
     the parameter itself otherwise."""
-    return p._local_tensor if is_dtensor(p) else p
+    return torch_internals.local_tensor(p) if is_dtensor(p) else p
 
 
 def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -36,8 +38,8 @@ def match_local_dtype(p: torch.Tensor) -> None:
     the compute dtype (bf16 views of its buffers), or back the masters' (release): wrap
     the local shard again, in place, so that the parameter, its gradients and its
     state_dict() carry the dtype it computes in."""
-    if is_dtensor(p) and p.dtype != p._local_tensor.dtype:
-        again = nn.Parameter(real_dtensor_like(p, p._local_tensor), requires_grad=p.requires_grad)
+    if is_dtensor(p) and p.dtype != local_tensor(p).dtype:
+        again = nn.Parameter(real_dtensor_like(p, local_tensor(p)), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, again)
 
 
@@ -52,7 +54,7 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     if tuple(grad.placements) != tuple(p.placements):
         grad = grad.redistribute(p.device_mesh, p.placements)
         p.grad = grad
-    return grad._local_tensor
+    return torch_internals.local_tensor(grad)
 
 
 def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:

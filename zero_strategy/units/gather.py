@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
 
 from ..comm.communicator import Communicator
+from ..torch_internals import in_backward, tree_flatten
 from .flat_unit import FlatUnit
 from .module_hooks import EngineHook
 from .order_check import (  # noqa: F401 (re-exported)
@@ -40,10 +40,6 @@ from .storage_pool import StoragePool
 # Offloaded shards (offload_params="disk") asked for beyond the gather prefetch; the tier
 # reads as many of them ahead as its buffers allow.
 READ_AHEAD = 3
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class GatherManager:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
+from ..torch_internals import clear_post_accumulate_grad_hooks, post_accumulate_grad_hooks
 from .flat_unit import FlatUnit
 from .host_landing import HostLandings
 
@@ -185,9 +186,9 @@ class GradReducer:
         for i, (p, position, slot_index, at, local) in enumerate(self._dtensor_hooks):
             if local() is local_tensor(p):
                 continue
-            listed = dict(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+            listed = post_accumulate_grad_hooks(p)
             listed.pop(self.handles[at].id, None)
-            p._post_accumulate_grad_hooks = None  # registering again wires a new list
+            clear_post_accumulate_grad_hooks(p)  # registering again wires a new list
             self.handles[at] = self._hook(p, position, slot_index)
             for hook in listed.values():
                 p.register_post_accumulate_grad_hook(hook)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..torch_internals import swap_storage
+
 
 class StoragePool:
     def __init__(self, capacity: int) -> None:
@@ -36,7 +38,7 @@ class StoragePool:
             storage.resize_(0)
         stack = self.spares.get((nbytes, storage.device))
         if stack and self._recyclable(storage):
-            storage._swap_data_ptr_(stack.pop())
+            swap_storage(storage, stack.pop())
             self.spare_bytes -= nbytes
         else:
             storage.resize_(nbytes)
@@ -51,7 +53,7 @@ class StoragePool:
             storage.resize_(0)
             return
         spare = torch.UntypedStorage(0, device=storage.device)
-        spare._swap_data_ptr_(storage)
+        swap_storage(spare, storage)
         stack.append(spare)
         self.spare_bytes += nbytes
 

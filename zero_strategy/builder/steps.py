@@ -1,0 +1,418 @@
+"""The engine's parts, put together in order. Read top to bottom, each step takes what
+the steps before it made:
+
+0. `prepare`: the config, the optimizers and the model's parameters checked;
+1. `process_groups`: the engine's own process groups;
+2. `check_mesh`: what tensor parallelism cannot do, refused before any other collective;
+3. `where_things_live` and `place_experts`: the stage this world runs, the homes of the
+   shards, and which modules are sharded over which groups (MoE experts, placements);
+4. `layouts`: the units and the flat layout of each;
+5. `units`: one `FlatUnit` per layout;
+6. `materialise` (in `materialise.py`): every unit's initial values, agreed over its group;
+7. `shard_optimizers`: the user's optimizers re-pointed at this rank's master shards;
+8. `unit_tiers` (in `offload`): the per-unit disk tiers.
+
+The engine calls them in this order and wires the hooks; nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.topology import ProcessGroups
+from ..config import ZeroConfig
+from ..layout.partition import (
+    FROZEN_GROUP,
+    UnitLayout,
+    bucket_layouts,
+    frozen_leftover_modules,
+    module_layouts,
+    select_unit_modules,
+    unique_parameters,
+)
+from ..layout.shard_spec import (
+    PlacementFn,
+    ShardSpec,
+    placed_modules,
+    placed_path_of_names,
+    spec_of_owner,
+)
+from ..model_view.generation_sync import keep_generation_in_step
+from ..moe.expert_placement import (
+    ExpertNames,
+    expert_layers,
+    expert_parallel_partition,
+    expert_placements,
+    settle_expert_parallel,
+)
+from ..offload import (
+    free_large_blocks_at_once,
+    keeps_stage_3,
+    offloads_gradients,
+    offloads_masters,
+    optimizer_host,
+    parameters_host,
+)
+from ..optim.optimizer_set import OptimizerSet
+from ..optim.shard_views import (
+    OptimizerView,
+    check_optimizer,
+    group_index_of_params,
+    repoint_optimizer,
+)
+from ..tensor_parallel import check_head_counts
+from ..tensor_parallel import check_parameters as check_tensor_parameters
+from ..units.flat_unit import FlatUnit
+
+
+# ==================================================================== 0. prepare
+@dataclass
+class Prepared:
+    config: ZeroConfig
+    optimizers: list[torch.optim.Optimizer]
+    optimizer_set: OptimizerSet
+    params: list  # partition.ModelParam, each parameter once (tied ones too)
+    device: torch.device
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    config: ZeroConfig | dict | None,
+    device: torch.device | str | None,
+) -> Prepared:
+    """Check what the user handed over, before anything is communicated."""
+    cfg = coerce_config(config)
+    optimizers = optimizer_list(optimizer, cfg)
+    for opt in optimizers:
+        check_optimizer(opt, cfg.allow_untested_optimizer)
+    optimizer_set = OptimizerSet(optimizers)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
+    _settle_expert_parallel(model, optimizer_set, cfg.expert_parallel_size)
+    params = unique_parameters(model)
+    if not params:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters, so there is nothing to shard or "
+            "train. Pass the model that holds the trainable parameters."
+        )
+    return Prepared(cfg, optimizers, optimizer_set, params, _resolve_device(params, device))
+
+
+def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
+    if config is None:
+        return ZeroConfig()
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, dict):
+        return ZeroConfig.from_dict(config)
+    raise TypeError(f"config must be a ZeroConfig or a dict, got {type(config).__name__}.")
+
+
+def optimizer_list(optimizer, cfg: ZeroConfig) -> list[torch.optim.Optimizer]:
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise ValueError("ZeroEngine needs at least one optimizer; got an empty list.")
+    if len(optimizers) > 1 and cfg.compute_torch_dtype == torch.float16:
+        raise ValueError(
+            "Several optimizers with fp16 are not supported: one dynamic loss scale cannot "
+            "skip one optimizer's step and not the other's. Use bf16 (or fp32), or one "
+            "optimizer with several param groups."
+        )
+    return optimizers
+
+
+def _settle_expert_parallel(model, optimizer, ep_size: int) -> None:
+    """MoE layers built with ep_size=None keep this rank's experts; the optimizer, built
+    over every expert, forgets the others (and takes a batched weight's slice for it)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    replaced = settle_expert_parallel(model, ep_size, rank, world)
+    if replaced:
+        for group in optimizer.param_groups:
+            params = [replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [p for p in params if p is not None]
+
+
+def _resolve_device(params, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for p in params:
+        if not p.param.is_meta:
+            return p.param.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ==================================================================== 1. groups
+def process_groups(cfg: ZeroConfig, device: torch.device, device_mesh: Any) -> ProcessGroups:
+    """The engine's own groups (with `collective_timeout`); it destroys them at close."""
+    return ProcessGroups(
+        device,
+        cfg.collective_timeout,
+        cfg.reduce_scatter_via_all_reduce,
+        cfg.all_gather_via_broadcast,
+        cfg.tensor_parallel_size,
+        device_mesh,
+    )
+
+
+# ==================================================================== 2. mesh checks
+def check_mesh(model: nn.Module, cfg: ZeroConfig, groups: ProcessGroups) -> None:
+    """Refuse, before any other collective, what tensor parallelism cannot do here."""
+    named = list(model.named_parameters())
+    check_tensor_parameters(named, groups.mesh)
+    if groups.mesh.tensor_size == 1:
+        return
+    # The (Hugging Face) config of the model, or of one held inside it (Lightning's).
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    check_head_counts(named, config, groups.mesh.tensor_size)
+    if expert_layers(model) or cfg.expert_parallel_size > 1:
+        raise ValueError(
+            "Tensor parallelism with MoE layers is not supported yet: use "
+            "tensor_parallel_size=1 with expert parallelism, or a dense model."
+        )
+
+
+# ==================================================================== 3. where things live
+@dataclass(frozen=True)
+class Homes:
+    """The stage this world runs and where each kind of tensor lives."""
+
+    stage: int
+    host: torch.device  # the optimizer's side: masters, gradient shards, state
+    pin: bool  # host memory page-locked (asynchronous copies from an accelerator)
+    shards_host: torch.device  # stage 3's parameter shards between gathers
+    units_on_disk: bool  # a per-unit tier keeps shards in a file: the step goes unit by unit
+
+
+def where_things_live(cfg: ZeroConfig, device: torch.device, world_size: int) -> Homes:
+    # One process has nothing to shard: every parameter and gradient stays in place,
+    # as in plain training, whatever stage was asked for (the checkpoints are the same);
+    # unless its parameters are offloaded, which stage 3's gathers do unit by unit.
+    stage = cfg.stage if world_size > 1 or keeps_stage_3(cfg, device) else 0
+    host, pin = optimizer_host(cfg, device)
+    shards_host = parameters_host(cfg, device, host)
+    # Where the compute copies this rank steps into live: the device, or stage 3's
+    # shards on the host (then the fp32 master is the shard itself, as on the CPU).
+    compute_home = shards_host if stage == 3 else device
+    units_on_disk = (
+        cfg.offload_params == "disk"
+        or offloads_gradients(cfg, stage)
+        or offloads_masters(cfg, host, compute_home)
+    )
+    if units_on_disk:  # before the shards are made: their memory must leave with them
+        free_large_blocks_at_once()
+    return Homes(stage, host, pin, shards_host, units_on_disk)
+
+
+@dataclass
+class ExpertPlan:
+    layers: dict  # module path -> MoE layer
+    placed: dict[str, ShardSpec]  # module path -> the groups it is sharded over
+    names: ExpertNames  # experts' global names, for checkpoints
+
+
+def place_experts(
+    model: nn.Module,
+    prepared: Prepared,
+    placement: PlacementFn | None,
+    groups: ProcessGroups,
+    stage: int,
+) -> tuple[ExpertPlan, dict[int, int]]:
+    """Which modules are sharded over which groups, checked alike on every rank; the MoE
+    layers bound to their expert-parallel groups. Returns the plan and each trainable
+    parameter's optimizer group."""
+    params = prepared.params
+    group_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
+    for p in params:
+        if not p.param.requires_grad:
+            group_of.pop(id(p.param), None)
+    layers = expert_layers(model)
+    placed = placed_modules(model, placement, groups.world_size)
+    placed.update(expert_placements(layers, groups.world_size))
+    # Cross-rank agreement first: a rank that raised alone would leave the others
+    # waiting in the next collective until the timeout.
+    _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared)
+    _warn_unoptimized(params, group_of)
+    _check_sizes(params, group_of)
+    for layer in layers.values():  # before materialising: binding picks the experts
+        if layer.ep_size > 1:
+            partition = expert_parallel_partition(layer.ep_size, groups.world_size)
+            layer.bind(groups.communicator(partition))
+    if stage == 3 or any(layer.ep_size > 1 for layer in layers.values()):
+        keep_generation_in_step(model)  # every forward is a collective
+    return ExpertPlan(layers, placed, ExpertNames(layers)), group_of
+
+
+def _warn_unoptimized(params, group_of) -> None:
+    missing = [p.names[0] for p in params if p.param.requires_grad and id(p.param) not in group_of]
+    if missing:
+        warnings.warn(
+            f"{len(missing)} parameter(s) require grad but are in no optimizer group "
+            f"(e.g. {missing[:3]}); they are treated as frozen. Add them to the optimizer "
+            "or set requires_grad=False to silence this.",
+            stacklevel=4,
+        )
+
+
+def _check_sizes(params, group_of) -> None:
+    trainable = sum(p.param.numel() for p in params if id(p.param) in group_of)
+    if trainable == 0:
+        raise ValueError(
+            "No parameter of the model is both trainable and in the optimizer. Build the "
+            "optimizer over the model's parameters that require grad."
+        )
+    # A model with fewer elements than ranks is fine: a rank whose shard is padding
+    # alone steps nothing (its optimizer holds empty views) and trains as DDP does.
+
+
+def _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared) -> None:
+    """A different model (or placement) on some rank would pair mismatched collectives,
+    or create mismatched groups: refuse early."""
+    world = groups.world.comm
+    if not world.distributed:
+        return
+    desc = (
+        "|".join(
+            f"{p.names[0]}:{tuple(p.local.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}:{p.tensor}"
+            for p in params
+        )
+        + "|"
+        + "|".join(f"{path}:{spec.describe()}" for path, spec in placed.items())
+    )
+    digest = int.from_bytes(hashlib.sha1(desc.encode()).digest()[:7], "little")
+    tags = world.control_all_gather(
+        torch.tensor([digest, prepared.config.stage], dtype=torch.int64, device=prepared.device)
+    ).tolist()
+    if any(t != tags[0] for t in tags):
+        raise ValueError(
+            "The model, optimizer groups, placement or ZeRO stage differ across ranks "
+            f"(per-rank [digest, stage]: {tags}). Every rank must build the same model, "
+            "the same optimizer param groups, the same placement and the same ZeroConfig."
+        )
+
+
+# ==================================================================== 4. layouts
+def layouts(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    stage: int,
+    world_size: int,
+    params,
+    group_of: dict[int, int],
+    placed: dict[str, ShardSpec],
+) -> list[UnitLayout]:
+    """Units and their specs: stage 3 makes every placed module a unit of its own;
+    stages 1-2 never put parameters of two specs in one bucket."""
+    world = ShardSpec.world(world_size)
+    if cfg.stage == 3 and stage != 3:  # one process: check the names all the same
+        select_unit_modules(model, cfg.unit_module_classes)
+    if stage == 3:
+        chosen = set(select_unit_modules(model, cfg.unit_module_classes)) | set(placed)
+        chosen |= set(frozen_leftover_modules(model, chosen))
+        unit_paths = [path for path, _ in model.named_modules() if path and path in chosen]
+
+        def spec_of_unit(path: str) -> ShardSpec:
+            governing = spec_of_owner(path, placed)
+            return placed[governing] if governing is not None else world
+
+        return module_layouts(model, params, group_of, unit_paths, spec_of_unit)
+
+    def spec_of(p) -> ShardSpec:
+        governing = placed_path_of_names(p.names, placed)
+        return placed[governing] if governing is not None else world
+
+    # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
+    return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=stage > 0)
+
+
+def tensor_sharded(params) -> dict[str, Any]:
+    """Tensor-parallel shards, by every name: checkpointed as blocks of the full tensor."""
+    return {name: p.tensor for p in params if p.tensor and p.tensor.sharded for name in p.names}
+
+
+# ==================================================================== 5. units
+def units(
+    model: nn.Module,
+    lays: list[UnitLayout],
+    homes: Homes,
+    groups: ProcessGroups,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+) -> list[FlatUnit]:
+    return [
+        FlatUnit(
+            lay,
+            [model.get_parameter(s.name) for s in lay.slots],
+            homes.stage,
+            groups.shard_group(lay.spec),
+            device,
+            compute_dtype,
+            homes.host,
+            homes.pin,
+            homes.shards_host if homes.stage == 3 else None,
+        )
+        for lay in lays
+    ]
+
+
+# ==================================================================== 7. optimizers
+def shard_optimizers(
+    optimizer_set: OptimizerSet, units: list[FlatUnit], cfg: ZeroConfig, in_unit_order: bool
+) -> list[OptimizerView]:
+    """Point the optimizers at 1-D views of the fp32 masters, one per (unit, group)
+    segment, and remember which gradient slice belongs to each."""
+    by_group: dict[int, list[tuple[FlatUnit, int, int]]] = {}
+    # State streamed from disk is stepped a tile at a time: no view may be larger.
+    most = cfg.offload_tile_size if cfg.offload_optimizer == "disk" else 0
+    for unit in units:
+        for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
+            lo, hi = seg.start - unit.opt_start, seg.end - unit.opt_start
+            cuts = range(lo, hi, most) if most and hi > lo else [lo]
+            by_group.setdefault(seg.group_index, []).extend(
+                (unit, a, min(hi, a + most) if most else hi) for a in cuts
+            )
+    # Every group has a view on every rank (an empty one where none of its elements
+    # is this rank's), so that a group's requires_grad (Lightning's toggle_optimizer)
+    # reads the same everywhere.
+    for gi, group in enumerate(optimizer_set.param_groups):
+        if gi not in by_group and group["params"]:
+            first = next(u for u in units for s in u.layout.slots if s.group_index == gi)
+            by_group[gi] = [(first, 0, 0)]
+    for k, opt in enumerate(optimizer_set.optimizers):
+        offset = optimizer_set.group_offsets[k]
+        repoint_optimizer(
+            opt,
+            {
+                gi - offset: [u.master[lo:hi] for u, lo, hi in by_group[gi]]
+                for gi in optimizer_set.groups_of(k)
+                if gi in by_group
+            },
+        )
+    all_groups = optimizer_set.param_groups
+    views = [
+        OptimizerView(
+            unit,
+            lo,
+            hi,
+            opt_param,
+            gi,
+            unit.grad_opt[lo:hi] if unit.grad_opt is not None else None,
+        )
+        for gi, segs in by_group.items()
+        for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
+    ]
+    # Stepped unit by unit, each shard (parameters, masters, gradients) read once.
+    if in_unit_order:
+        views.sort(key=lambda view: view.unit.layout.index)
+    return views
