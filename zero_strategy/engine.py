@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -40,9 +39,10 @@ from .comm import shutdown
 from .config import ZeroConfig
 from .layout.shard_spec import PlacementFn
 from .memory.account import MemoryAccount, Sources
+from .model_view.buffers import BufferSync
 from .model_view.full_view import FullGrads, FullParameters
 from .model_view.module_state import ModuleStateHooks
-from .model_view.replaced_data import adopt_replaced, converted_warning, replaced_slots
+from .model_view.replaced_data import ReplacedDataWatch
 from .model_view.routed_zero_grad import route_zero_grad
 from .offload import StagingBuffers, agree_on_write_failures, offloads_gradients, state_store
 from .offload import unit_tiers as make_unit_tiers
@@ -50,11 +50,9 @@ from .optim import fused_step
 from .optim.grad_norm import GradNorm
 from .optim.shard_views import check_host_optimizers
 from .optim.sharded_optimizer import ShardedOptimizer
-from .tensor_parallel import match_local_dtype
-from .units.gather import STATE_DICT, GatherManager, in_backward
-from .units.grads import GradReducer
+from .torch_internals import in_backward
 from .units.module_hooks import EngineHook
-from .units.publish import ParameterPublisher
+from .units.schedule import UnitSchedule
 
 
 class ZeroEngine:
@@ -108,7 +106,10 @@ class ZeroEngine:
             param_init_fn,
             prepared.params,
         )
-        self._sync_buffers()  # as DDP at construction, whatever broadcast_buffers says
+        self._buffers = BufferSync(
+            model, self.groups.world.comm, self.device, cfg.broadcast_buffers
+        )
+        self._buffers.sync()  # as DDP at construction, whatever broadcast_buffers says
         self.optimizers = prepared.optimizers  # 7
         self.optimizer = self.optimizers[0]
         views = steps.shard_optimizers(prepared.optimizer_set, self.units, cfg, homes.units_on_disk)
@@ -133,7 +134,19 @@ class ZeroEngine:
             self._host,
             offloads_gradients(cfg, self.stage),
         )
-        self._build_schedule(model)
+        self.schedule = UnitSchedule(
+            model,
+            self.units,
+            self.stage,
+            cfg,
+            self.groups,
+            self._memory.sample,
+            self._norm.note_landed,
+            self._on_backward_end,
+        )
+        self._replaced = ReplacedDataWatch(
+            self.units, self.stage, cfg.compute_torch_dtype, self.schedule.finish_publishing
+        )
         # 8. The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
         # masters between steps, stage 3's parameter shards between uses, and the
         # gradients' fp32 shards from their reduction to the step (the norm noted as they
@@ -178,8 +191,6 @@ class ZeroEngine:
             experts.names,
         )
         self._handles = [*guards, *self._wire_model(model, prepared.optimizer_set)]
-        self._converted_named: set[str] = set()  # replaced by another dtype, warned once
-        self._buffers_stale = True  # DDP's require_forward_param_sync, for buffers
         self._backward_pending = False
         self.global_steps = 0
         self.reset_comm_report()
@@ -201,40 +212,6 @@ class ZeroEngine:
                 tiers.masters,
             )
         )
-
-    def _build_schedule(self, model: nn.Module) -> None:
-        """The reductions, and the gathers of stages 1-2 (after the step) or 3 (per use)."""
-        cfg = self.config
-        self.reducer = GradReducer(
-            self.units,
-            self.stage,
-            cfg.overlap_comm,
-            cfg.reduce_torch_dtype,
-            on_unit_ready=self._on_unit_grads_ready,
-            on_backward_end=self._on_backward_end,
-            on_memory=self._memory.sample,
-            before_reduction=self._check_module_paths,
-            before_backward_end=self._check_backward_path,
-            on_grads_landed=self._norm.note_landed,
-        )
-        self.publisher = (
-            ParameterPublisher(model, self.units, cfg.overlap_param_gather)
-            if self.stage in (1, 2)
-            else None
-        )
-        self.gather: GatherManager | None = None
-        if self.stage == 3:
-            self.gather = GatherManager(
-                model,
-                self.units,
-                self.groups.order_tags() if cfg.verify_module_order else None,
-                cfg.prefetch_depth,
-                cfg.persistence_threshold,
-                cfg.max_reuse_distance,
-                on_backward_start=self.reducer.backward_started,
-                on_memory=self._memory.sample,
-                finish_reductions=self.reducer.finish_sent,
-            )
 
     def _wire_model(self, model: nn.Module, optimizer_set) -> list:
         """The hooks on the user's objects: zero_grad routed to the engine, the root's
@@ -278,6 +255,21 @@ class ZeroEngine:
         return self.groups.rank
 
     @property
+    def reducer(self):
+        """The gradient reductions (`units.grads.GradReducer`)."""
+        return self.schedule.reducer
+
+    @property
+    def gather(self):
+        """Stage 3's gathers (`units.gather.GatherManager`); None at stages 0-2."""
+        return self.schedule.gather
+
+    @property
+    def publisher(self):
+        """Stages 1-2's post-step gathers (`units.publish.ParameterPublisher`), else None."""
+        return self.schedule.publisher
+
+    @property
     def scaler(self):
         """The fp16 loss scaler (disabled in other precisions)."""
         return self.optim.scaler
@@ -292,23 +284,9 @@ class ZeroEngine:
     def closed(self) -> bool:
         return self.groups.closed
 
-    # ================================================================ schedule callbacks
-    def _check_module_paths(self) -> None:
-        if self.gather is not None:
-            self.gather.check_uses()
-
-    def _check_backward_path(self) -> None:
-        if self.gather is not None:
-            self.gather.end_of_backward_check()
-
-    def _on_unit_grads_ready(self, unit) -> None:
-        if self.gather is not None:
-            self.gather.grads_ready(unit)
-
+    # ================================================================ backward's end
     def _on_backward_end(self) -> None:
-        if self.gather is not None:
-            self.gather.release_all()
-            self.gather.end_of_pass()
+        """The schedule's call once a synchronised backward's reductions are in."""
         # Expose the gradients to the optimizer params: a zero_grad() that bypasses the
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
         self.optim.grads_arrived()
@@ -327,13 +305,11 @@ class ZeroEngine:
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self._zero_if_cleared_elsewhere()
-        self._adopt_replaced_data()
+        self._replaced.look()
         self.optim.settle_in_background()  # the last step's writes: their buffers go
         self._full_grads.hide()
         self.reducer.rehook_converted()
-        if self.config.broadcast_buffers and self._buffers_stale:
-            self._sync_buffers()
-            self._buffers_stale = False
+        self._buffers.before_forward()
 
     def begin_step(self) -> None:
         """What the root module's forward pre-hooks do, for a framework that runs the
@@ -343,58 +319,15 @@ class ZeroEngine:
         whole, as they are inside the root's forward (and under DDP). Pair it with
         `after_forward`; an evaluation step then `reshard()`s."""
         self.before_forward()
-        if self.gather is not None:
-            self.gather.begin_step()
+        self.schedule.begin_step()
 
     def after_forward(self) -> None:
         """As DDP: a forward followed by a synchronised backward may have changed buffers
         (BatchNorm statistics); the next forward, of any kind, starts from rank 0's.
         Evaluation and no_sync() forwards leave them as they are."""
         if not in_backward():
-            self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync
+            self._buffers.after_forward(torch.is_grad_enabled() and self.reducer.sync)
             self._backward_pending = torch.is_grad_enabled()
-
-    def _sync_buffers(self) -> None:
-        """DDP's broadcast_buffers: rank 0's buffers overwrite every rank's, one collective
-        per dtype, so that every rank trains and evaluates with the statistics DDP would
-        give it."""
-        world = self.groups.world.comm
-        if not world.distributed:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buf in self.module.buffers():
-            if buf.device.type == self.device.type and buf.numel():
-                by_dtype.setdefault(buf.dtype, []).append(buf)
-        for bufs in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs])
-            world.broadcast(flat, src=0, kind="buffers")
-            for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
-                buf.copy_(value.view_as(buf))
-
-    def _adopt_replaced_data(self) -> None:
-        """Stages 0-2: parameters whose `.data` was replaced since the last look (a
-        lottery-ticket reset, `prune.remove`) go on training from the written values, as
-        under DDP (`replaced_data`); replaced by another dtype, they are named once."""
-        if self.stage == 3:
-            return
-        found = [(unit, replaced_slots(unit)) for unit in self.units]
-        converted = [
-            unit.layout.slots[i].name
-            for unit, (_, other) in found
-            for i in other
-            if unit.layout.slots[i].name not in self._converted_named
-        ]
-        if converted:
-            self._converted_named.update(converted)
-            warnings.warn(
-                converted_warning(converted, self.config.compute_torch_dtype), stacklevel=3
-            )
-        written = [(unit, slots) for unit, (slots, _) in found if slots]
-        if not written:
-            return
-        self._finish_parameter_gathers()  # a post-step gather into the same buffers first
-        for unit, slots in written:
-            adopt_replaced(unit, slots)
 
     def _zero_if_cleared_elsewhere(self) -> None:
         """Honour a zero_grad() that did not come through the engine: optimizer params
@@ -432,15 +365,13 @@ class ZeroEngine:
         if self.gather is None:
             self.wait_for_parameters()
             return
-        for unit in self.units:
-            self.gather.ensure(unit, STATE_DICT)
+        self.schedule.make_all_whole()
 
     def reshard(self) -> None:
         """Stage 3: free every gathered unit now (e.g. after an evaluation batch that
         did not go through the root module's forward). The spare gather buffers kept for
         reuse (one per unit size) stay."""
-        if self.gather is not None:
-            self.gather.release_all()
+        self.schedule.release_all()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally without communication (all but the last
@@ -519,11 +450,7 @@ class ZeroEngine:
             changed = unit.layout.trainable or not after_step
             if unit.layout.numel and changed and not copies_written:
                 unit.sync_compute_from_master()
-        if self.publisher is not None:
-            self.publisher.launch()
-        elif self.gather is not None:
-            self.gather.release_all()  # units left gathered (unshard()) hold old values
-            self.gather.regather_persistent()
+        self.schedule.publish()
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:
@@ -612,11 +539,10 @@ class ZeroEngine:
         since (stages 0-2), before the full parameters are read or written outside the
         module's forward: a checkpoint, a state dict, a step."""
         self._finish_parameter_gathers()
-        self._adopt_replaced_data()
+        self._replaced.look()
 
     def _finish_parameter_gathers(self) -> None:
-        if self.publisher is not None:
-            self.publisher.wait_all()
+        self.schedule.finish_publishing()
 
     # ================================================================ reports
     def memory_report(self) -> dict[str, int]:
@@ -638,17 +564,10 @@ class ZeroEngine:
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes and calls per collective kind since the last `reset_comm_report()`, summed
         over every group this rank communicates in."""
-        total: dict[str, dict[str, int]] = {}
-        for comm in self.groups.communicators():
-            for kind, counts in comm.report().items():
-                entry = total.setdefault(kind, {"bytes": 0, "calls": 0})
-                entry["bytes"] += counts["bytes"]
-                entry["calls"] += counts["calls"]
-        return dict(sorted(total.items()))
+        return self.groups.comm_report()
 
     def reset_comm_report(self) -> None:
-        for comm in self.groups.communicators():
-            comm.reset()
+        self.groups.reset_comm_report()
 
     # ================================================================ state
     def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
@@ -715,19 +634,11 @@ class ZeroEngine:
         if self.groups.closed:
             return
         try:
-            if wait:
-                self.reducer.wait()
-                # (a `.data` written since is adopted at the engine's next use, if any)
-                self._finish_parameter_gathers()
-                if self.gather is not None:
-                    self.gather.release_all()
+            if wait:  # (a `.data` written since is adopted at the engine's next use, if any)
+                self.schedule.settle()
         finally:
             try:
-                self.reducer.drop()
-                if self.publisher is not None:
-                    self.publisher.drop()
-                if self.gather is not None:
-                    self.gather.abandon()
+                self.schedule.drop()
             finally:
                 self.groups.close()
 
@@ -747,19 +658,9 @@ class ZeroEngine:
             self.reducer.wait()
         self.reducer.drop()
         self.wait_for_parameters()
-        if self.gather is not None:
-            self.gather.release_all()
-        with torch.no_grad():
-            for unit in self.units:
-                full = self._door.full_values(unit)
-                for slot, p, local in zip(unit.layout.slots, unit.params, unit.locals):
-                    local.data = full[slot.offset : slot.end].view(slot.shape).clone()
-                    match_local_dtype(p)
-                    p.grad = None
-        hooks = [self._handles, self.reducer.handles, self._module_state.handles]
-        hooks += [self.gather.handles] if self.gather is not None else []
-        hooks += [self.publisher.handles] if self.publisher is not None else []
-        for handle in (h for group in hooks for h in group):
+        self.schedule.release_all()
+        self._door.hand_back()
+        for handle in (*self._handles, *self.schedule.handles, *self._module_state.handles):
             handle.remove()
         for owner in (self.module, *self.optimizers):
             owner.__dict__.pop("zero_grad", None)  # the class's own zero_grad again

@@ -63,7 +63,6 @@ from ..offload import (
 )
 from ..optim.optimizer_set import OptimizerSet
 from ..optim.shard_views import (
-    OptimizerView,
     check_optimizer,
     group_index_of_params,
     repoint_optimizer,
@@ -71,6 +70,7 @@ from ..optim.shard_views import (
 from ..tensor_parallel import check_head_counts
 from ..tensor_parallel import check_parameters as check_tensor_parameters
 from ..units.flat_unit import FlatUnit
+from ..units.optimizer_view import OptimizerView
 
 
 # ==================================================================== 0. prepare

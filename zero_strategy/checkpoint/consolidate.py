@@ -18,6 +18,7 @@ with `model.load_state_dict(..., strict=True)`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import struct
@@ -262,11 +263,9 @@ def _lightning_wrapper(reader: CheckpointReader, path: Path):
     extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
     extra.setdefault("epoch", 0)
     extra.setdefault("global_step", reader.index["step"])
-    try:
-        import lightning
-
-        extra.setdefault("pytorch-lightning_version", lightning.__version__)
-    except ImportError:
+    try:  # the installed Lightning's version, read without importing Lightning
+        extra.setdefault("pytorch-lightning_version", importlib.metadata.version("lightning"))
+    except importlib.metadata.PackageNotFoundError:
         extra.setdefault("pytorch-lightning_version", "2.0.0")
     return lambda sd: {"state_dict": sd, **extra}
 

@@ -36,9 +36,9 @@ from ..comm.communicator import Communicator
 from ..layout.partition import ParamSlot, Stored
 from ..offload.state_store import OptimizerStateStore
 from ..optim.optimizer_set import OptimizerSet
-from ..optim.shard_views import OptimizerView
 from ..tensor_parallel import TensorPlacement, read_block
 from ..units.flat_unit import FlatUnit, OneResident
+from ..units.optimizer_view import OptimizerView
 from . import atomic_dir
 from .checksums import CHUNK_BYTES, ChecksumMismatch, chunk_crcs, verified_read
 from .safe_load import CheckpointError, safe_torch_load

@@ -19,9 +19,9 @@ from ..comm.topology import ProcessGroups
 from ..layout.partition import Stored
 from ..moe.expert_placement import ExpertNames
 from ..optim.optimizer_set import OptimizerSet
-from ..optim.shard_views import OptimizerView
-from ..tensor_parallel import full_tensor
+from ..tensor_parallel import full_tensor, match_local_dtype
 from ..units.flat_unit import FlatUnit
+from ..units.optimizer_view import OptimizerView
 from . import sharded
 from .pretrained import load_pretrained
 
@@ -157,6 +157,18 @@ class StateDoor:
                 # A batched expert weight: this copy's rows of the whole tensor.
                 whole = out.setdefault(stored.name, torch.empty(stored.shape, dtype=value.dtype))
                 whole.view(-1)[stored.offset : stored.offset + slot.numel] = value
+
+    @torch.no_grad()
+    def hand_back(self) -> None:
+        """Every parameter becomes a full tensor of its fp32 master values on this rank
+        (this rank's experts for MoE layers), with no gradient: the model leaves the
+        engine as a plain module. Collective at stages 1-3."""
+        for unit in self.units:
+            full = self.full_values(unit)
+            for slot, p, local in zip(unit.layout.slots, unit.params, unit.locals):
+                local.data = full[slot.offset : slot.end].view(slot.shape).clone()
+                match_local_dtype(p)
+                p.grad = None
 
     def full_values(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's full fp32 values (padded), identical across its shard group."""

@@ -252,6 +252,21 @@ class ProcessGroups:
         extra = [self._order_tags] if self._order_tags is not None else []
         return [*self._comms.values(), *extra]
 
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls per collective kind since the last `reset_comm_report()`,
+        summed over every communicator."""
+        total: dict[str, dict[str, int]] = {}
+        for comm in self.communicators():
+            for kind, counts in comm.report().items():
+                entry = total.setdefault(kind, {"bytes": 0, "calls": 0})
+                entry["bytes"] += counts["bytes"]
+                entry["calls"] += counts["calls"]
+        return dict(sorted(total.items()))
+
+    def reset_comm_report(self) -> None:
+        for comm in self.communicators():
+            comm.reset()
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def closed(self) -> bool:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..optim.optimizer_set import OptimizerSet
-from ..optim.shard_views import OptimizerView
 from ..units.flat_unit import FlatUnit
+from ..units.optimizer_view import OptimizerView
 from .accounting import held_bytes, memory_report
 from .peaks import MemoryPeaks
 

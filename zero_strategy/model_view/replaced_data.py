@@ -19,6 +19,9 @@ writes to the full weights go through `engine.gathered_parameters()`.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 
 from ..tensor_parallel import local_tensor, match_local_dtype
@@ -77,3 +80,41 @@ def adopt_replaced(unit: FlatUnit, indices: list[int]) -> None:
         local.data = view.view(slot.shape)
         match_local_dtype(param)
     write_back_unit(unit)
+
+
+class ReplacedDataWatch:
+    """The engine's look for replaced `.data` (stages 0-2), before each forward and in
+    every `wait_for_parameters`: written values adopted, another dtype named once."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        stage: int,
+        compute_dtype: torch.dtype,
+        finish_publishing: Callable[[], None],
+    ):
+        self.units = units
+        self.active = stage < 3
+        self.compute_dtype = compute_dtype
+        self.finish_publishing = finish_publishing  # a post-step gather into the buffers
+        self._named: set[str] = set()  # replaced by another dtype, warned once
+
+    def look(self) -> None:
+        if not self.active:
+            return
+        found = [(unit, replaced_slots(unit)) for unit in self.units]
+        converted = [
+            unit.layout.slots[i].name
+            for unit, (_, other) in found
+            for i in other
+            if unit.layout.slots[i].name not in self._named
+        ]
+        if converted:
+            self._named.update(converted)
+            warnings.warn(converted_warning(converted, self.compute_dtype), stacklevel=4)
+        written = [(unit, slots) for unit, (slots, _) in found if slots]
+        if not written:
+            return
+        self.finish_publishing()  # a post-step gather into the same buffers first
+        for unit, slots in written:
+            adopt_replaced(unit, slots)

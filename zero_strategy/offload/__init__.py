@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ZeroConfig
-from ..optim.shard_views import OptimizerView
 from ..units.flat_unit import FlatUnit
+from ..units.optimizer_view import OptimizerView
 from .failures import agree_on_write_failures
 from .grad_store import DiskGrads
 from .host_memory import free_large_blocks_at_once
@@ -94,7 +94,7 @@ def shard_store(
         on_memory,
     )
     for unit in offloaded:
-        unit.home = shards
+        unit.keep_shard_in(shards)
     return shards
 
 
@@ -119,7 +119,7 @@ def grad_store(
         on_memory,
     )
     for unit in offloaded:
-        unit.grad_home = grads
+        unit.keep_grads_in(grads)
     return grads
 
 
@@ -149,7 +149,7 @@ def master_store(
         kind="master_params",
     )
     for unit in offloaded:
-        unit.master_home = masters
+        unit.keep_master_in(masters)
     return masters
 
 

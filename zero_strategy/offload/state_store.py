@@ -30,7 +30,7 @@ from typing import Any, Union
 
 import torch
 
-from ..optim.shard_views import OptimizerView
+from ..units.optimizer_view import OptimizerView
 from .failures import KeptFailure
 from .host_memory import return_freed_memory
 from .offload_file import ALIGN, OffloadError, OffloadFile, aligned_empty, round_up

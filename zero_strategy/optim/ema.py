@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .shard_views import OptimizerView
+from ..units.optimizer_view import OptimizerView
 
 EMA_KEY = "ema"
 

@@ -12,12 +12,9 @@ new value depends on that element alone); others are refused unless the user opt
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from ..units.flat_unit import FlatUnit
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -29,21 +26,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.NAdam,
     torch.optim.RAdam,
 )
-
-
-@dataclass(frozen=True)
-class OptimizerView:
-    """One parameter of the re-pointed optimizer: `param` is a 1-D view of `unit`'s fp32
-    master over [lo, hi) of this rank's slice; `grad` is the gradient there,
-    `unit.grad_opt[lo:hi]`, made once (an offloaded shard's memory is not there to view
-    between its uses)."""
-
-    unit: FlatUnit
-    lo: int
-    hi: int
-    param: nn.Parameter
-    group_index: int
-    grad: torch.Tensor | None = None
 
 
 class UnsupportedOptimizerError(TypeError):

@@ -29,12 +29,12 @@ from ..config import ZeroConfig
 from ..offload import UnitTiers
 from ..torch_internals import user_step_hooks
 from ..units.flat_unit import FlatUnit, OneResident
+from ..units.optimizer_view import OptimizerView
 from .ema import ShardedEMA
 from .fused_step import FusedAdamStep
 from .grad_norm import GradNorm
 from .loss_scaler import LossScaler
 from .optimizer_set import OptimizerSet
-from .shard_views import OptimizerView
 
 
 class GradMirror(Protocol):

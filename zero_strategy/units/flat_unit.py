@@ -88,21 +88,75 @@ class FlatUnit:
         self.full: torch.Tensor | None = None  # compute dtype, padded_numel
         self.shard: torch.Tensor | None = None  # stage 3: compute dtype, shard_numel
         self.master: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
-        self.grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
+        self._grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
         self.grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
-        self.persistent = stage < 3  # stage 3: set by the gather manager
+        self._persistent = stage < 3  # stage 3: the scheduler's residency rule
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
-        self.pool: StoragePool | None = (
-            None  # stage 3: recycles gather memory (set by the gatherer)
-        )
+        self._pool: StoragePool | None = None  # stage 3: recycles gather memory
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
-        self.home: ShardHome | None = None
+        self._home: ShardHome | None = None
         # offload_optimizer="disk" with the master a tensor of its own: the master likewise
         # (then `home` keeps the compute copy alone).
-        self.master_home: ShardHome | None = None
+        self._master_home: ShardHome | None = None
         # Stages 2-3 with offload_optimizer="disk": the gradient shard likewise.
-        self.grad_home: GradHome | None = None
+        self._grad_home: GradHome | None = None
+
+    # ------------------------------------------------------------------ who decides what
+    # The unit's fields are its own: the parts that decide where its tensors live and
+    # for how long say so through these calls, and read the fields through properties.
+    @property
+    def persistent(self) -> bool:
+        """Whether the unit stays gathered between uses (stages 0-2 always; stage 3 the
+        units under `persistence_threshold`)."""
+        return self._persistent
+
+    def set_residency(self, persistent: bool, pool: StoragePool | None) -> None:
+        """Stage 3's scheduler: keep the unit gathered, or free it after each use into
+        `pool` (gather memory recycled between units of one size)."""
+        self._persistent = persistent
+        self._pool = pool
+
+    @property
+    def home(self) -> ShardHome | None:
+        return self._home
+
+    @property
+    def master_home(self) -> ShardHome | None:
+        return self._master_home
+
+    @property
+    def grad_home(self) -> GradHome | None:
+        return self._grad_home
+
+    def keep_shard_in(self, home: ShardHome) -> None:
+        """Stage 3's parameter shard (and the master, unless it has a home of its own)
+        lives in `home` between uses."""
+        self._home = home
+
+    def keep_master_in(self, home: ShardHome) -> None:
+        """The fp32 master lives in `home` between the steps and writes that use it."""
+        self._master_home = home
+
+    def keep_grads_in(self, home: GradHome) -> None:
+        """The fp32 gradient shard lives in `home` between its reduction and the step."""
+        self._grad_home = home
+
+    @property
+    def grad_full(self) -> torch.Tensor | None:
+        """The full-size gradient buffer: `.grad`'s memory at stages 0-1; at stages 2-3
+        the buffer a backward fills until its reduction is sent (or no_sync's local sums)."""
+        return self._grad_full
+
+    def take_grad_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Stages 2-3: the reducer hands the unit a full-size buffer to fill."""
+        self._grad_full = buffer
+        return buffer
+
+    def drop_grad_buffer(self) -> torch.Tensor | None:
+        """Stages 2-3: the buffer goes back to the reducer (sent, or zeroed away)."""
+        buffer, self._grad_full = self._grad_full, None
+        return buffer
 
     # ------------------------------------------------------------------ set-up
     def install(self, full_values: torch.Tensor) -> None:
@@ -130,7 +184,7 @@ class FlatUnit:
             self._free_storage_views()
         self.grad_opt = None
         if self.stage < 2 and lay.trainable:
-            self.grad_full = torch.zeros(
+            self._grad_full = torch.zeros(
                 lay.padded_numel, dtype=self.compute_dtype, device=self.device
             )
             if not apart:
@@ -213,13 +267,13 @@ class FlatUnit:
     # ------------------------------------------------------------------ stage 3
     def bring_in(self) -> None:
         """The shard (master and compute copy) is needed: in memory until `let_go`."""
-        if self.home is not None:
-            self.home.acquire(self)
+        if self._home is not None:
+            self._home.acquire(self)
 
     def let_go(self, modified: bool = False) -> None:
         """One use of the shard is over (`modified`: it changed and must be kept)."""
-        if self.home is not None:
-            self.home.release(self, modified)
+        if self._home is not None:
+            self._home.release(self, modified)
 
     @contextlib.contextmanager
     def resident(self, modified: bool = False) -> Iterator[None]:
@@ -232,8 +286,8 @@ class FlatUnit:
 
     def prefetch(self) -> None:
         """The shard will be needed soon: start reading it if it is offloaded."""
-        if self.home is not None:
-            self.home.prefetch(self)
+        if self._home is not None:
+            self._home.prefetch(self)
 
     # ------------------------------------------------------------------ master
     @property
@@ -245,27 +299,27 @@ class FlatUnit:
 
     @property
     def master_offloaded(self) -> bool:
-        return self.master_home is not None or self.home is not None
+        return self._master_home is not None or self._home is not None
 
     def bring_master_in(self) -> None:
         """The master and the compute copy this rank holds are needed (the step, a
         checkpoint, a write of the weights): in memory until `let_master_go`."""
         self.wait_for_copies_back()  # the master may be written in there
-        if self.home is not None:
-            self.home.acquire(self)
-        if self.master_home is not None:
+        if self._home is not None:
+            self._home.acquire(self)
+        if self._master_home is not None:
             try:
-                self.master_home.acquire(self)
+                self._master_home.acquire(self)
             except BaseException:
                 self.let_go()
                 raise
 
     def let_master_go(self, modified: bool = False) -> None:
         """One use is over (`modified`: the master or the compute copy changed)."""
-        if self.master_home is not None:
-            self.master_home.release(self, modified)
-        if self.home is not None:
-            self.home.release(self, modified)
+        if self._master_home is not None:
+            self._master_home.release(self, modified)
+        if self._home is not None:
+            self._home.release(self, modified)
 
     @contextlib.contextmanager
     def master_resident(self, modified: bool = False) -> Iterator[None]:
@@ -278,18 +332,18 @@ class FlatUnit:
 
     def prefetch_master(self) -> None:
         self.prefetch()
-        if self.master_home is not None:
-            self.master_home.prefetch(self)
+        if self._master_home is not None:
+            self._master_home.prefetch(self)
 
     # ------------------------------------------------------------------ gradient shard
     def bring_grads_in(self) -> None:
         """The fp32 gradient shard (`grad_opt`) is needed: in memory until `let_grads_go`."""
-        if self.grad_home is not None:
-            self.grad_home.acquire(self)
+        if self._grad_home is not None:
+            self._grad_home.acquire(self)
 
     def let_grads_go(self, modified: bool = False) -> None:
-        if self.grad_home is not None:
-            self.grad_home.release(self, modified)
+        if self._grad_home is not None:
+            self._grad_home.release(self, modified)
 
     @contextlib.contextmanager
     def grads_resident(self, modified: bool = False) -> Iterator[None]:
@@ -301,20 +355,20 @@ class FlatUnit:
             self.let_grads_go(modified)
 
     def prefetch_grads(self) -> None:
-        if self.grad_home is not None:
-            self.grad_home.prefetch(self)
+        if self._grad_home is not None:
+            self._grad_home.prefetch(self)
 
     def change_grads(self, change: Callable[[], None]) -> None:
         """Run `change` on views of `grad_opt` (a scale, a clamp, a zeroing), now, or with
         the shard offloaded when it is next in memory."""
-        if self.grad_home is not None:
-            self.grad_home.change(self, change)
+        if self._grad_home is not None:
+            self._grad_home.change(self, change)
         else:
             change()
 
     def zero_grad_shard(self) -> None:
-        if self.grad_home is not None:
-            self.grad_home.forget(self)
+        if self._grad_home is not None:
+            self._grad_home.forget(self)
         elif self.grad_opt is not None:
             self.grad_opt.zero_()
 
@@ -333,8 +387,8 @@ class FlatUnit:
             return self._buf
         nbytes = self.layout.padded_numel * self._empty.element_size()
         storage = self._buf.untyped_storage()
-        if self.pool is not None:
-            self.pool.fill(storage, nbytes)
+        if self._pool is not None:
+            self._pool.fill(storage, nbytes)
         elif storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         return self._buf
@@ -350,8 +404,8 @@ class FlatUnit:
         if self.full is None:
             return
         self._free_storage_views()
-        if self.pool is not None:
-            self.pool.drain(self._buf.untyped_storage())
+        if self._pool is not None:
+            self._pool.drain(self._buf.untyped_storage())
         else:
             self._buf.untyped_storage().resize_(0)
         self.full = None

@@ -91,8 +91,8 @@ class GatherManager:
         # fills (more spares only sit idle at the peak of backward).
         self.storage_pool = StoragePool(capacity=1)
         for unit in units:
-            unit.persistent = unit.layout.numel < persistence_threshold or unit.layout.numel == 0
-            unit.pool = self.storage_pool
+            small = unit.layout.numel < persistence_threshold or unit.layout.numel == 0
+            unit.set_residency(persistent=small, pool=self.storage_pool)
         self._install_hooks(model)
 
     # ---------------------------------------------------------------- hooks

@@ -232,8 +232,8 @@ class GradReducer:
             p.grad = None
         else:
             if unit.grad_full is None:
-                unit.grad_full = self.pool.take(
-                    unit.layout.padded_numel, unit.compute_dtype, unit.device
+                unit.take_grad_buffer(
+                    self.pool.take(unit.layout.padded_numel, unit.compute_dtype, unit.device)
                 )
                 self._written[unit.layout.index] = set()
                 self.on_memory()
@@ -370,9 +370,9 @@ class GradReducer:
                 else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
             )
             work = comm.reduce_scatter_sum(sent, out, async_op=True)
-            if sent is not unit.grad_full:
-                self.pool.give(unit.grad_full)
-            unit.grad_full = None
+            buffer = unit.drop_grad_buffer()
+            if sent is not buffer:
+                self.pool.give(buffer)
         self._push(_InFlight(unit, work, sent, out))
         # Bound the full-size buffers alive at once (stages 2-3): finish the oldest.
         while self.stage >= 2 and len(self.in_flight) > MAX_IN_FLIGHT:
@@ -381,10 +381,9 @@ class GradReducer:
     def _zero_unwritten(self, unit: FlatUnit) -> None:
         """Zero the parts of a pooled buffer no gradient was written to this window."""
         if unit.grad_full is None:  # no gradient reached this unit on this rank
-            unit.grad_full = self.pool.take(
-                unit.layout.padded_numel, unit.compute_dtype, unit.device
-            )
-            unit.grad_full.zero_()
+            unit.take_grad_buffer(
+                self.pool.take(unit.layout.padded_numel, unit.compute_dtype, unit.device)
+            ).zero_()
             return
         written = self._written.pop(unit.layout.index, set())
         for slot_index, slot in enumerate(unit.layout.slots):
@@ -525,9 +524,9 @@ class GradReducer:
         for unit in self.units:
             unit.zero_grad_shard()
             if self.stage >= 2:
-                if unit.grad_full is not None:
-                    self.pool.give(unit.grad_full)
-                unit.grad_full = None
+                buffer = unit.drop_grad_buffer()
+                if buffer is not None:
+                    self.pool.give(buffer)
                 self._written.pop(unit.layout.index, None)
             elif unit.grad_full is not None:
                 unit.grad_full.zero_()

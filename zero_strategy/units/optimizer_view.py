@@ -1,0 +1,28 @@
+"""One parameter of a re-pointed optimizer: a 1-D view of one unit's fp32 master.
+
+The optimizer, the tiers that hold its state and the checkpoint format all speak of the
+optimizer's parameters this way; it lives below all three."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat_unit import FlatUnit
+
+
+@dataclass(frozen=True)
+class OptimizerView:
+    """One parameter of the re-pointed optimizer: `param` is a 1-D view of `unit`'s fp32
+    master over [lo, hi) of this rank's slice; `grad` is the gradient there,
+    `unit.grad_opt[lo:hi]`, made once (an offloaded shard's memory is not there to view
+    between its uses)."""
+
+    unit: FlatUnit
+    lo: int
+    hi: int
+    param: nn.Parameter
+    group_index: int
+    grad: torch.Tensor | None = None
