@@ -21,8 +21,8 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 from zero_strategy.checkpoint.consolidate import iter_tensors
+from zero_strategy.checkpoint.load import client_state_of
 from zero_strategy.checkpoint.safe_load import safe_torch_load
-from zero_strategy.checkpoint.sharded import client_state_of
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state

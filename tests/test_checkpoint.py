@@ -17,8 +17,8 @@ from training import make_model, make_optimizer, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.checkpoint import save_agreement
 from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.safe_load import CheckpointError
 from zero_strategy.checkpoint.safetensors_io import SafetensorsFile
-from zero_strategy.checkpoint.sharded import CheckpointError
 
 TOTAL, CUT = 8, 4
 

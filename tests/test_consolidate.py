@@ -16,7 +16,7 @@ from examples.gpt import GPT
 from training import TINY, make_model, make_optimizer, train_zero_resumable
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.sharded import CheckpointError
+from zero_strategy.checkpoint.safe_load import CheckpointError
 from zero_strategy.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Stage 3's module-order check (`zero_strategy/order_check.py`) on a chain of blocks.
+"""Stage 3's module-order check (`zero_strategy/units/order_check.py`) on a chain of blocks.
 
 A path that leaves the recorded order on every rank alike trains as one process does; a
 rank that leaves it alone, in forward or in backward, ends every rank with an error, never

@@ -6,7 +6,7 @@
 
 from . import torch_internals  # noqa: F401  (first: an older torch fails here, naming the fix)
 from .builder.meta_init import init_on_meta
-from .checkpoint.sharded import CheckpointError
+from .checkpoint.safe_load import CheckpointError
 from .comm.communicator import PeerLostError
 from .config import ZeroConfig, ZeroConfigError
 from .deepspeed_config import from_deepspeed_config

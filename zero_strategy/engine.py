@@ -44,11 +44,8 @@ from .model_view.full_view import FullGrads, FullParameters
 from .model_view.module_state import ModuleStateHooks
 from .model_view.replaced_data import ReplacedDataWatch
 from .model_view.routed_zero_grad import route_zero_grad
-from .offload import StagingBuffers, agree_on_write_failures, offloads_gradients, state_store
+from .offload import StagingBuffers, agree_on_write_failures
 from .offload import unit_tiers as make_unit_tiers
-from .optim import fused_step
-from .optim.grad_norm import GradNorm
-from .optim.shard_views import check_host_optimizers
 from .optim.sharded_optimizer import ShardedOptimizer
 from .torch_internals import in_backward
 from .units.module_hooks import EngineHook
@@ -112,28 +109,10 @@ class ZeroEngine:
         self._buffers.sync()  # as DDP at construction, whatever broadcast_buffers says
         self.optimizers = prepared.optimizers  # 7
         self.optimizer = self.optimizers[0]
-        views = steps.shard_optimizers(prepared.optimizer_set, self.units, cfg, homes.units_on_disk)
-        # The fused kernel steps masters on the training device; offloaded, the CPU steps.
-        on_device = self._host == self.device
-        fused = [fused_step.build(o, own_hooks=1) if on_device else None for o in self.optimizers]
-        if not on_device:
-            check_host_optimizers(self.optimizers)
         self._memory = MemoryAccount()
-        # Where the optimizer's state lives (memory or a file); the step goes through it.
-        opt_state = state_store(
-            cfg, prepared.optimizer_set.state, views, self.groups.global_rank, self._memory.sample
-        )
-        self._store_finalizer = weakref.finalize(self, opt_state.closer())
-        self.fused_step = fused[0]
-        self._norm = GradNorm(
-            self.units,
-            self.stage,
-            self.groups,
-            cfg.master_torch_dtype,
-            self.device,
-            self._host,
-            offloads_gradients(cfg, self.stage),
-        )
+        side = steps.optimizer_side(prepared, self.units, homes, self.groups, self._memory.sample)
+        self._store_finalizer = weakref.finalize(self, side.state_store.closer())
+        self.fused_step = side.fused[0]
         self.schedule = UnitSchedule(
             model,
             self.units,
@@ -141,7 +120,7 @@ class ZeroEngine:
             cfg,
             self.groups,
             self._memory.sample,
-            self._norm.note_landed,
+            side.norm.note_landed,
             self._on_backward_end,
         )
         self._replaced = ReplacedDataWatch(
@@ -151,10 +130,9 @@ class ZeroEngine:
         # masters between steps, stage 3's parameter shards between uses, and the
         # gradients' fp32 shards from their reduction to the step (the norm noted as they
         # land), through one set of host buffers.
-        staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
-        self.staging = staging
+        self.staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
         self.tiers = tiers = make_unit_tiers(
-            cfg, self.units, self.stage, self.groups.global_rank, staging, self._memory.sample
+            cfg, self.units, self.stage, self.groups.global_rank, self.staging, self._memory.sample
         )
         self._tier_finalizers = [weakref.finalize(self, t.closer()) for t in tiers.present()]
         self._module_state = ModuleStateHooks(
@@ -170,11 +148,11 @@ class ZeroEngine:
             self.units,
             self.stage,
             prepared.optimizer_set,
-            views,
+            side.views,
             guards,
-            fused,
-            opt_state,
-            self._norm,
+            side.fused,
+            side.state_store,
+            side.norm,
             tiers,
             self._full_grads,
         )
@@ -182,8 +160,8 @@ class ZeroEngine:
             self.units,
             model,
             prepared.optimizer_set,
-            views,
-            opt_state,
+            side.views,
+            side.state_store,
             self.groups,
             self.stage,
             self.device,
@@ -197,19 +175,14 @@ class ZeroEngine:
         self._memory.watch(
             Sources(
                 self.units,
-                prepared.optimizer_set,
-                views,
+                self.optim,
+                self.schedule,
+                tiers,
+                self.staging,
                 model,
                 self.stage,
                 self.device,
                 self._host,
-                self.reducer,
-                self.gather,
-                staging,
-                opt_state,
-                tiers.present(),
-                tiers.grads,
-                tiers.masters,
             )
         )
 

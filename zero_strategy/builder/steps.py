@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,13 @@ from ..offload import (
     offloads_masters,
     optimizer_host,
     parameters_host,
+    state_store,
 )
+from ..optim import fused_step
+from ..optim.grad_norm import GradNorm
 from ..optim.optimizer_set import OptimizerSet
 from ..optim.shard_views import (
+    check_host_optimizers,
     check_optimizer,
     group_index_of_params,
     repoint_optimizer,
@@ -367,6 +371,43 @@ def units(
 
 
 # ==================================================================== 7. optimizers
+@dataclass
+class OptimizerSide:
+    views: list[OptimizerView]  # the optimizers' parameters: views of the masters
+    fused: list  # per optimizer, its fused Adam step (None where torch's own steps)
+    state_store: Any  # where the optimizer state lives: memory or a file
+    norm: GradNorm
+
+
+def optimizer_side(
+    prepared: Prepared,
+    units: list[FlatUnit],
+    homes: Homes,
+    groups: ProcessGroups,
+    on_memory: Callable[[], None],
+) -> OptimizerSide:
+    """The optimizers re-pointed at this rank's masters, with their fused steps (the
+    masters on the training device) and the tier of their state."""
+    cfg, device = prepared.config, prepared.device
+    views = shard_optimizers(prepared.optimizer_set, units, cfg, homes.units_on_disk)
+    # The fused kernel steps masters on the training device; offloaded, the CPU steps.
+    on_device = homes.host == device
+    fused = [fused_step.build(o, own_hooks=1) if on_device else None for o in prepared.optimizers]
+    if not on_device:
+        check_host_optimizers(prepared.optimizers)
+    store = state_store(cfg, prepared.optimizer_set.state, views, groups.global_rank, on_memory)
+    norm = GradNorm(
+        units,
+        homes.stage,
+        groups,
+        cfg.master_torch_dtype,
+        device,
+        homes.host,
+        offloads_gradients(cfg, homes.stage),
+    )
+    return OptimizerSide(views, fused, store, norm)
+
+
 def shard_optimizers(
     optimizer_set: OptimizerSet, units: list[FlatUnit], cfg: ZeroConfig, in_unit_order: bool
 ) -> list[OptimizerView]:

@@ -33,8 +33,9 @@ import torch
 
 from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
+from .format import CLIENT_STATE
+from .read import CheckpointReader
 from .safe_load import safe_torch_load
-from .sharded import CLIENT_STATE, CheckpointReader
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {

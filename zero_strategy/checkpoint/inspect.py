@@ -9,7 +9,8 @@ from collections import defaultdict
 from safetensors import safe_open
 
 from ..layout.partition import FROZEN_GROUP
-from .sharded import CheckpointError, located, read_index
+from .format import located, read_index
+from .safe_load import CheckpointError
 
 
 def _mib(n: int) -> str:

@@ -22,8 +22,10 @@ from ..optim.optimizer_set import OptimizerSet
 from ..tensor_parallel import full_tensor, match_local_dtype
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
-from . import sharded
+from .format import LoadedCheckpoint, ShardedState, persistent_buffers
+from .load import load
 from .pretrained import load_pretrained
+from .save import save
 
 
 class StateDoor:
@@ -79,8 +81,8 @@ class StateDoor:
         }
 
     # ---------------------------------------------------------------- checkpoints
-    def _sharded_state(self) -> sharded.ShardedState:
-        return sharded.ShardedState(
+    def _sharded_state(self) -> ShardedState:
+        return ShardedState(
             self.units,
             self.optimizer_set,
             self.views,
@@ -96,15 +98,13 @@ class StateDoor:
 
     def save(self, path: str | os.PathLike, **meta: Any) -> None:
         """Write a sharded checkpoint directory (collective); `meta`: step, compute
-        dtype, loss scaler and client state, as `sharded.save` takes them."""
-        sharded.save(self._sharded_state(), path, **meta)
+        dtype, loss scaler and client state, as `save.save` takes them."""
+        save(self._sharded_state(), path, **meta)
 
-    def load(
-        self, path: str | os.PathLike, load_optimizer_states: bool
-    ) -> sharded.LoadedCheckpoint:
+    def load(self, path: str | os.PathLike, load_optimizer_states: bool) -> LoadedCheckpoint:
         """Read a checkpoint written at any world size and stage into the masters (and
         the optimizer state); the caller refreshes the compute copies."""
-        return sharded.load(self._sharded_state(), path, load_optimizer_states)
+        return load(self._sharded_state(), path, load_optimizer_states)
 
     def load_pretrained(self, path: str | os.PathLike, strict: bool) -> dict[str, int]:
         """Safetensors weights into the masters, each rank reading its own ranges."""
@@ -124,7 +124,7 @@ class StateDoor:
                 self._add_unit(out, unit, copy_index, full, keep)
         if not keep:
             return {}
-        for name, buf in sharded.persistent_buffers(self.module):
+        for name, buf in persistent_buffers(self.module):
             out[name] = buf.detach().to("cpu", copy=True)
         return out
 
