@@ -1,11 +1,13 @@
 """Thin adapters of ZeroEngine for Lightning, Fabric, Accelerate and Hydra.
 
 `import zero_strategy` makes "zero1".."zero3" valid strategy names (and Hydra config
-entries `trainer/strategy=zero1..zero3`). Lightning's and
-Fabric's registries are read when a Trainer or Fabric is built, and Lightning's launcher
-re-runs the script, so registration must come with the import. It does, without making
-`import zero_strategy` pay for importing Lightning: frameworks already imported are
-registered at once, the others the moment their strategies module is first imported.
+entries `trainer/strategy=zero1..zero3`). Lightning's and Fabric's registries are read
+when a Trainer or Fabric is built, and Lightning's launcher re-runs the script, so
+registration must come with the import; Lightning 2.6 and Fabric read no entry points
+for strategies, and importing them eagerly would cost every `import zero_strategy`
+seconds. So frameworks already imported are registered at once, and the others the
+moment their strategies module is first imported, by an import hook that only wraps those
+modules' loaders and leaves `sys.meta_path` once every installed framework is registered.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def _lightning(name: str) -> Callable[[], None]:
 
 
 def _fabric() -> None:
+    own = sys.modules.get(f"{__name__}.fabric")
+    if own is not None and not hasattr(own, "register"):
+        return  # our fabric module is importing Fabric: it registers at its own end
     from .fabric import register
 
     register()
@@ -67,6 +72,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module):
             real_exec(module)
             _safely(_TARGETS[fullname], fullname)
+            _leave_when_done()
 
         spec.loader.exec_module = exec_module
         return spec
@@ -84,12 +90,24 @@ def _safely(register: Callable[[], None], target: str) -> None:
         )
 
 
+def _installed(target: str) -> bool:
+    """Whether the framework of `target` is installed (found without importing it)."""
+    return importlib.util.find_spec(target.split(".")[0]) is not None
+
+
+def _pending() -> list[str]:
+    return [name for name in _TARGETS if name not in sys.modules and _installed(name)]
+
+
+def _leave_when_done() -> None:
+    """Every installed framework is registered: the hook has nothing left to do."""
+    if not _pending():
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
+
+
 def register_all() -> None:
-    pending = False
     for name, register in _TARGETS.items():
         if name in sys.modules:
             _safely(register, name)
-        else:
-            pending = True
-    if pending and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+    if _pending() and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())

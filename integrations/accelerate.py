@@ -48,6 +48,7 @@ from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .pairing import model_of, one_optimizer_message
+from .private_api import mark_prepared
 from .replica_grads import ReplicatedModels
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
@@ -139,6 +140,7 @@ class ZeroOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine):
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.engine = engine
+        self._skipped = False
 
     def step(self, closure=None) -> None:
         if closure is not None:
@@ -147,7 +149,12 @@ class ZeroOptimizer(AcceleratedOptimizer):
                 "accelerator.backward(loss), then optimizer.step()."
             )
         if self.gradient_state.sync_gradients:
-            self._is_overflow = not self.engine.step()
+            self._skipped = not self.engine.step()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped for an fp16 overflow (on every rank alike)."""
+        return self._skipped
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
@@ -311,8 +318,7 @@ class ZeroAccelerator(Accelerator):
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
         wrapped = ZeroOptimizer(optimizer, self.engine)
-        wrapped._is_accelerate_prepared = True
-        self._optimizers.append(wrapped)
+        mark_prepared(wrapped)  # prepare() keeps it, and lists it as Accelerate's own
         return prepared, wrapped
 
     def end_training(self) -> None:
@@ -424,7 +430,8 @@ class ZeroAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw):
         # The engine's hook runs after the user's (which see `weights` aligned with `models`).
-        self._save_model_state_pre_hook.move_to_end(self._save_hook.id)
+        self._save_hook.remove()  # registered again: hooks run in registration order
+        self._save_hook = self.register_save_state_pre_hook(self._save_engine_checkpoint)
         self._saving_state = True
         try:
             return super().save_state(output_dir, safe_serialization, **kw)
@@ -432,7 +439,8 @@ class ZeroAccelerator(Accelerator):
             self._saving_state = False
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kw):
-        self._load_model_state_pre_hook.move_to_end(self._load_hook.id)
+        self._load_hook.remove()  # the engine's after the user's, as for saving
+        self._load_hook = self.register_load_state_pre_hook(self._load_engine_checkpoint)
         return super().load_state(input_dir, load_kwargs, **kw)
 
     def _save_engine_checkpoint(self, models: list, weights: list, output_dir: str) -> None:

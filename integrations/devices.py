@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .private_api import report_placement
+
 
 def require_cpu_or_cuda(device: torch.device, entry: str) -> None:
     """The engine runs on gloo (CPU) and NCCL (CUDA) only; `entry` names where to fix it."""
@@ -24,13 +26,10 @@ def place_buffers(
     and Lightning's collectives put their tensors); parameters are placed by the engine,
     one unit at a time."""
     for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is None or b.is_meta:
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_meta:
                 continue
             target = dtype if dtype is not None and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != target:
-                module._buffers[name] = b.to(device, target)
-        if hasattr(module, "_device"):  # Lightning's device/dtype mixin
-            module._device = device
-        if dtype is not None and hasattr(module, "_dtype"):
-            module._dtype = dtype
+                setattr(module, name, b.to(device, target))  # keeps it persistent or not
+        report_placement(module, device, dtype)  # Lightning's device/dtype mixin

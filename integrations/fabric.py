@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
@@ -28,6 +27,7 @@ from zero_strategy.tensor_parallel import tensor_parallel_mesh
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message, stand_in_optimizer
+from .private_api import backward_sync_control_base, set_backward_sync_control
 from .strategy_config import (
     compute_dtype_for,
     precision_flag,
@@ -36,7 +36,7 @@ from .strategy_config import (
 )
 
 
-class _EngineSyncControl(_BackwardSyncControl):
+class _EngineSyncControl(backward_sync_control_base()):
     def __init__(self, strategy: ZeroFabricStrategy):
         self.strategy = strategy
 
@@ -83,7 +83,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._device_mesh = None
         self.engine: ZeroEngine | None = None
         self._for_evaluation = False  # sharded with a stand-in optimizer (save/load first)
-        self._backward_sync_control = _EngineSyncControl(self)
+        set_backward_sync_control(self, _EngineSyncControl(self))
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -361,3 +361,6 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     state = safe_torch_load(path)
     return state.get("state_dict", state) if isinstance(state, Mapping) else state
+
+
+register()  # importing this module imports Fabric's registry: the names come with it

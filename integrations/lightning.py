@@ -28,8 +28,9 @@ from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .lightning_averaging import averaging_classes, refuse_stock_averaging
 from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
-from .lightning_summary import patch_model_summary_callback
+from .lightning_summary import count_with_engine
 from .pairing import stand_in_optimizer
+from .private_api import give_device_mesh, layer_sync, run_after_closure
 from .strategy_config import (
     PRECISIONS,
     compute_dtype_for,
@@ -75,7 +76,7 @@ def make_precision(root: str):
 
         def optimizer_step(self, optimizer, model, closure, **kwargs):
             closure_result = closure()
-            self._after_closure(model, optimizer)
+            run_after_closure(self, model, optimizer)
             skip = model.automatic_optimization and closure_result is None
             if not skip:
                 self._strategy.engine.step(optimizer)
@@ -155,7 +156,7 @@ def make_strategy(root: str):
                 self._zero_base.tensor_parallel_size, self.world_size, self.root_device
             )
             if self._device_mesh is not None:
-                self.lightning_module._device_mesh = self._device_mesh
+                give_device_mesh(self.lightning_module, self._device_mesh)
 
         @property
         def device_mesh(self):
@@ -196,14 +197,16 @@ def make_strategy(root: str):
                 refuse_pruning(trainer.callbacks, stock.ModelPruning)
             self.parameters_read_after_step = bool(averaging)
             existing = engine_of(model)
-            if trainer.state.fn == "fit" and self._layer_sync and existing is None:
-                self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
+            sync = layer_sync(self)
+            if trainer.state.fn == "fit" and sync and existing is None:
+                self.model = sync.apply(self.model)  # sync_batchnorm=True
                 model = self.lightning_module
             self.model_to_device()
             if existing is not None and trainer.state.fn != "fit":
                 # Sharded by an earlier run: evaluation reuses that engine as it is.
                 self.engine = existing
                 self.model = model
+                count_with_engine(trainer.callbacks, self.engine, root)
                 return
             if existing is not None:
                 # fit() again (more epochs, or after an exception): configure_optimizers
@@ -225,6 +228,7 @@ def make_strategy(root: str):
             )
             attach(model, self.engine)
             self.model = model
+            count_with_engine(trainer.callbacks, self.engine, root)
 
         def model_to_device(self) -> None:
             """Buffers only: the engine copies each unit's parameters onto the device as it
@@ -358,7 +362,6 @@ def register(root: str):
         registry = importlib.import_module(f"{root}.strategies").StrategyRegistry
         if "zero3" not in registry:
             cls.register_strategies(registry)
-        patch_model_summary_callback(root)
         _CLASSES[root] = cls
     return _CLASSES[root]
 

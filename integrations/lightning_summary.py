@@ -3,78 +3,65 @@
 Lightning counts `p.numel()`, which is 0 for a parameter stage 3 holds freed, so its table
 would read "Total params: 0" (it special-cases DeepSpeed only). For a module sharded by a
 ZeRO engine the counts come from the engine's layout instead; per-rank shard sizes are in
-`engine.memory_report()`.
+`engine.memory_report()`. The strategy routes its own trainer's summary callbacks here at
+setup; Lightning's classes are not changed.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections import OrderedDict
 
 from zero_strategy import ZeroEngine
 
+from .private_api import route_summary, summary_max_depth
 
-def make_summary_classes(root: str):
-    summary_module = importlib.import_module(f"{root}.utilities.model_summary.model_summary")
-    LayerSummary, ModelSummary = summary_module.LayerSummary, summary_module.ModelSummary
 
-    class ZeroLayerSummary(LayerSummary):
-        def __init__(self, module, engine):
-            super().__init__(module)
-            self._engine = engine
+def make_summary_class(root: str) -> type:
+    """Lightning's `ModelSummary` (the utility) with its counts read from an engine: only
+    its public count properties are overridden, so the table is Lightning's own."""
+    base = importlib.import_module(f"{root}.utilities.model_summary.model_summary").ModelSummary
 
-        @property
-        def num_parameters(self) -> int:
-            return sum(self._engine.parameter_numel(p) for p in self._module.parameters())
-
-    class ZeroModelSummary(ModelSummary):
-        def __init__(self, model, engine, max_depth: int = 1):
-            self._engine = engine  # before super().__init__, which summarizes
+    class ZeroModelSummary(base):
+        def __init__(self, model, engine: ZeroEngine, max_depth: int = 1):
+            self.zero_engine, self.zero_model = engine, model  # before it summarises
             super().__init__(model, max_depth=max_depth)
 
-        def summarize(self):
-            summary = OrderedDict(
-                (name, ZeroLayerSummary(module, self._engine))
-                for name, module in self.named_modules
+        def zero_count(self, module, trainable: bool = False) -> int:
+            return sum(
+                self.zero_engine.parameter_numel(p)
+                for p in module.parameters()
+                if p.requires_grad or not trainable
             )
-            if self._model.example_input_array is not None:
-                self._forward_example_input()
-            for layer in summary.values():
-                layer.detach_hook()
-            if self._max_depth >= 1:
-                for key in [k for k in summary if k.count(".") >= self._max_depth]:
-                    del summary[key]
-            return summary
+
+        @property
+        def param_nums(self) -> list[int]:
+            return [self.zero_count(self.zero_model.get_submodule(n)) for n in self.layer_names]
 
         @property
         def total_parameters(self) -> int:
-            return sum(self._engine.parameter_numel(p) for p in self._model.parameters())
+            return self.zero_count(self.zero_model)
 
         @property
         def trainable_parameters(self) -> int:
-            return sum(
-                self._engine.parameter_numel(p) for p in self._model.parameters() if p.requires_grad
-            )
+            return self.zero_count(self.zero_model, trainable=True)
 
     return ZeroModelSummary
 
 
-def patch_model_summary_callback(root: str) -> None:
-    """Route `ModelSummary` (and `RichModelSummary`) to the engine-aware summary when the
-    trainer's strategy is a ZeRO strategy at stage 3; every other strategy is untouched."""
+def count_with_engine(callbacks, engine: ZeroEngine, root: str) -> None:
+    """The trainer's `ModelSummary` (and `RichModelSummary`) callbacks summarise through
+    `engine` when it shards parameters (stage 3); at stages 0-2 they are Lightning's own.
+    Only these callback objects change."""
     callback_cls = importlib.import_module(f"{root}.callbacks.model_summary").ModelSummary
-    if getattr(callback_cls, "_zero_strategy_wrapped", False):
-        return
-    original = callback_cls._summary
-    summary_cls: list[type] = []
+    summary_cls = make_summary_class(root)
+    for callback in callbacks:
+        if not isinstance(callback, callback_cls):
+            continue
+        if engine.stage < 3:
+            route_summary(callback, None)
+            continue
 
-    def _summary(self, trainer, pl_module):
-        engine = getattr(trainer.strategy, "engine", None)
-        if not isinstance(engine, ZeroEngine) or engine.stage < 3:
-            return original(self, trainer, pl_module)
-        if not summary_cls:
-            summary_cls.append(make_summary_classes(root))
-        return summary_cls[0](pl_module, engine, max_depth=self._max_depth)
+        def summary(trainer, pl_module, callback=callback):
+            return summary_cls(pl_module, engine, max_depth=summary_max_depth(callback))
 
-    callback_cls._summary = _summary
-    callback_cls._zero_strategy_wrapped = True
+        route_summary(callback, summary)

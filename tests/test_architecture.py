@@ -13,7 +13,7 @@ CORE = ROOT / "zero_strategy"
 # Bottom up; the packages (or top-level modules) of one row are peers: they import nothing
 # from one another. The same table is in docs/architecture.md.
 LAYERS = [
-    {"config", "torch_internals", "kernels"},
+    {"config", "private_api", "kernels"},
     {"tensor_parallel"},
     {"layout"},
     {"comm"},

@@ -223,11 +223,11 @@ def test_an_older_torch_fails_at_import_naming_the_version():
     import subprocess
     import sys
 
-    from zero_strategy import torch_internals
+    from zero_strategy import private_api
 
     with pytest.raises(ImportError, match=r"needs torch>=2\.13.*torch 2\.12\.1 is installed"):
-        torch_internals.check_torch_version("2.12.1")
-    torch_internals.check_torch_version("2.13.0+cpu")
+        private_api.check_torch_version("2.12.1")
+    private_api.check_torch_version("2.13.0+cpu")
     code = (
         "import torch; torch.__version__ = torch.torch_version.TorchVersion('2.11.0')\n"
         "import zero_strategy"

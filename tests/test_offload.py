@@ -625,3 +625,35 @@ def test_two_kinds_of_optimizer_state_save_and_resume(tmp_path, offload):
     run_world(_two_optimizers_run, 2, ckpt, False, True, range(2), extra)
     resumed = run_world(_two_optimizers_run, 2, ckpt, True, False, range(2, 4), extra)[0]
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+class _ReEnteringAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_an_optimizer_whose_step_re_enters_a_hooked_step_is_refused_when_stepped_in_tiles(
+    tmp_path,
+):
+    """A step taken in tiles runs the optimizer's own step without torch's hook wrapper;
+    one that calls a base class's (hooked) step would run the step hooks per tile. Refused,
+    naming the cause, rather than running the user's hooks several times a step."""
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(0)
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])  # the base class's step is hooked
+    model = torch.nn.Linear(4, 4)
+    opt = _ReEnteringAdamW(model.parameters(), lr=0.1)
+    cfg = ZeroConfig(
+        stage=1,
+        offload_optimizer="disk",
+        offload_dir=str(tmp_path),
+        allow_untested_optimizer=True,
+    )
+    engine = ZeroEngine(model, opt, cfg)
+    try:
+        engine.backward(model(torch.ones(2, 4)).sum())
+        with pytest.raises(RuntimeError, match=r"super\(\).step\(\)"):
+            engine.step()
+    finally:
+        engine.close()

@@ -4,7 +4,7 @@
 `zero_strategy.integrations` and only wrap it.
 """
 
-from . import torch_internals  # noqa: F401  (first: an older torch fails here, naming the fix)
+from . import private_api  # noqa: F401  (first: an older torch fails here, naming the fix)
 from .builder.meta_init import init_on_meta
 from .checkpoint.safe_load import CheckpointError
 from .comm.communicator import PeerLostError

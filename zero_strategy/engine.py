@@ -47,7 +47,7 @@ from .model_view.routed_zero_grad import route_zero_grad
 from .offload import StagingBuffers, agree_on_write_failures
 from .offload import unit_tiers as make_unit_tiers
 from .optim.sharded_optimizer import ShardedOptimizer
-from .torch_internals import in_backward
+from .private_api import in_backward
 from .units.module_hooks import EngineHook
 from .units.schedule import UnitSchedule
 

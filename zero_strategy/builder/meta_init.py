@@ -20,6 +20,7 @@ from torch import nn
 
 from ..layout.partition import ParamSlot
 from ..layout.shard_spec import within
+from ..private_api import hf_init_weights
 from ..tensor_parallel import is_dtensor, real_dtensor_like
 
 InitFn = Callable[[nn.Module], None]
@@ -67,11 +68,7 @@ def run_init(
     seed each expert by its global id) is left to that ancestor, called once."""
     # Hugging Face models initialise any of their modules (`_init_weights`): the deepest
     # such model holding a module does (the root, or one inside a LightningModule).
-    hf_inits = {
-        path: m._init_weights
-        for path, m in model.named_modules()
-        if callable(getattr(m, "_init_weights", None))
-    }
+    hf_inits = {path: hf_init_weights(m) for path, m in model.named_modules() if hf_init_weights(m)}
     owners = {
         path: module
         for path, module in model.named_modules()
@@ -112,9 +109,7 @@ def detach_meta_buffers(
     Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
     make its meta buffers real ones holding a sentinel (NaN, or the lowest integer), so
     that `check_no_meta_buffers` can tell any it leaves unfilled; returns their names."""
-    if init_fn is None and not any(
-        callable(getattr(m, "_init_weights", None)) for m in model.modules()
-    ):
+    if init_fn is None and not any(hf_init_weights(m) is not None for m in model.modules()):
         return []
     names = []
     for path, module in model.named_modules():

@@ -33,6 +33,7 @@ import torch
 
 from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
+from ..private_api import fake_tensor_mode
 from .format import CLIENT_STATE
 from .read import CheckpointReader
 from .safe_load import safe_torch_load
@@ -179,9 +180,7 @@ def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[E
 def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap, progress) -> None:
     """torch.save(wrap(state_dict)) without holding the state dict: the archive is
     written from fake tensors, then each data record is filled with the real bytes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+    with fake_tensor_mode():
         fake = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     entry_of = {id(fake[e.name]): e for e in entries}
     obj = wrap(fake)

@@ -32,6 +32,7 @@ from ..comm.communicator import Communicator
 from ..layout.partition import ParamSlot, Stored
 from ..offload.state_store import OptimizerStateStore
 from ..optim.optimizer_set import OptimizerSet
+from ..private_api import persistent_direct_buffers
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
 from . import atomic_dir
@@ -207,6 +208,5 @@ def stored_blocks(entry: dict[str, Any]) -> list[tuple[tuple[int, ...], tuple[in
 
 def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for mod_name, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{mod_name}.{name}" if mod_name else name), buf
+        for name, buf in persistent_direct_buffers(module):
+            yield (f"{mod_name}.{name}" if mod_name else name), buf

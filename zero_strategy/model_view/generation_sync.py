@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..torch_internals import mark_sharded_for_generate
+from ..private_api import mark_sharded_for_generate
 
 
 def keep_generation_in_step(model: nn.Module) -> None:

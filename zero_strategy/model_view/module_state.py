@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..layout.partition import ParamSlot
+from ..private_api import direct_parameters
 from ..tensor_parallel import local_tensor
 from ..units.flat_unit import FlatUnit
 from ..units.gather import STATE_DICT, GatherManager
@@ -68,7 +69,7 @@ class ModuleStateHooks:
 
     def _own_units(self, module: nn.Module) -> list[FlatUnit]:
         units: dict[int, FlatUnit] = {}
-        for p in module._parameters.values():
+        for p in direct_parameters(module).values():
             if p is not None and id(p) in self.owner:
                 unit = self.owner[id(p)][0]
                 units[unit.layout.index] = unit
@@ -100,7 +101,7 @@ class ModuleStateHooks:
             # full precision (not through a bf16 parameter) and to leave the rest alone.
             self._loading[id(module)] = {
                 name: state_dict[prefix + name]
-                for name in module._parameters
+                for name in direct_parameters(module)
                 if prefix + name in state_dict
             }
 
@@ -121,7 +122,7 @@ class ModuleStateHooks:
         return hook
 
     def _direct_params(self, module: nn.Module):
-        for name, p in module._parameters.items():
+        for name, p in direct_parameters(module).items():
             if p is not None and id(p) in self.owner:
                 yield name, p, *self.owner[id(p)]
 

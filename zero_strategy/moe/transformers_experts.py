@@ -28,6 +28,11 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..layout.partition import Stored
 from ..layout.shard_spec import within
+from ..private_api import (
+    experts_implementation,
+    is_hf_experts_module,
+    select_experts_implementation,
+)
 from . import dispatch
 from .experts import batched_rows
 
@@ -39,7 +44,7 @@ def is_convertible(module: nn.Module) -> bool:
     """An experts module in Transformers' 3-D form: decorated by
     `use_experts_implementation` (which sets `_is_expert_parallel`), with `num_experts`."""
     return (
-        hasattr(module, "_is_expert_parallel")
+        is_hf_experts_module(module)
         and hasattr(getattr(type(module), "forward", None), "__wrapped__")
         and isinstance(getattr(module, "num_experts", None), int)
         and hasattr(module, "config")
@@ -199,10 +204,10 @@ def convert(
         setattr(module, name, new)
         replaced[id(old)] = new
     layer = TransformersExperts(
-        module, num_experts, ep_size, module.config._experts_implementation or "eager"
+        module, num_experts, ep_size, experts_implementation(module.config) or "eager"
     )
     config = copy.copy(module.config)  # the model's own config keeps its implementation
-    config._experts_implementation = IMPLEMENTATION
+    select_experts_implementation(config, IMPLEMENTATION)
     module.config = config
     module.num_experts = num_local  # what the inner implementation sees: local experts
     setattr(module, _ATTRIBUTE, layer)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import fused_adamw_, use_triton
-from ..torch_internals import has_user_step_hooks, mark_stepped
+from ..private_api import has_user_step_hooks, mark_stepped
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 # (master view, gradient view, compute copy) per optimizer param of a group; the copy is

@@ -15,7 +15,7 @@ import torch
 
 from ..comm.topology import ProcessGroups
 from ..kernels import multi_tensor_sum_squares, reference_sum_squares
-from ..torch_internals import foreach_norm
+from ..private_api import foreach_norm
 from ..units.flat_unit import FlatUnit
 from .landed_norms import LandedNorms
 

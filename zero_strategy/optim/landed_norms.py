@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..torch_internals import foreach_norm
+from ..private_api import foreach_norm
 
 Slices = Sequence[tuple[int, torch.Tensor]]  # (param group index, slice of the gradient)
 

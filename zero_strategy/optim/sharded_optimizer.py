@@ -9,7 +9,7 @@ updated shards visible after it (`publish`).
 
 The user's step hooks run exactly once per step. A whole step calls `optimizer.step()`,
 which runs them. A step taken in tiles (offloaded state) runs the optimizer's own step
-function over each tile without any hook (`torch_internals.step_without_hooks`) and the
+function over each tile without any hook (`private_api.step_without_hooks`) and the
 hooks once around all the tiles: torch's process-global hook dicts are only read, never
 swapped.
 """
@@ -24,10 +24,10 @@ from typing import Protocol
 
 import torch
 
-from .. import torch_internals
+from .. import private_api
 from ..config import ZeroConfig
 from ..offload import UnitTiers
-from ..torch_internals import user_step_hooks
+from ..private_api import user_step_hooks
 from ..units.flat_unit import FlatUnit, OneResident
 from ..units.optimizer_view import OptimizerView
 from .ema import ShardedEMA
@@ -76,6 +76,7 @@ class ShardedOptimizer:
         self.scaler = LossScaler(config)
         self.ema = ShardedEMA(views, optimizer_set.state)
         self.inside_step = False  # the engine's own optimizer.step() is running
+        self._in_tile = False  # a step over one tile, run without hooks, is running
         self.grads_unscaled = False
         self.grads_live = False  # gradients since the last zero_grad
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
@@ -379,14 +380,14 @@ class ShardedOptimizer:
                 for view in self.views:
                     if view.group_index in groups:
                         view.param.grad = view.grad if id(view) in shown else None
-            self.inside_step = True
+            self.inside_step, self._in_tile = True, partial
             try:
                 if partial:
-                    torch_internals.step_without_hooks(opt)
+                    private_api.step_without_hooks(opt)
                 else:
                     opt.step()
             finally:
-                self.inside_step = False
+                self.inside_step = self._in_tile = False
         return copies_written
 
     def _fused_views(
@@ -409,6 +410,14 @@ class ShardedOptimizer:
     def guard_direct_step(self, optimizer, args, kwargs) -> None:
         """A step pre-hook on each managed optimizer: its own `step()` called by the user
         would skip the reduction, the clipping and the publishing."""
+        if self._in_tile:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() calls another optimizer class's step() "
+                "(super().step()), which runs the step hooks again for every tile of a step "
+                "taken in tiles (offload_optimizer='disk' or offload_params='disk'). Define "
+                "its update in one step() that does not call a hooked step, or turn the "
+                "offload off."
+            )
         if not self.inside_step:
             raise RuntimeError(
                 "optimizer.step() was called directly on an optimizer managed by ZeroEngine: "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import torch_internals
+from .. import private_api
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -22,7 +22,7 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The plain tensor a parameter's values live in on this rank: a DTensor's local
     shard (the same object for the DTensor's lifetime: the engine re-points its `.data`),
     the parameter itself otherwise."""
-    return torch_internals.local_tensor(p) if is_dtensor(p) else p
+    return private_api.local_tensor(p) if is_dtensor(p) else p
 
 
 def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     if tuple(grad.placements) != tuple(p.placements):
         grad = grad.redistribute(p.device_mesh, p.placements)
         p.grad = grad
-    return torch_internals.local_tensor(grad)
+    return private_api.local_tensor(grad)
 
 
 def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:

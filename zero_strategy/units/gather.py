@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm.communicator import Communicator
-from ..torch_internals import in_backward, tree_flatten
+from ..private_api import in_backward, tree_flatten
 from .flat_unit import FlatUnit
 from .module_hooks import EngineHook
 from .order_check import (  # noqa: F401 (re-exported)

@@ -30,8 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..private_api import (
+    clear_post_accumulate_grad_hooks,
+    post_accumulate_grad_hooks,
+    queue_backward_callback,
+    storage_use_count,
+)
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
-from ..torch_internals import clear_post_accumulate_grad_hooks, post_accumulate_grad_hooks
 from .flat_unit import FlatUnit
 from .host_landing import HostLandings
 
@@ -84,16 +89,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
 def _sole_owner(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is the only tensor on its memory (so writing it in place cannot
     change another). Read from the storage's reference count: the tensor and the storage
     object made here hold one each. Without that count (another torch), assume not."""
-    if _storage_use_count is None:
-        return False
-    return _storage_use_count(tensor.untyped_storage()._cdata) <= 2
+    count = storage_use_count(tensor)
+    return count is not None and count <= 2
 
 
 @dataclass
@@ -199,7 +200,7 @@ class GradReducer:
         """Queue the end-of-backward callback once per backward pass."""
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_backward_callback(self._finish_backward)
 
     @staticmethod
     def _make_hook(reducer: weakref.ref[GradReducer], unit_position: int, slot_index: int):

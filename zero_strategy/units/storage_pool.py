@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_internals import swap_storage
+from ..private_api import swap_storage
 
 
 class StoragePool:

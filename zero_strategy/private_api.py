@@ -1,11 +1,11 @@
 """Every private name of torch the core uses, in one place, each checked against the
-installed torch by `tests/test_torch_internals.py`.
+installed torch by `tests/test_private_api.py`.
 
 A private name can change in any release. Here each use says what it is for and why no
 public route does it, and the oldest torch this package runs on is checked at import, so
 that a torch that moved a name fails in one test that names it, not deep in a step.
 Lightning's, Fabric's, Accelerate's and Transformers' private names are the integrations'
-(`zero_strategy.integrations.framework_internals`): the core never imports them.
+(`zero_strategy.integrations.private_api`): the core never imports them.
 """
 
 from __future__ import annotations
@@ -58,6 +58,74 @@ def post_accumulate_grad_hooks(p: torch.Tensor) -> dict[int, Callable]:
 def clear_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
     """Forget `p`'s hook list, so that registering again wires a new one."""
     p._post_accumulate_grad_hooks = None
+
+
+def storage_use_count(tensor: torch.Tensor) -> int | None:
+    """How many references hold `tensor`'s storage (`torch._C._storage_Use_Count` on the
+    storage's `_cdata`): a gradient whose memory nothing else holds is reduced in place.
+    None where torch has no such count (then the caller copies)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(tensor.untyped_storage()._cdata)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the current backward pass ends, on autograd's engine
+    (`Variable._execution_engine.queue_callback`, as DDP and FSDP do): no public call
+    runs something once after every gradient of a pass is computed."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def fake_tensor_mode():
+    """Tensors with shapes and dtypes but no memory (`torch._subclasses.FakeTensorMode`):
+    the skeleton of a `torch.save` file written before its data, which
+    `torch.serialization.skip_data(materialize_fake_tensors=True)` documents."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+# ---------------------------------------------------------------- modules
+def direct_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A module's own parameter slots by name, `None` entries included
+    (`Module._parameters`): what its `state_dict` hooks write and read."""
+    return module._parameters
+
+
+def persistent_direct_buffers(module: torch.nn.Module):
+    """(name, buffer) of a module's own buffers that its state dict holds: torch keeps
+    persistence in `Module._non_persistent_buffers_set`, with no public query short of
+    `state_dict()` (which would run the engine's own hooks)."""
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield name, buf
+
+
+# ---------------------------------------------------------------- Transformers
+# Checked against Transformers 5.24.0. The core loads and shards Hugging Face models.
+def hf_init_weights(module: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """A Hugging Face model's per-module initialiser (`PreTrainedModel._init_weights`),
+    or None: the public `init_weights()` initialises the whole model, and a meta-built
+    model is initialised one unit at a time."""
+    init = getattr(module, "_init_weights", None)
+    return init if callable(init) else None
+
+
+def is_hf_experts_module(module: torch.nn.Module) -> bool:
+    """Whether `use_experts_implementation` decorated this experts module (it sets
+    `_is_expert_parallel`; Transformers has no public marker)."""
+    return hasattr(module, "_is_expert_parallel")
+
+
+def experts_implementation(config) -> str | None:
+    """The experts implementation a Transformers config selects
+    (`config._experts_implementation`)."""
+    return config._experts_implementation
+
+
+def select_experts_implementation(config, name: str) -> None:
+    """Route one config's experts through the registered implementation `name`
+    (`set_experts_implementation()` is model-wide and changes the model's own config)."""
+    config._experts_implementation = name
 
 
 # ---------------------------------------------------------------- storage

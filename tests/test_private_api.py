@@ -1,4 +1,4 @@
-"""Every private name of torch the core relies on (`zero_strategy.torch_internals`), checked
+"""Every private name of torch the core relies on (`zero_strategy.private_api`), checked
 against the installed torch: a release that moves one fails here, naming it."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-from zero_strategy import torch_internals as ti
+from zero_strategy import private_api as ti
 
 
 def test_in_backward_is_true_only_while_autograd_runs():
@@ -132,3 +132,56 @@ def test_marking_a_model_sharded_turns_on_synced_generation():
     assert not is_fsdp_managed_module(model)
     ti.mark_sharded_for_generate(model)
     assert is_fsdp_managed_module(model)
+
+
+def test_storage_use_count_counts_the_tensors_on_a_storage():
+    t = torch.zeros(4)
+    alone = ti.storage_use_count(t)
+    view = t[:2]  # noqa: F841 (a second tensor on the same memory)
+    assert alone is not None and ti.storage_use_count(t) == alone + 1
+
+
+def test_a_queued_backward_callback_runs_once_when_the_pass_ends():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: (ti.queue_backward_callback(lambda: order.append("end")), None)[1])
+    x.register_hook(lambda g: order.append("leaf"))
+    y.sum().backward()
+    assert order == ["leaf", "end"]
+
+
+def test_fake_tensors_have_shapes_but_no_memory():
+    with ti.fake_tensor_mode():
+        t = torch.empty(1000, 1000)
+    assert t.shape == (1000, 1000) and type(t).__name__ == "FakeTensor"
+
+
+def test_direct_parameters_and_persistent_buffers_are_the_modules_own():
+    bn = nn.BatchNorm1d(3)
+    bn.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert list(ti.direct_parameters(bn)) == ["weight", "bias"]
+    names = [name for name, _ in ti.persistent_direct_buffers(bn)]
+    assert names == ["running_mean", "running_var", "num_batches_tracked"]
+    assert names == [k for k in bn.state_dict() if k not in ("weight", "bias")]
+
+
+def test_transformers_initialiser_and_experts_names():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        vocab_size=32,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    assert ti.hf_init_weights(model) is not None and ti.hf_init_weights(nn.Linear(2, 2)) is None
+    experts = [m for m in model.modules() if ti.is_hf_experts_module(m)]
+    assert experts, "no experts module carries Transformers' marker"
+    cfg = experts[0].config
+    assert isinstance(ti.experts_implementation(cfg), (str, type(None)))
+    ti.select_experts_implementation(cfg, "eager")
+    assert ti.experts_implementation(cfg) == "eager"

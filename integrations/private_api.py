@@ -1,0 +1,105 @@
+"""Every private name of Lightning, Fabric, Accelerate and Transformers the integrations
+use, in one place, each checked against the installed version by
+`tests/test_integrations_private_api.py`.
+
+Each is a name the framework's own strategies and plugins use the same way, with no
+public route in the versions below; a release that moves one fails in that test, naming
+it. Torch's private names are the core's (`zero_strategy.private_api`).
+
+Two process-wide effects remain, each because no public route exists:
+- `import zero_strategy` registers "zero1".."zero3" with Lightning's and Fabric's strategy
+  registries and Hydra's ConfigStore. Frameworks already imported are registered at once;
+  for the others an import hook (`integrations/__init__.py`) registers them right after
+  their module loads, and removes itself once all are done. Lightning 2.6 and Fabric read
+  no entry points for strategies, and importing Lightning eagerly would cost every
+  `import zero_strategy` seconds.
+- `ZeroTrainer` builds its Accelerator by swapping `transformers.trainer.Accelerator` for
+  the duration of `create_accelerator_and_postprocess()` (under a lock): Transformers
+  builds it from that module global, with no hook for another class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+CHECKED_AGAINST = {"lightning": "2.6.6", "accelerate": "1.16.0", "transformers": "5.24.0"}
+
+
+# ---------------------------------------------------------------- Lightning
+def run_after_closure(precision: Any, model: Any, optimizer: Any) -> None:
+    """`Precision._after_closure`: `on_before_optimizer_step` and gradient clipping,
+    between the training closure and the optimizer step, as Lightning's AMP, DeepSpeed
+    and FSDP plugins run them."""
+    precision._after_closure(model, optimizer)
+
+
+def layer_sync(strategy: Any) -> Any:
+    """`ParallelStrategy._layer_sync`: Lightning sets it for `sync_batchnorm=True` on any
+    strategy that has the attribute."""
+    return strategy._layer_sync
+
+
+def give_device_mesh(module: Any, mesh: Any) -> None:
+    """`LightningModule._device_mesh`: what `self.device_mesh` reads in `configure_model`
+    (a read-only property, written the same way by Lightning's ModelParallelStrategy)."""
+    module._device_mesh = mesh
+
+
+def report_placement(module: Any, device: Any, dtype: Any) -> None:
+    """`_DeviceDtypeModuleMixin._device` / `._dtype`: what `LightningModule.device` and
+    `.dtype` report, where the engine put the buffers (`module.to()` would move the
+    parameters the engine places, and the `dtype` setter refuses)."""
+    if hasattr(module, "_device"):
+        module._device = device
+    if dtype is not None and hasattr(module, "_dtype"):
+        module._dtype = dtype
+
+
+def backward_sync_control_base() -> type:
+    """Fabric's `_BackwardSyncControl`, the base of what `fabric.no_backward_sync` asks a
+    strategy for (Fabric's own strategies subclass it)."""
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    return _BackwardSyncControl
+
+
+def set_backward_sync_control(strategy: Any, control: Any) -> None:
+    """`Strategy._backward_sync_control`: what Fabric reads on every `no_backward_sync`."""
+    strategy._backward_sync_control = control
+
+
+def summary_max_depth(callback: Any) -> int:
+    """`ModelSummary._max_depth`: the depth the user gave the summary callback."""
+    return callback._max_depth
+
+
+def route_summary(callback: Any, summary: Callable[[Any, Any], Any] | None) -> None:
+    """This `ModelSummary` callback object's `_summary` (Lightning special-cases DeepSpeed
+    in it, and has no hook for another strategy): `summary`, or with None the class's own
+    again. Only this object changes; Lightning's classes do not."""
+    if summary is None:
+        callback.__dict__.pop("_summary", None)
+    else:
+        callback._summary = summary
+
+
+# ---------------------------------------------------------------- Accelerate
+def mark_prepared(optimizer: Any) -> None:
+    """`_is_accelerate_prepared`: Accelerate's marker that an optimizer is wrapped
+    already, so `prepare_optimizer` keeps it as it is."""
+    optimizer._is_accelerate_prepared = True
+
+
+# ---------------------------------------------------------------- Transformers
+# The private methods of `transformers.Trainer` that `ZeroTrainer` overrides or calls,
+# each for a step Transformers offers no hook into: the model left unwrapped, the
+# consolidated save, the sharded optimizer state saved and loaded with each checkpoint,
+# and the best model loaded from its shards.
+TRAINER_METHODS = (
+    "_wrap_model",
+    "_save",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "_load_best_model",
+)
