@@ -77,8 +77,47 @@ class ZeroEngine:
         `ZeroConfig.tensor_parallel_size` (contiguous tensor groups). ZeRO then shards over
         the data dimension only (`zero_strategy.tensor_parallel`)."""
         prepared = steps.prepare(model, optimizer, config, device)
-        self.config = cfg = prepared.config
-        self.device = prepared.device
+        self.config, self.device, self.module = prepared.config, prepared.device, model
+        self.optimizers = prepared.optimizers
+        self.optimizer = self.optimizers[0]
+        experts, homes = self._assemble_units(
+            model, prepared, placement, device_mesh, param_init_fn
+        )
+        tiers = self._assemble_optimizer_side(model, prepared, homes)
+        self._door = StateDoor(
+            self.units,
+            model,
+            prepared.optimizer_set,
+            self.optim.views,
+            self.optim.state_store,
+            self.groups,
+            self.stage,
+            self.device,
+            steps.tensor_sharded(prepared.params),
+            experts.names,
+        )
+        self._handles = [*self.optim.guards, *self._wire_model(model)]
+        self._backward_pending = False
+        self.global_steps = 0
+        self.reset_comm_report()
+        self._memory.watch(
+            Sources(
+                self.units,
+                self.optim,
+                self.schedule,
+                tiers,
+                self.staging,
+                model,
+                self.stage,
+                self.device,
+                self._host,
+            )
+        )
+
+    def _assemble_units(self, model, prepared, placement, device_mesh, param_init_fn):
+        """Builder steps 1-6: the groups, the homes, the experts' placement, the layouts,
+        the units and their initial values (see `builder/steps.py`)."""
+        cfg = self.config
         self.groups = steps.process_groups(cfg, self.device, device_mesh)  # 1
         steps.check_mesh(model, cfg, self.groups)  # 2
         # Dropping the engine (with its module) destroys its groups; so does close().
@@ -86,7 +125,6 @@ class ZeroEngine:
         shutdown.close_at_exit(self)  # still alive when the script ends: close() first
         homes = steps.where_things_live(cfg, self.device, self.world_size)  # 3
         self.stage, self._host = homes.stage, homes.host
-        self.module = model
         experts, group_of = steps.place_experts(model, prepared, placement, self.groups, self.stage)
         layouts = steps.layouts(  # 4
             model, cfg, self.stage, self.world_size, prepared.params, group_of, experts.placed
@@ -107,8 +145,12 @@ class ZeroEngine:
             model, self.groups.world.comm, self.device, cfg.broadcast_buffers
         )
         self._buffers.sync()  # as DDP at construction, whatever broadcast_buffers says
-        self.optimizers = prepared.optimizers  # 7
-        self.optimizer = self.optimizers[0]
+        return experts, homes
+
+    def _assemble_optimizer_side(self, model, prepared, homes):
+        """Builder steps 7-8: the optimizers over this rank's shards, the schedule that
+        reduces into them, the disk tiers, the model's views, the sharded optimizer."""
+        cfg = self.config
         self._memory = MemoryAccount()
         side = steps.optimizer_side(prepared, self.units, homes, self.groups, self._memory.sample)
         self._store_finalizer = weakref.finalize(self, side.state_store.closer())
@@ -156,37 +198,9 @@ class ZeroEngine:
             tiers,
             self._full_grads,
         )
-        self._door = StateDoor(
-            self.units,
-            model,
-            prepared.optimizer_set,
-            side.views,
-            side.state_store,
-            self.groups,
-            self.stage,
-            self.device,
-            steps.tensor_sharded(prepared.params),
-            experts.names,
-        )
-        self._handles = [*guards, *self._wire_model(model, prepared.optimizer_set)]
-        self._backward_pending = False
-        self.global_steps = 0
-        self.reset_comm_report()
-        self._memory.watch(
-            Sources(
-                self.units,
-                self.optim,
-                self.schedule,
-                tiers,
-                self.staging,
-                model,
-                self.stage,
-                self.device,
-                self._host,
-            )
-        )
+        return tiers
 
-    def _wire_model(self, model: nn.Module, optimizer_set) -> list:
+    def _wire_model(self, model: nn.Module) -> list:
         """The hooks on the user's objects: zero_grad routed to the engine, the root's
         forward hooks, and with several optimizers requires_grad followed."""
         # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()

@@ -67,7 +67,7 @@ class ShardedOptimizer:
         self.optimizer_set = optimizer_set
         self.optimizers = optimizer_set.optimizers
         self.views = views
-        self._guards = guards  # the engine's direct-step guard on each optimizer
+        self.guards = guards  # the engine's direct-step guard on each optimizer (handles)
         self._fused = fused
         self.state_store = state_store  # where the optimizer's state lives
         self.norm = norm
@@ -292,7 +292,7 @@ class ShardedOptimizer:
         hooks = [
             (self.optimizers[k], hook)
             for k in chosen
-            for hook in user_step_hooks(self.optimizers[k], self._guards[k].id)[0 if before else 1]
+            for hook in user_step_hooks(self.optimizers[k], self.guards[k].id)[0 if before else 1]
         ]
         if not hooks:
             return
