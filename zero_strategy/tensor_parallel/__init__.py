@@ -11,7 +11,7 @@ a skipped step, and checkpoints.
 
 The package holds what the engine needs to know about that, a concern per module:
 `mesh` (the ranks' grid), `dtensors` (a DTensor parameter's local shard, dtype and
-gradient), `placement` (where a shard sits in its full tensor: checkpoints, whole
+gradient), `blocks` (where a shard sits in its full tensor: checkpoints, whole
 tensors), `checks` (what is refused) and `init` (meta-device initialisation).
 """
 

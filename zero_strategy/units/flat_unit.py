@@ -393,6 +393,37 @@ class FlatUnit:
             storage.resize_(nbytes)
         return self._buf
 
+    # ------------------------------------------------------------------ made whole
+    # One act at every stage, asked for by the schedule: stage 3 gathers a unit into its
+    # gather buffer for a use and frees it after; stages 1-2 keep it whole and gather the
+    # updated shards back after each step.
+    def start_gather(self):
+        """Stage 3: start the asynchronous all-gather of this unit into its gather buffer
+        (an offloaded shard is in memory until `finish_gather`); returns the work."""
+        target = self.gather_target()
+        self.bring_in()
+        shard = self.gather_input(target)  # on the device (copied in, when on the host)
+        return self.group.comm.all_gather(target, shard, async_op=True)
+
+    def finish_gather(self, work) -> None:
+        """Stage 3: the gather `start_gather` began is done; the parameters point at the
+        whole buffer."""
+        work.wait()
+        self.let_go()
+        self.expose_full()
+
+    def regather(self) -> None:
+        """Stage 3, a unit kept gathered: gather its updated shard again, now."""
+        with self.resident():
+            self.group.comm.all_gather(self.full, self.gather_input(self.full))
+
+    def start_publish(self):
+        """Stages 1-2: start gathering every rank's updated slice back into the whole
+        buffer the parameters view; returns the work."""
+        return self.group.comm.all_gather(
+            self.full, self.full[self.opt_start : self.opt_end], async_op=True
+        )
+
     def expose_full(self) -> None:
         """The gather finished: point the module's parameters at the full buffer."""
         self.full = self._buf

@@ -348,11 +348,8 @@ class GatherManager:
                 f"internal error: unit {unit.layout.name!r} was announced for a gather "
                 "but is gathered already"
             )
-        target = unit.gather_target()
         self._live.add(idx)
-        unit.bring_in()  # an offloaded shard: in memory until the gather is waited for
-        shard = unit.gather_input(target)  # on the device (copied in, when on the host)
-        self.pending[idx] = unit.group.comm.all_gather(target, shard, async_op=True)
+        self.pending[idx] = unit.start_gather()
         self.on_memory()
 
     def gathered_bytes(self) -> int:
@@ -378,9 +375,7 @@ class GatherManager:
         return started
 
     def _finish(self, unit: FlatUnit) -> None:
-        self.pending.pop(unit.layout.index).wait()
-        unit.let_go()
-        unit.expose_full()
+        unit.finish_gather(self.pending.pop(unit.layout.index))
 
     def _finish_agreed(self, finish_reductions: Callable[[], None]) -> None:
         """A divergence was found: wait for the gathers (and, through the engine, the
@@ -417,5 +412,4 @@ class GatherManager:
         """After an optimizer step, refresh units that are never freed."""
         for unit in self.units:
             if unit.persistent and unit.gathered:
-                with unit.resident():
-                    unit.group.comm.all_gather(unit.full, unit.gather_input(unit.full))
+                unit.regather()

@@ -47,9 +47,7 @@ class ParameterPublisher:
         """Start gathering every unit's updated shard (first-used units first)."""
         for unit in reversed(self.units):
             if unit.layout.numel:
-                self.pending[unit.layout.index] = unit.group.comm.all_gather(
-                    unit.full, unit.full[unit.opt_start : unit.opt_end], async_op=True
-                )
+                self.pending[unit.layout.index] = unit.start_publish()
         if not self.overlap:
             self.wait_all()
 
