@@ -444,13 +444,7 @@ class ZeroEngine:
         """Fold the current weights into the sharded EMA (the first call copies them):
         `ema += (1 - decay) * (weights - ema)`, on this rank's shards only (local). Held
         in the optimizer state, so checkpoints save it and load it at any world size."""
-        if self.global_steps == 0 and not self.optim.ema.started:
-            raise RuntimeError(
-                "update_ema() before the first step: the EMA starts from trained weights "
-                "(and an optimizer's state is created by its first step). Call it after "
-                "engine.step()."
-            )
-        self.optim.update_ema(decay)
+        self.optim.update_ema(decay, first_step_taken=self.global_steps > 0)
 
     @property
     def ema_started(self) -> bool:
@@ -490,12 +484,7 @@ class ZeroEngine:
 
     def parameter_names(self) -> set[str]:
         """Every name (tied aliases included) under which the model holds a parameter."""
-        return {
-            name
-            for unit in self.units
-            for slot in unit.layout.slots
-            for name in (slot.name, *slot.aliases)
-        }
+        return self._door.parameter_names()
 
     def gathered_parameters(
         self,

@@ -69,6 +69,15 @@ class StateDoor:
         copy = unit.group.copy_index if copy is None else copy
         return self._expert_names.stored(name, copy, tuple(shape))
 
+    def parameter_names(self) -> set[str]:
+        """Every name (tied aliases included) under which the model holds a parameter."""
+        return {
+            name
+            for unit in self.units
+            for slot in unit.layout.slots
+            for name in (slot.name, *slot.aliases)
+        }
+
     def model_names(self) -> set[str]:
         """The stored names of the whole model: this rank's, and the experts of every
         other expert-parallel rank."""

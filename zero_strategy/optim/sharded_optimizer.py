@@ -449,7 +449,13 @@ class ShardedOptimizer:
                 view.param.grad = None
 
     # ---------------------------------------------------------------- EMA
-    def update_ema(self, decay: float) -> None:
+    def update_ema(self, decay: float, first_step_taken: bool) -> None:
+        if not first_step_taken and not self.ema.started:
+            raise RuntimeError(
+                "update_ema() before the first step: the EMA starts from trained weights "
+                "(and an optimizer's state is created by its first step). Call it after "
+                "engine.step()."
+            )
         self.apply(
             self.views, lambda tile: self.ema.update(decay, None, tile), changes_weights=False
         )
