@@ -111,13 +111,26 @@ def _params_of_hf_config(path: str) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .memory.planner import OFFLOADS
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError) as e:  # CheckpointError is a RuntimeError
+        print(f"zero-strategy {args.command}: {e}", file=sys.stderr)
+        return 1
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero-strategy", description="ZeRO sharding for PyTorch.")
     parser.add_argument("--version", action="version", version=f"zero-strategy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print versions and available backends").set_defaults(func=_env)
+    _add_consolidate(sub)
+    _add_inspect(sub)
+    _add_estimate(sub)
+    return parser
 
+
+def _add_consolidate(sub) -> None:
     c = sub.add_parser(
         "consolidate",
         help="write one model file from a sharded checkpoint, one tensor in memory at a time",
@@ -143,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_consolidate)
 
+
+def _add_inspect(sub) -> None:
     i = sub.add_parser(
         "inspect", help="summarize a checkpoint: world size, stage, sizes, completeness"
     )
     i.add_argument("checkpoint")
     i.set_defaults(func=_inspect)
+
+
+def _add_estimate(sub) -> None:
+    from .memory.planner import OFFLOADS
 
     e = sub.add_parser("estimate", help="per-rank memory and communication for a model size")
     e.add_argument("--params", help="parameter count, e.g. 7.5B, 350M")
@@ -193,13 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--layers", type=int, default=0)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_estimate)
-
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, RuntimeError, OSError) as e:  # CheckpointError is a RuntimeError
-        print(f"zero-strategy {args.command}: {e}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":
