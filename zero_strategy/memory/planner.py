@@ -143,6 +143,28 @@ def plan(
             ep_size != 1 or expert_params or shard_group_size is not None,
         )
     g = world_size if shard_group_size is None else shard_group_size
+    _check_groups(g, shard_group_size, world_size, ep_size, expert_params, params, offload, stage)
+    # What one rank would hold unsharded: the dense part and its own experts.
+    psi = float(params - expert_params) + expert_params / ep_size
+    # dense over its shard group; experts over n / ep_size ranks, of 1/ep_size of them
+    shard = (params - expert_params) / g + expert_params / float(world_size)
+    # One process keeps everything in place, unless its parameters are offloaded.
+    ran = stage if world_size > 1 or offload == "disk+params" else 0
+    memory = _model_state(psi, shard, stage, ran, compute_dtype, optimizer, accounting)
+    if activations:
+        memory["activations"] = activations
+    opt_range = psi if ran == 0 else shard  # what this rank's optimizer steps
+    host, disk = _offloaded(memory, offload, ran, opt_range, psi, compute_dtype, accounting)
+    comm = _communication(
+        params, expert_params, psi, g, world_size, stage, root_params, compute_dtype, accounting
+    )
+    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host, disk)
+
+
+def _check_groups(
+    g, shard_group_size, world_size, ep_size, expert_params, params, offload, stage
+) -> None:
+    """The grouping and offload arguments, each refused with the values that work."""
     if not isinstance(g, int) or g <= 0 or world_size % g:
         raise PlanError(
             f"shard_group_size={shard_group_size!r} is invalid: it must divide "
@@ -158,36 +180,6 @@ def plan(
         raise PlanError(
             f"expert_params={expert_params!r} is invalid: use a count between 0 and params."
         )
-    n = float(world_size)
-    # What one rank would hold unsharded: the dense part and its own experts.
-    psi = float(params - expert_params) + expert_params / ep_size
-    # dense over its shard group; experts over n / ep_size ranks, of 1/ep_size of them
-    shard = (params - expert_params) / g + expert_params / n
-    opt = OPTIMIZER_STATE_BYTES[optimizer]
-    if accounting == "zero-paper":
-        # Mixed-precision Adam: 2 + 2 + K bytes, K = 12 (fp32 master, momentum, variance).
-        k = 4 + opt
-        memory = {
-            "parameters": 2 * (shard if stage >= 3 else psi),
-            "gradients": 2 * (shard if stage >= 2 else psi),
-            "optimizer_state": k * (shard if stage >= 1 else psi),
-        }
-    else:
-        c = _DTYPE_BYTES[compute_dtype]
-        mixed = c != 4
-        # One process keeps everything in place, unless its parameters are offloaded.
-        ran = stage if world_size > 1 or offload == "disk+params" else 0
-        opt_range = psi if ran == 0 else shard  # what this rank's optimizer steps
-        memory = {
-            "parameters": c * (shard if ran == 3 else psi),
-            "master_params": 4 * opt_range if mixed else 0.0,
-            # stages 0-1 keep full gradients in the compute dtype (plus an fp32 slice
-            # when mixed); stages 2-3 keep only the fp32 slice
-            "gradients": (c * psi + (4 * opt_range if mixed else 0)) if ran < 2 else 4 * shard,
-            "optimizer_state": opt * opt_range,
-        }
-    if activations:
-        memory["activations"] = activations
     if offload not in OFFLOADS:
         raise PlanError(
             f"offload={offload!r} is invalid: use 'none', 'disk' (the optimizer state in "
@@ -196,18 +188,45 @@ def plan(
             "and optimizer state in host memory, as ZeRO-Offload on a GPU) or "
             "'optimizer+params' (parameters too, ZeRO-Infinity style)."
         )
-    host: dict[str, float] = {}
-    disk: dict[str, float] = {}
     if offload == "disk+params" and stage != 3:
         raise PlanError(
             f"offload='disk+params' is invalid at stage {stage}: parameters are offloaded at "
             "stage 3 only. Use stage=3, or offload='disk'."
         )
+
+
+def _model_state(psi, shard, stage, ran, compute_dtype, optimizer, accounting) -> dict[str, float]:
+    """Bytes of each model-state kind on one rank, in device memory."""
+    opt = OPTIMIZER_STATE_BYTES[optimizer]
+    if accounting == "zero-paper":
+        # Mixed-precision Adam: 2 + 2 + K bytes, K = 12 (fp32 master, momentum, variance).
+        k = 4 + opt
+        return {
+            "parameters": 2 * (shard if stage >= 3 else psi),
+            "gradients": 2 * (shard if stage >= 2 else psi),
+            "optimizer_state": k * (shard if stage >= 1 else psi),
+        }
+    c = _DTYPE_BYTES[compute_dtype]
+    mixed = c != 4
+    opt_range = psi if ran == 0 else shard  # what this rank's optimizer steps
+    return {
+        "parameters": c * (shard if ran == 3 else psi),
+        "master_params": 4 * opt_range if mixed else 0.0,
+        # stages 0-1 keep full gradients in the compute dtype (plus an fp32 slice
+        # when mixed); stages 2-3 keep only the fp32 slice
+        "gradients": (c * psi + (4 * opt_range if mixed else 0)) if ran < 2 else 4 * shard,
+        "optimizer_state": opt * opt_range,
+    }
+
+
+def _offloaded(memory, offload, ran, opt_range, psi, compute_dtype, accounting):
+    """Move the offloaded kinds out of `memory`: (host memory, disk) bytes by kind."""
+    host: dict[str, float] = {}
+    disk: dict[str, float] = {}
     if offload in ("disk", "disk+params"):
         disk["optimizer_state"] = memory.pop("optimizer_state")
         # Stages 2-3 (as run: one process runs stage 0 unless its parameters are
         # offloaded) keep the gradients' fp32 shards there too.
-        ran = stage if world_size > 1 or offload == "disk+params" else 0
         if ran >= 2:
             disk["gradients"] = memory.pop("gradients")
         # Mixed precision: the fp32 masters, tensors of their own, go with the state.
@@ -228,7 +247,14 @@ def plan(
             # gradient buffers at stages 0-1 and none at stages 2-3.
             host["master_params"] = 4 * opt_range
             host["gradients"] = 4 * opt_range
-            memory["gradients"] = c * psi if ran < 2 else 0.0
+            memory["gradients"] = _DTYPE_BYTES[compute_dtype] * psi if ran < 2 else 0.0
+    return host, disk
+
+
+def _communication(
+    params, expert_params, psi, g, world_size, stage, root_params, compute_dtype, accounting
+) -> dict[str, float]:
+    """Bytes each rank sends per step (one micro-batch, gradients reduced once), by kind."""
     dtype_bytes = 2 if accounting == "zero-paper" else _DTYPE_BYTES[compute_dtype]
     comm: dict[str, float] = {}
     if world_size > 1:
@@ -243,7 +269,7 @@ def plan(
             comm["all_gather"] = full
         elif stage == 3:
             comm["all_gather"] = 2 * full - dtype_bytes * root_params
-    return Plan(params, world_size, stage, compute_dtype, memory, comm, device_memory, host, disk)
+    return comm
 
 
 def _with_tensor_parallel(
