@@ -60,12 +60,16 @@ def clear_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
     p._post_accumulate_grad_hooks = None
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # looked up once
+
+
 def storage_use_count(tensor: torch.Tensor) -> int | None:
     """How many references hold `tensor`'s storage (`torch._C._storage_Use_Count` on the
     storage's `_cdata`): a gradient whose memory nothing else holds is reduced in place.
     None where torch has no such count (then the caller copies)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(tensor.untyped_storage()._cdata)
+    if _STORAGE_USE_COUNT is None:
+        return None
+    return _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
