@@ -41,6 +41,7 @@ from .layout.shard_spec import PlacementFn
 from .memory.account import MemoryAccount, Sources
 from .model_view.buffers import BufferSync
 from .model_view.full_view import FullGrads, FullParameters
+from .model_view.grad_face import GradFaces, GradReads
 from .model_view.module_state import ModuleStateHooks
 from .model_view.replaced_data import ReplacedDataWatch
 from .model_view.routed_zero_grad import route_zero_grad
@@ -183,7 +184,17 @@ class ZeroEngine:
         self._full_parameters = FullParameters(
             self.units, self.gather, self.wait_for_parameters, self.groups.mesh, self.groups.tensor
         )
-        self._full_grads = FullGrads(self.units, self.stage, self.gather, self._module_state.owner)
+        self.grad_reads = GradReads(
+            wait=lambda: self.reducer.wait(),
+            scale_left=lambda: self.optim.scale_left_in_grads(),
+        )
+        self._full_grads = FullGrads(
+            self.units,
+            self.stage,
+            self.gather,
+            self._module_state.owner,
+            GradFaces(self.units, self.grad_reads),
+        )
         guards = [o.register_step_pre_hook(self._guard_direct_step) for o in self.optimizers]
         self.optim = ShardedOptimizer(
             cfg,
@@ -278,9 +289,9 @@ class ZeroEngine:
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
         self.optim.grads_arrived()
         self._backward_pending = False
-        if self.config.keep_full_grads and self.reducer.sync:
-            self._full_grads.show()
-        elif self.config.keep_full_grads:
+        if self.reducer.sync:
+            self._full_grads.show(full=self.config.keep_full_grads)
+        else:
             self._full_grads.show_local(self.reducer.local_sums)
 
     def _guard_direct_step(self, optimizer, args, kwargs) -> None:

@@ -30,6 +30,7 @@ from ..layout.partition import ParamSlot
 from ..tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
 from ..units.flat_unit import FlatUnit
 from ..units.gather import STATE_DICT, GatherManager
+from .grad_face import GradFaces
 
 
 def units_of(
@@ -141,8 +142,11 @@ class FullGrads:
         stage: int,
         gather: GatherManager | None,
         owner: dict[int, tuple[FlatUnit, ParamSlot]],
+        faces: GradFaces,
     ):
-        """`owner`: id(parameter) -> (its unit, its slot), the engine's map."""
+        """`owner`: id(parameter) -> (its unit, its slot), the engine's map. `faces`:
+        the sharded `.grad` shown at stages 2-3 unless full gradients are kept."""
+        self.faces = faces
         self.units = units
         self.stage = stage
         self.gather = gather
@@ -190,10 +194,14 @@ class FullGrads:
         return full
 
     # ---------------------------------------------------------------- on .grad
-    def show(self) -> None:
-        """After a synchronised backward: every trainable parameter's `.grad` is a view of
-        its unit's full reduced gradient (stages 2-3; stages 0-1 have it already)."""
+    def show(self, full: bool) -> None:
+        """After a synchronised backward (stages 2-3; stages 0-1 have `.grad` already):
+        every trainable parameter's `.grad` is its sharded face (`grad_face`), or with
+        `full` a view of its unit's full reduced gradient, gathered (DDP's memory)."""
         if self.stage < 2:
+            return
+        if not full:
+            self.faces.show()
             return
         for unit in self.units:
             if not unit.layout.trainable or not unit.layout.numel:
@@ -221,13 +229,12 @@ class FullGrads:
     def show_local(self, local_sums: Callable[[FlatUnit], list[int]]) -> None:
         """After a `no_sync()` backward (stages 2-3): `.grad` is this rank's own
         accumulated gradient, as DDP shows it before synchronising, a view of the full
-        buffer that holds it (`local_sums(unit)`: its slots written so far)."""
+        buffer that holds it (`local_sums(unit)`: its slots written so far). At stage 3
+        the parameters need not be gathered: a freed one keeps its shape."""
         for unit in self.units:
             slots = local_sums(unit)
             if not slots:
                 continue
-            if self.gather is not None and self.gather.ensure(unit, STATE_DICT):
-                self._held.append(unit)
             self._shown[unit.layout.index] = unit.grad_full
             for i in slots:
                 slot = unit.layout.slots[i]
@@ -243,9 +250,15 @@ class FullGrads:
         for grad in self._parts(groups):
             grad.clamp_(-limit, limit)
 
+    def cleared(self) -> set[int]:
+        """The param groups whose sharded `.grad` user code set to None (a zero_grad that
+        bypassed the engine)."""
+        return self.faces.cleared()
+
     def hide(self) -> None:
         """Before the next backward, or when the step changes the parameters: the shown
         gradients go (a later backward would otherwise accumulate into them)."""
+        self.faces.hide()
         if not self._shown and not self._held:
             return
         for unit in self.units:

@@ -43,6 +43,7 @@ class GradMirror(Protocol):
 
     def scale(self, factor: float, groups: set[int] | None = None) -> None: ...
     def clamp(self, limit: float, groups: set[int] | None = None) -> None: ...
+    def cleared(self) -> set[int]: ...
     def hide(self) -> None: ...
 
 
@@ -154,6 +155,7 @@ class ShardedOptimizer:
             for v in self.views
             if v.param.grad is None and v.unit.grad_home is None  # offloaded: never shown
         }
+        cleared |= self.mirror.cleared()
         if self.stage < 2:
             cleared |= {
                 s.group_index
