@@ -34,7 +34,9 @@ def _reference_norms(compute_dtype: torch.dtype) -> dict:
     """One process, the global batch, the same precision through a world-1 engine at
     stage 0 (plain `.grad` in the compute dtype)."""
     model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=0, compute_dtype=compute_dtype))
+    engine = ZeroEngine(
+        model, make_optimizer(model), ZeroConfig(stage=0, compute_dtype=compute_dtype)
+    )
     x, y = global_batch(0, 0)
     engine.backward(engine(x, y))
     norms = _norms(list(engine.module.named_parameters()), dtype=torch.float32)
