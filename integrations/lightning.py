@@ -28,7 +28,6 @@ from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .lightning_averaging import averaging_classes, refuse_stock_averaging
 from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
-from .lightning_summary import count_with_engine
 from .pairing import stand_in_optimizer
 from .private_api import give_device_mesh, layer_sync, run_after_closure
 from .strategy_config import (
@@ -206,7 +205,6 @@ def make_strategy(root: str):
                 # Sharded by an earlier run: evaluation reuses that engine as it is.
                 self.engine = existing
                 self.model = model
-                count_with_engine(trainer.callbacks, self.engine, root)
                 return
             if existing is not None:
                 # fit() again (more epochs, or after an exception): configure_optimizers
@@ -228,7 +226,6 @@ def make_strategy(root: str):
             )
             attach(model, self.engine)
             self.model = model
-            count_with_engine(trainer.callbacks, self.engine, root)
 
         def model_to_device(self) -> None:
             """Buffers only: the engine copies each unit's parameters onto the device as it

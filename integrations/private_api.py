@@ -20,7 +20,6 @@ Two process-wide effects remain, each because no public route exists:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 CHECKED_AGAINST = {"lightning": "2.6.6", "accelerate": "1.16.0", "transformers": "5.24.0"}
@@ -67,21 +66,6 @@ def backward_sync_control_base() -> type:
 def set_backward_sync_control(strategy: Any, control: Any) -> None:
     """`Strategy._backward_sync_control`: what Fabric reads on every `no_backward_sync`."""
     strategy._backward_sync_control = control
-
-
-def summary_max_depth(callback: Any) -> int:
-    """`ModelSummary._max_depth`: the depth the user gave the summary callback."""
-    return callback._max_depth
-
-
-def route_summary(callback: Any, summary: Callable[[Any, Any], Any] | None) -> None:
-    """This `ModelSummary` callback object's `_summary` (Lightning special-cases DeepSpeed
-    in it, and has no hook for another strategy): `summary`, or with None the class's own
-    again. Only this object changes; Lightning's classes do not."""
-    if summary is None:
-        callback.__dict__.pop("_summary", None)
-    else:
-        callback._summary = summary
 
 
 # ---------------------------------------------------------------- Accelerate

@@ -51,19 +51,6 @@ def test_fabrics_backward_sync_control_is_read_by_no_backward_sync():
     assert "_backward_sync_control" in inspect.getsource(Fabric.no_backward_sync)
 
 
-def test_a_summary_callback_routed_alone_and_back():
-    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
-
-    assert "self._summary(" in inspect.getsource(ModelSummary.on_fit_start)
-    mine, other = ModelSummary(max_depth=3), RichModelSummary()
-    assert api.summary_max_depth(mine) == 3
-    api.route_summary(mine, lambda trainer, module: "counted")
-    assert mine._summary(None, None) == "counted"
-    assert other._summary.__func__ is ModelSummary._summary  # the class is untouched
-    api.route_summary(mine, None)
-    assert mine._summary.__func__ is ModelSummary._summary
-
-
 def test_accelerates_prepared_marker_is_what_prepare_optimizer_reads():
     accelerate = pytest.importorskip("accelerate")
     source = inspect.getsource(accelerate.Accelerator.prepare_optimizer)
