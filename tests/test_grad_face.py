@@ -306,3 +306,54 @@ def test_lightnings_grad_norm_equals_ddps(strategy):
         for got, want in zip(seen, ddp):
             for key, value in want.items():
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def _moe_shapes(rank, world):
+    from test_moe import moe_model
+
+    expected = {n: p.shape for n, p in moe_model(2).named_parameters()}
+    model = moe_model(2)
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    shown = {n: p.shape for n, p in engine.module.named_parameters()}
+    engine.close()
+    return expected, shown
+
+
+def test_moe_experts_show_their_shapes_at_stage_3():
+    for expected, shown in run_world(_moe_shapes, 2):
+        assert shown == expected
+        assert any("expert" in n for n in shown)
+
+
+def _tensor_parallel(rank, world):
+    from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
+    from torch.distributed.device_mesh import init_device_mesh
+
+    expected = {n: (p.shape, p.numel()) for n, p in llama().named_parameters()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = apply_llama_plan(llama(), mesh["tensor"])
+    engine = ZeroEngine(
+        model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3), device_mesh=mesh
+    )
+    shown = {n: (p.shape, p.numel()) for n, p in engine.module.named_parameters()}
+    engine.backward(loss_of(engine.module, batches(1, 4)[0].chunk(2)[engine.rank]))
+    norms = {
+        n: torch.linalg.vector_norm(p.grad).full_tensor().item()
+        if hasattr(p.grad, "full_tensor")
+        else p.grad.norm().item()
+        for n, p in engine.module.named_parameters()
+    }
+    engine.close()
+    return expected, shown, norms
+
+
+def test_tensor_parallel_parameters_show_global_shapes_and_norms():
+    from tensor_parallel_models import batches, llama, loss_of
+
+    model = llama()
+    loss_of(model, batches(1, 4)[0]).backward()
+    ref = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+    for expected, shown, norms in run_world(_tensor_parallel, 4):
+        assert shown == expected
+        for name, value in ref.items():
+            assert norms[name] == pytest.approx(value, rel=1e-4), name
