@@ -108,9 +108,9 @@ def test_parameters_show_the_models_shapes_between_steps(stage):
             assert held <= 4 * len(expected)
 
 
-def _clipped_by_hand(rank, world, stage, how, steps=4):
+def _clipped_by_hand(rank, world, stage, how, steps=4, **config):
     model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage, **config))
     for step in range(steps):
         x, y = local_batch(step, 0, rank, world)
         engine.backward(engine(x, y))
@@ -172,6 +172,19 @@ def test_clipping_by_hand_gives_ddps_weights(stage, how, ddp_weights):
             numel = model.wte.weight.numel()
             assert 0 < read_bytes <= 4 * (numel + 3 * numel)
             assert read_bytes < 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_offloaded_to_disk_are_read_and_clipped_as_in_memory(stage, tmp_path, ddp_weights):
+    """The disk tier brings each shard in for the read or the change (and writes it back
+    after a change): the same weights as DDP."""
+    from test_offload_grads import SMALL
+
+    config = {"offload_optimizer": "disk", "offload_dir": str(tmp_path), **SMALL}
+    for how in ("norm", "value"):
+        for state, read_bytes in run_world(_clipped_by_hand, 2, stage, how, **config):
+            assert _max_diff(state, ddp_weights[how]) < 1e-5
+            assert read_bytes == 0
 
 
 def _reads(rank, world, stage):
