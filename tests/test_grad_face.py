@@ -175,7 +175,9 @@ def test_clipping_by_hand_gives_ddps_weights(stage, how, ddp_weights):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_gradients_offloaded_to_disk_are_read_and_clipped_as_in_memory(stage, tmp_path, ddp_weights):
+def test_gradients_offloaded_to_disk_are_read_and_clipped_as_in_memory(
+    stage, tmp_path, ddp_weights
+):
     """The disk tier brings each shard in for the read or the change (and writes it back
     after a change): the same weights as DDP."""
     from test_offload_grads import SMALL
