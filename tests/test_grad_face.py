@@ -372,3 +372,29 @@ def test_tensor_parallel_parameters_show_global_shapes_and_norms():
         assert shown == expected
         for name, value in ref.items():
             assert norms[name] == pytest.approx(value, rel=1e-4), name
+
+
+def _kept_until_zero_grad(rank, world, stage):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    after_backward = [p.grad.norm().item() for p in engine.module.parameters()]
+    with torch.no_grad():
+        engine(x, y)  # an evaluation forward
+    after_eval = [p.grad.norm().item() for p in engine.module.parameters()]
+    engine.step()
+    after_step = [p.grad.norm().item() for p in engine.module.parameters()]
+    engine.zero_grad()
+    after_zero = [p.grad for p in engine.module.parameters()]
+    engine.close()
+    return after_backward, after_eval, after_step, after_zero
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_stay_readable_until_zero_grad_as_under_ddp(stage):
+    for backward, evaluated, stepped, zeroed in run_world(_kept_until_zero_grad, 2, stage):
+        assert min(backward) > 0
+        assert evaluated == backward
+        assert stepped == backward
+        assert zeroed == [None] * len(zeroed)

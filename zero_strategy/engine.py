@@ -305,7 +305,8 @@ class ZeroEngine:
         self._zero_if_cleared_elsewhere()
         self._replaced.look()
         self.optim.settle_in_background()  # the last step's writes: their buffers go
-        self._full_grads.hide()
+        # Only a forward that can be followed by a backward takes the sharded faces off.
+        self._full_grads.hide(faces=torch.is_grad_enabled())
         self.reducer.rehook_converted()
         self._buffers.before_forward()
 
@@ -422,8 +423,8 @@ class ZeroEngine:
             self.zero_grad()
             return False
         self._memory.resync()  # the first step creates the optimizer state
-        if self.stage == 3:  # the parameters the shown gradients belong to are re-sharded
-            self._full_grads.hide()
+        if self.stage == 3:  # the parameters the full gradients belong to are re-sharded
+            self._full_grads.hide(faces=False)
         # The fused kernel wrote the compute copies in the same pass.
         self._publish_parameters(copies_written=copies_written, after_step=True)
         self.global_steps += 1

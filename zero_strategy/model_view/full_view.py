@@ -255,10 +255,13 @@ class FullGrads:
         bypassed the engine)."""
         return self.faces.cleared()
 
-    def hide(self) -> None:
+    def hide(self, faces: bool = True) -> None:
         """Before the next backward, or when the step changes the parameters: the shown
-        gradients go (a later backward would otherwise accumulate into them)."""
-        self.faces.hide()
+        gradients go (a later backward would otherwise accumulate into them). With
+        `faces=False` the sharded faces stay: they read the shards, which stay valid until
+        the next backward or zero_grad (an evaluation forward or a step leaves them)."""
+        if faces:
+            self.faces.hide()
         if not self._shown and not self._held:
             return
         for unit in self.units:
