@@ -398,3 +398,32 @@ def test_gradients_stay_readable_until_zero_grad_as_under_ddp(stage):
         assert evaluated == backward
         assert stepped == backward
         assert zeroed == [None] * len(zeroed)
+
+
+def _norms_follow_changes(rank, world, stage):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    params = list(engine.module.parameters())
+
+    def total() -> float:
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
+
+    before = total()
+    engine.clip_grad_norm_(before / 2)  # the engine's own clip
+    after_engine_clip = total()
+    torch.nn.utils.clip_grad_norm_(params, before / 4)  # a clip by hand
+    after_hand_clip = total()
+    params[0].grad.zero_()  # a write through one face
+    first = params[0].grad.norm().item()
+    engine.close()
+    return before, after_engine_clip, after_hand_clip, first
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_norms_read_after_a_change_see_it(stage):
+    for before, engine_clip, hand_clip, first in run_world(_norms_follow_changes, 2, stage):
+        assert engine_clip == pytest.approx(before / 2, rel=1e-5)
+        assert hand_clip == pytest.approx(before / 4, rel=1e-5)
+        assert first == 0.0

@@ -242,6 +242,10 @@ class FullGrads:
                     unit.params[i], unit.grad_full[slot.offset : slot.end].view(slot.shape)
                 )
 
+    def changed(self) -> None:
+        """The engine changed the gradient shards (a clip, an unscale, a zeroing)."""
+        self.faces.reads.changed()
+
     def scale(self, factor: float, groups: set[int] | None = None) -> None:
         for grad in self._parts(groups):
             grad.mul_(factor)

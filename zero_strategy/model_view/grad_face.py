@@ -65,16 +65,35 @@ _FOREACH_IN_PLACE = {
 @dataclass
 class GradReads:
     """What every face of one engine shares: how to wait for the reductions, the loss
-    scale still in the shards, and the largest transient memory a read has taken."""
+    scale still in the shards, the gradients shown, the norms computed over them since
+    they last changed, and the largest transient memory a read has taken."""
 
     wait: Callable[[], None]
     scale_left: Callable[[], float]
     largest_read_bytes: int = 0
-    reads: int = field(default=0)  # gathers made for reads (collectives)
+    reads: int = 0  # gathers made for reads (collectives)
+    shown: list[GradSource] = field(default_factory=list)
+    _totals: dict[float, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def note(self, nbytes: int) -> None:
         self.reads += 1
         self.largest_read_bytes = max(self.largest_read_bytes, nbytes)
+
+    def changed(self) -> None:
+        """The shards changed (a write through a face, a clip or unscale by the engine,
+        a new backward): norms are computed afresh."""
+        self._totals.clear()
+
+    def totals(self, ord: float) -> dict[int, torch.Tensor]:
+        """Every shown gradient's norm of order `ord` before its root, by id(source).
+        The first norm asked for after a change computes them all at once, with one
+        all-reduce per shard group: a loop of `p.grad.norm()` (Lightning's `grad_norm`,
+        `clip_grad_norm_` over tensors it cannot batch) then communicates once."""
+        if ord not in self._totals:
+            self.wait()
+            values = _reduced_parts(self.shown, ord)
+            self._totals[ord] = {id(s): v for s, v in zip(self.shown, values)}
+        return self._totals[ord]
 
 
 @dataclass
@@ -235,6 +254,7 @@ def _in_place(func, face: ShardedGrad, rest: tuple, kwargs: dict) -> None:
     with this rank's part taken back."""
     source = face._source
     source.reads.wait()
+    source.reads.changed()
     local_args = _local_arguments(face, rest) if _whole(face) else None
     elementwise = torch.Tag.pointwise in func.tags or func in _ELEMENTWISE_IN_PLACE
     unscaled = source.reads.scale_left() == 1.0 or func in _SCALE_FREE
@@ -287,34 +307,45 @@ def _foreach_norm(tensors: Sequence[torch.Tensor], ord: float, dtype) -> list[to
 
 
 def _norms(faces: Sequence[ShardedGrad], ord: float, dtype) -> list[torch.Tensor]:
-    """Each face's norm of order `ord`: per-rank parts reduced over each shard group,
-    one all-reduce per distinct group, in the order the groups first appear."""
+    """Each face's norm of order `ord`, from the shown gradients' norms (`totals`), or
+    for a face no longer shown, reduced for it alone."""
     if not faces:
         return []
-    faces[0]._source.reads.wait()
-    by_comm: dict[int, list[int]] = {}
-    partial = []
-    for i, face in enumerate(faces):
-        unit = face._source.unit
-        with unit.grads_resident():
-            partial.append(_part_of_norm(face._source.local(), ord).to(unit.device))
-        by_comm.setdefault(id(unit.group.comm), []).append(i)
-    totals: list[torch.Tensor] = [torch.empty(0)] * len(faces)
-    op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
-    for indices in by_comm.values():
-        comm = faces[indices[0]]._source.unit.group.comm
-        stacked = torch.stack([partial[i] for i in indices])
-        comm.control_all_reduce(stacked, op)
-        for k, i in enumerate(indices):
-            totals[i] = stacked[k]
-    scale = faces[0]._source.reads.scale_left()
+    reads = faces[0]._source.reads
+    table = reads.totals(ord)
+    missing = [f._source for f in faces if id(f._source) not in table]
+    if missing:
+        table = {**table, **dict(zip(map(id, missing), _reduced_parts(missing, ord)))}
+    scale = reads.scale_left()
     out = []
-    for face, total in zip(faces, totals):
+    for face in faces:
+        total = table[id(face._source)]
         norm = total if ord in (0.0, math.inf, -math.inf) else total ** (1.0 / ord)
         if scale != 1.0 and ord != 0.0:
             norm = norm / scale
         out.append(norm.to(face.device, dtype or face.dtype))
     return out
+
+
+def _reduced_parts(sources: Sequence[GradSource], ord: float) -> list[torch.Tensor]:
+    """Each source's part of the norm of order `ord` (`_part_of_norm`), reduced over its
+    shard group: one all-reduce per distinct group, in the order the groups first appear
+    (the same on every rank of a group: the same parameters in the same order)."""
+    by_comm: dict[int, list[int]] = {}
+    partial = []
+    for i, source in enumerate(sources):
+        unit = source.unit
+        with unit.grads_resident():
+            partial.append(_part_of_norm(source.local(), ord).to(unit.device))
+        by_comm.setdefault(id(unit.group.comm), []).append(i)
+    totals: list[torch.Tensor] = [torch.empty(0)] * len(sources)
+    op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
+    for indices in by_comm.values():
+        stacked = torch.stack([partial[i] for i in indices])
+        sources[indices[0]].unit.group.comm.control_all_reduce(stacked, op)
+        for k, i in enumerate(indices):
+            totals[i] = stacked[k]
+    return totals
 
 
 def _part_of_norm(local: torch.Tensor, ord: float) -> torch.Tensor:
@@ -344,6 +375,7 @@ class GradFaces:
         self._shown: list[tuple[torch.Tensor, ParamSlot]] = []
 
     def show(self) -> None:
+        self.reads.changed()
         for unit in self.units:
             if unit.stage < 2 or unit.grad_opt is None or not unit.layout.numel:
                 continue
@@ -364,3 +396,5 @@ class GradFaces:
         for p, _ in self._shown:
             p.grad = None
         self._shown.clear()
+        self.reads.shown.clear()
+        self.reads.changed()
