@@ -362,7 +362,8 @@ def _part_of_norm(local: torch.Tensor, ord: float) -> torch.Tensor:
         )
     if ord == 0.0:
         return (local != 0).sum().double()
-    return torch.linalg.vector_norm(local, ord, dtype=torch.float64) ** ord
+    # accumulated in the shard's dtype (torch's cascaded sums), the power taken in fp64
+    return torch.linalg.vector_norm(local, ord).double() ** ord
 
 
 class GradFaces:
@@ -382,10 +383,9 @@ class GradFaces:
             for slot, p in zip(unit.layout.slots, unit.params):
                 if slot.trainable:
                     local = local_tensor(p)
-                    face = ShardedGrad(
-                        GradSource(unit, slot, self.reads), local.dtype, local.device
-                    )
-                    set_local_grad(p, face)
+                    source = GradSource(unit, slot, self.reads)
+                    set_local_grad(p, ShardedGrad(source, local.dtype, local.device))
+                    self.reads.shown.append(source)
                     self._shown.append((p, slot))
 
     def cleared(self) -> set[int]:
