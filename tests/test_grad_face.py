@@ -52,9 +52,14 @@ def _engine_norms(rank, world, stage, compute_dtype):
     )
     x, y = local_batch(0, 0, rank, world)
     engine.backward(engine(x, y))
+    engine.reducer.wait()
     named = list(engine.module.named_parameters())
+    engine.reset_comm_report()
+    norms = _norms(named, dtype=torch.float32)
+    control = engine.comm_report().get("control", {"calls": 0})["calls"]
     result = {
-        "norms": _norms(named, dtype=torch.float32),
+        "norms": norms,
+        "control_calls": control,
         "dtypes": {n: p.grad.dtype for n, p in named},
         "read_bytes": engine.grad_reads.largest_read_bytes,
     }
@@ -81,6 +86,8 @@ def test_gradient_norms_equal_one_process(stage, compute_dtype):
         assert _close(result["norms"], ref["norms"], rtol) == []
         assert result["dtypes"] == ref["dtypes"]
         assert result["read_bytes"] == 0  # norms hold nothing full-size
+        # one small all-reduce per order for every parameter (stages 2-3), none at 0-1
+        assert result["control_calls"] == (len(ORDERS) if stage >= 2 else 0)
 
 
 def _shapes(rank, world, stage):
