@@ -184,10 +184,7 @@ class ZeroEngine:
         self._full_parameters = FullParameters(
             self.units, self.gather, self.wait_for_parameters, self.groups.mesh, self.groups.tensor
         )
-        self.grad_reads = GradReads(
-            wait=lambda: self.reducer.wait(),
-            scale_left=lambda: self.optim.scale_left_in_grads(),
-        )
+        self.grad_reads = _grad_reads_of(self)
         self._full_grads = FullGrads(
             self.units,
             self.stage,
@@ -645,6 +642,7 @@ class ZeroEngine:
         with contextlib.suppress(Exception):  # after an exception mid-step: finish or drop
             self.reducer.wait()
         self.reducer.drop()
+        self._full_grads.hide()  # the shards the faces read go with the engine
         self.wait_for_parameters()
         self.schedule.release_all()
         self._door.hand_back()
@@ -661,3 +659,24 @@ class ZeroEngine:
     def reopen(self) -> None:
         """Re-create the process groups `close()` destroyed (collective: every rank)."""
         self.groups.reopen()
+
+
+def _grad_reads_of(engine: ZeroEngine) -> GradReads:
+    """What the sharded `.grad` faces ask of the engine, held weakly: a `.grad` the model
+    keeps must not keep a dropped engine (and its process groups) alive."""
+    ref = weakref.ref(engine)
+
+    def live() -> ZeroEngine:
+        found = ref()
+        if found is None:
+            raise RuntimeError(
+                "This .grad belongs to a ZeroEngine that has been dropped. Read gradients "
+                "(or copy them: p.grad.clone() on every rank) while the engine lives, or set "
+                "p.grad = None."
+            )
+        return found
+
+    return GradReads(
+        wait=lambda: live().reducer.wait(),
+        scale_left=lambda: live().optim.scale_left_in_grads(),
+    )

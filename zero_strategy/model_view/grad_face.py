@@ -24,6 +24,7 @@ loss scale still in the shards is divided out) and in the parameter's dtype, as 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,12 @@ from ..tensor_parallel import local_tensor, set_local_grad
 from ..units.flat_unit import FlatUnit
 
 aten = torch.ops.aten
+
+_DROPPED = (
+    "This .grad belongs to a ZeroEngine that has been dropped, and its shards with it. "
+    "Read gradients (or copy them: p.grad.clone() on every rank) while the engine lives, "
+    "or set p.grad = None."
+)
 
 # In-place ops that act on each element alone besides those torch tags pointwise.
 _ELEMENTWISE_IN_PLACE = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar}
@@ -96,14 +103,22 @@ class GradReads:
         return self._totals[ord]
 
 
-@dataclass
 class GradSource:
     """One parameter's reduced gradient: its slot in `unit`, spread over the unit's shard
-    group in rank order."""
+    group in rank order. The unit is held weakly: a `.grad` the model keeps must not keep
+    a dropped engine's shards alive."""
 
-    unit: FlatUnit
-    slot: ParamSlot
-    reads: GradReads
+    def __init__(self, unit: FlatUnit, slot: ParamSlot, reads: GradReads):
+        self._unit = weakref.ref(unit)
+        self.slot = slot
+        self.reads = reads
+
+    @property
+    def unit(self) -> FlatUnit:
+        unit = self._unit()
+        if unit is None:
+            raise RuntimeError(_DROPPED)
+        return unit
 
     def part(self, rank: int) -> tuple[int, int]:
         """[lo, hi) of the parameter's flat elements that `rank` of the group holds."""
