@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 def _inert(*args: Any, **kwargs: Any) -> None:
     return None
@@ -21,6 +23,7 @@ class EngineHook:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
