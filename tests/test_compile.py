@@ -6,6 +6,7 @@ or in evaluation; the graph breaks are the engine's hooks, counted."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import run_world
 from tests.training import local_batch, make_model, make_optimizer
@@ -80,3 +81,51 @@ def test_compiled_training_equals_eager_in_every_mode(stage):
 def test_compiled_bf16_stage_3_equals_eager():
     results = run_world(_every_mode, 2, 3, "bf16", ("eager", "before"), timeout=600)[0]
     assert results["before"][0] == pytest.approx(results["eager"][0], rel=1e-2)
+
+
+def _lightning_fit(rank, world, compiled):
+    import os
+
+    import lightning as L
+    from lightning_helpers import loader, quiet_trainer
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+
+    class Module(L.LightningModule):
+        """A training step dynamo can trace (Lightning's `self.log` inside a compiled
+        training_step fails under DDP too, in Lightning 2.6 with torch 2.13)."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = make_model()
+            self.losses: list[float] = []
+
+        def forward(self, x, y):
+            return self.model(x, y)
+
+        def training_step(self, batch, batch_idx):
+            return self(*batch)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].item())
+
+        def configure_optimizers(self):
+            return make_optimizer(self.model)
+
+    module = Module()
+    trainer = quiet_trainer(world, "zero3", max_steps=4, num_sanity_val_steps=0)
+    trainer.fit(torch.compile(module) if compiled else module, loader(n_batches=4, world=world))
+    return module.losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_lightning_fits_a_compiled_module_at_stage_3():
+    """`trainer.fit(torch.compile(model))`, Lightning's own convention: its training step
+    runs compiled (graphs were made) with eager's losses."""
+    pytest.importorskip("lightning")
+    eager, _ = run_world(_lightning_fit, 2, False, timeout=600)[0]
+    compiled, graphs = run_world(_lightning_fit, 2, True, timeout=600)[0]
+    assert graphs > 0
+    assert compiled == pytest.approx(eager, rel=1e-4)
