@@ -129,3 +129,39 @@ def test_lightning_fits_a_compiled_module_at_stage_3():
     compiled, graphs = run_world(_lightning_fit, 2, True, timeout=600)[0]
     assert graphs > 0
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def _fabric_loop(rank, world, compiled):
+    import os
+
+    import lightning as L
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()  # ranks already exist (as under torchrun): this only sets up
+    model = make_model()
+    optimizer = make_optimizer(model)
+    model, optimizer = fabric.setup(torch.compile(model) if compiled else model, optimizer)
+    losses = []
+    for step in range(STEPS):
+        x, y = local_batch(step, 0, rank, world)
+        loss = model(x, y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_fabric_sets_up_a_compiled_model_at_stage_3():
+    """`fabric.setup(torch.compile(model), optimizer)`: Fabric unwraps the compiled
+    module, the strategy shards it, and Fabric compiles the result again; it trains
+    compiled with eager's losses."""
+    pytest.importorskip("lightning")
+    eager, _ = run_world(_fabric_loop, 2, False, timeout=600)[0]
+    compiled, graphs = run_world(_fabric_loop, 2, True, timeout=600)[0]
+    assert graphs > 0
+    assert compiled == pytest.approx(eager, rel=1e-4)
