@@ -165,3 +165,38 @@ def test_fabric_sets_up_a_compiled_model_at_stage_3():
     compiled, graphs = run_world(_fabric_loop, 2, True, timeout=600)[0]
     assert graphs > 0
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def _accelerate_loop(rank, world, backend):
+    import os
+
+    from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    extra = {"dynamo_backend": backend} if backend else {}
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3), cpu=True, **extra)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    losses = []
+    for step in range(STEPS):
+        x, y = local_batch(step, 0, rank, world)
+        loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
+    """`Accelerator(dynamo_backend="inductor")` (what `accelerate launch --dynamo_backend`
+    sets): `prepare` compiles the sharded model; it trains compiled with eager's losses."""
+    pytest.importorskip("accelerate")
+    eager, _ = run_world(_accelerate_loop, 2, None, timeout=600)[0]
+    compiled, graphs = run_world(_accelerate_loop, 2, "inductor", timeout=600)[0]
+    assert graphs > 0
+    assert compiled == pytest.approx(eager, rel=1e-4)
