@@ -200,3 +200,41 @@ def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
     compiled, graphs = run_world(_accelerate_loop, 2, "inductor", timeout=600)[0]
     assert graphs > 0
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def _moe_modes(rank, world):
+    from test_moe import MOE, moe_model
+
+    out = {}
+    for mode in ("eager", "before", "blocks"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = moe_model(2)
+        if mode == "before":
+            model = torch.compile(model)
+        elif mode == "blocks":
+            for block in model.blocks:
+                block.compile()
+        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+        losses = []
+        for step in range(3):
+            x, y = local_batch(step, 0, rank, world, MOE)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        engine.close()
+        out[mode] = (losses, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return out
+
+
+def test_moe_expert_parallel_compiles_at_stage_3():
+    """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole or per block,
+    trains with eager's losses (the routing's all-to-all runs between graphs)."""
+    results = run_world(_moe_modes, 2, timeout=600)[0]
+    eager, _ = results["eager"]
+    for mode in ("before", "blocks"):
+        losses, graphs = results[mode]
+        assert graphs > 0, mode
+        assert losses == pytest.approx(eager, rel=1e-4), mode
