@@ -41,7 +41,7 @@ from .layout.shard_spec import PlacementFn
 from .memory.account import MemoryAccount, Sources
 from .model_view.buffers import BufferSync
 from .model_view.full_view import FullGrads, FullParameters
-from .model_view.grad_face import GradFaces, GradReads
+from .model_view.grad_face import GradReads
 from .model_view.module_state import ModuleStateHooks
 from .model_view.replaced_data import ReplacedDataWatch
 from .model_view.routed_zero_grad import route_zero_grad
@@ -185,13 +185,8 @@ class ZeroEngine:
             self.units, self.gather, self.wait_for_parameters, self.groups.mesh, self.groups.tensor
         )
         self.grad_reads = _grad_reads_of(self)
-        self._full_grads = FullGrads(
-            self.units,
-            self.stage,
-            self.gather,
-            self._module_state.owner,
-            GradFaces(self.units, self.grad_reads),
-        )
+        owner = self._module_state.owner
+        self._full_grads = FullGrads(self.units, self.stage, self.gather, owner, self.grad_reads)
         guards = [o.register_step_pre_hook(self._guard_direct_step) for o in self.optimizers]
         self.optim = ShardedOptimizer(
             cfg,
@@ -302,8 +297,7 @@ class ZeroEngine:
         self._zero_if_cleared_elsewhere()
         self._replaced.look()
         self.optim.settle_in_background()  # the last step's writes: their buffers go
-        # Only a forward that can be followed by a backward takes the sharded faces off.
-        self._full_grads.hide(faces=torch.is_grad_enabled())
+        self._full_grads.hide(faces=torch.is_grad_enabled())  # a backward may follow
         self.reducer.rehook_converted()
         self._buffers.before_forward()
 

@@ -30,7 +30,7 @@ from ..layout.partition import ParamSlot
 from ..tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
 from ..units.flat_unit import FlatUnit
 from ..units.gather import STATE_DICT, GatherManager
-from .grad_face import GradFaces
+from .grad_face import GradFaces, GradReads
 
 
 def units_of(
@@ -142,11 +142,12 @@ class FullGrads:
         stage: int,
         gather: GatherManager | None,
         owner: dict[int, tuple[FlatUnit, ParamSlot]],
-        faces: GradFaces,
+        reads: GradReads,
     ):
-        """`owner`: id(parameter) -> (its unit, its slot), the engine's map. `faces`:
-        the sharded `.grad` shown at stages 2-3 unless full gradients are kept."""
-        self.faces = faces
+        """`owner`: id(parameter) -> (its unit, its slot), the engine's map. `reads`:
+        what the sharded `.grad` faces (shown at stages 2-3 unless full gradients are
+        kept) ask of the engine."""
+        self.faces = GradFaces(units, reads)
         self.units = units
         self.stage = stage
         self.gather = gather

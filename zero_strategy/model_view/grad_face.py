@@ -78,12 +78,10 @@ class GradReads:
     wait: Callable[[], None]
     scale_left: Callable[[], float]
     largest_read_bytes: int = 0
-    reads: int = 0  # gathers made for reads (collectives)
     shown: list[GradSource] = field(default_factory=list)
     _totals: dict[float, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def note(self, nbytes: int) -> None:
-        self.reads += 1
         self.largest_read_bytes = max(self.largest_read_bytes, nbytes)
 
     def changed(self) -> None:
@@ -388,7 +386,7 @@ class GradFaces:
     def __init__(self, units: Sequence[FlatUnit], reads: GradReads):
         self.units = units
         self.reads = reads
-        self._shown: list[tuple[torch.Tensor, ParamSlot]] = []
+        self._params: list[torch.Tensor] = []  # aligned with reads.shown
 
     def show(self) -> None:
         self.reads.changed()
@@ -401,15 +399,19 @@ class GradFaces:
                     source = GradSource(unit, slot, self.reads)
                     set_local_grad(p, ShardedGrad(source, local.dtype, local.device))
                     self.reads.shown.append(source)
-                    self._shown.append((p, slot))
+                    self._params.append(p)
 
     def cleared(self) -> set[int]:
         """The param groups of shown gradients that user code set to None since."""
-        return {slot.group_index for p, slot in self._shown if p.grad is None}
+        return {
+            source.slot.group_index
+            for p, source in zip(self._params, self.reads.shown)
+            if p.grad is None
+        }
 
     def hide(self) -> None:
-        for p, _ in self._shown:
+        for p in self._params:
             p.grad = None
-        self._shown.clear()
+        self._params.clear()
         self.reads.shown.clear()
         self.reads.changed()

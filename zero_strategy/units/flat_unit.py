@@ -92,8 +92,9 @@ class FlatUnit:
         self.grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self._persistent = stage < 3  # stage 3: the scheduler's residency rule
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
-        # Stage 3: what a freed parameter shows (`freed_placeholder`).
-        self._nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
+        # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
+        nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
+        self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
         self._pool: StoragePool | None = None  # stage 3: recycles gather memory
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
@@ -241,16 +242,13 @@ class FlatUnit:
             match_local_dtype(p)
 
     def _free_storage_views(self) -> None:
-        for slot, p in zip(self.layout.slots, self.params):
-            local_tensor(p).data = self.freed_placeholder(slot.shape)
-            match_local_dtype(p)
-
-    def freed_placeholder(self, shape: torch.Size) -> torch.Tensor:
         """Stage 3: a freed parameter keeps its own shape, numel, dtype and device (what
         summaries, `.grad` assignment and shape checks read) over one shared NaN element:
         any value read from it is NaN, never a plausible number, and a write raises
         (every element aliases one memory location)."""
-        return self._nan.expand(shape)
+        for placeholder, p in zip(self._placeholders, self.params):
+            local_tensor(p).data = placeholder
+            match_local_dtype(p)
 
     def attach_param_grads(self) -> None:
         """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,
