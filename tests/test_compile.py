@@ -9,24 +9,50 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.training import local_batch, make_model, make_optimizer
+from tests.training import TINY, local_batch, make_model, make_optimizer
 from zero_strategy import ZeroConfig, ZeroEngine
 
 MODES = ("eager", "before", "after", "blocks")
 STEPS = 4
 
 
-def _train(rank, world, stage, mode, compute_dtype="fp32"):
-    import torch._dynamo
-
+def _fresh_dynamo() -> None:
+    """Each run compiles from nothing and counts only its own graphs and breaks."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = make_model()
+
+
+def _graphs_made() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _compiled_before(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """What `mode` does before the hand-over: compile the model whole ("before"), or each
+    of its blocks ("blocks"); the other modes leave it as it is."""
     if mode == "before":
-        model = torch.compile(model)
-    elif mode == "blocks":
+        return torch.compile(model)
+    if mode == "blocks":
         for block in model.blocks:
             block.compile()
+    return model
+
+
+def _steps(model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY) -> list[float]:
+    """The plain loop through a door: forward, the door's backward, step, zero_grad."""
+    losses = []
+    for step in range(steps):
+        x, y = local_batch(step, 0, rank, world, cfg)
+        loss = model(x, y)
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(rank, world, stage, mode, compute_dtype="fp32"):
+    _fresh_dynamo()
+    model = _compiled_before(make_model(), mode)
     engine = ZeroEngine(
         model, make_optimizer(model), ZeroConfig(stage=stage, compute_dtype=compute_dtype)
     )
@@ -89,8 +115,7 @@ def _lightning_fit(rank, world, compiled):
     import lightning as L
     from lightning_helpers import loader, quiet_trainer
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    _fresh_dynamo()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
 
@@ -118,7 +143,7 @@ def _lightning_fit(rank, world, compiled):
     module = Module()
     trainer = quiet_trainer(world, "zero3", max_steps=4, num_sanity_val_steps=0)
     trainer.fit(torch.compile(module) if compiled else module, loader(n_batches=4, world=world))
-    return module.losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return module.losses, _graphs_made()
 
 
 def test_lightning_fits_a_compiled_module_at_stage_3():
@@ -136,8 +161,7 @@ def _fabric_loop(rank, world, compiled):
 
     import lightning as L
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    _fresh_dynamo()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
@@ -145,15 +169,7 @@ def _fabric_loop(rank, world, compiled):
     model = make_model()
     optimizer = make_optimizer(model)
     model, optimizer = fabric.setup(torch.compile(model) if compiled else model, optimizer)
-    losses = []
-    for step in range(STEPS):
-        x, y = local_batch(step, 0, rank, world)
-        loss = model(x, y)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return _steps(model, fabric.backward, optimizer, rank, world), _graphs_made()
 
 
 def test_fabric_sets_up_a_compiled_model_at_stage_3():
@@ -172,8 +188,7 @@ def _accelerate_loop(rank, world, backend):
 
     from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    _fresh_dynamo()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -181,15 +196,7 @@ def _accelerate_loop(rank, world, backend):
     accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3), cpu=True, **extra)
     model = make_model()
     model, optimizer = accelerator.prepare(model, make_optimizer(model))
-    losses = []
-    for step in range(STEPS):
-        x, y = local_batch(step, 0, rank, world)
-        loss = model(x, y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return _steps(model, accelerator.backward, optimizer, rank, world), _graphs_made()
 
 
 def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
@@ -207,25 +214,12 @@ def _moe_modes(rank, world):
 
     out = {}
     for mode in ("eager", "before", "blocks"):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        model = moe_model(2)
-        if mode == "before":
-            model = torch.compile(model)
-        elif mode == "blocks":
-            for block in model.blocks:
-                block.compile()
+        _fresh_dynamo()
+        model = _compiled_before(moe_model(2), mode)
         engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
-        losses = []
-        for step in range(3):
-            x, y = local_batch(step, 0, rank, world, MOE)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+        losses = _steps(engine, engine.backward, engine, rank, world, steps=3, cfg=MOE)
         engine.close()
-        out[mode] = (losses, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        out[mode] = (losses, _graphs_made())
     return out
 
 
