@@ -54,3 +54,11 @@ def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         assert len(list(f.keys())) == LAYERS
         assert torch.equal(f.get_slice(f"{LAYERS - 1}.weight")[:2, :5], corner)
+
+
+def test_importing_the_package_leaves_dynamo_unloaded():
+    """`torch._dynamo` costs about 100 MB of resident memory: the consolidation command and
+    a plain `import zero_strategy` must not load it (the hooks load it when first made)."""
+    probe = "import sys, zero_strategy, zero_strategy.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.split()[-1] == "False", out.stderr
