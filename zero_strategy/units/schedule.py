@@ -21,6 +21,7 @@ from torch import nn
 
 from ..comm.topology import ProcessGroups
 from ..config import ZeroConfig
+from ..layout.partition import select_unit_modules
 from .flat_unit import FlatUnit
 from .gather import STATE_DICT, GatherManager
 from .grads import GradReducer
@@ -54,7 +55,14 @@ class UnitSchedule:
             on_grads_landed=on_grads_landed,
         )
         self.publisher = (
-            ParameterPublisher(model, units, cfg.overlap_param_gather) if stage in (1, 2) else None
+            ParameterPublisher(
+                model,
+                units,
+                cfg.overlap_param_gather,
+                select_unit_modules(model, cfg.unit_module_classes),
+            )
+            if stage in (1, 2)
+            else None
         )
         self.gather: GatherManager | None = None
         if stage == 3:
