@@ -110,7 +110,11 @@ def test_compiled_bf16_stage_3_equals_eager():
     assert results["before"][0] == pytest.approx(results["eager"][0], rel=1e-2)
 
 
-def _lightning_fit(rank, world, compiled):
+def _lightning_fit(rank, world, how):
+    """`how`: "eager"; "fit" hands `trainer.fit` the compiled module; "configure_model"
+    builds the model in the hook and compiles each block there (Lightning's recipe for
+    sharded strategies), against "configure_model_eager", built there alike (the
+    strategy initialises a model built in the hook itself)."""
     import os
 
     import lightning as L
@@ -126,8 +130,15 @@ def _lightning_fit(rank, world, compiled):
 
         def __init__(self):
             super().__init__()
-            self.model = make_model()
+            self.model = None if how.startswith("configure_model") else make_model()
             self.losses: list[float] = []
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = make_model()
+                if how == "configure_model":
+                    for block in self.model.blocks:
+                        block.compile(fullgraph=True)
 
         def forward(self, x, y):
             return self.model(x, y)
@@ -143,18 +154,25 @@ def _lightning_fit(rank, world, compiled):
 
     module = Module()
     trainer = quiet_trainer(world, "zero3", max_steps=4, num_sanity_val_steps=0)
-    trainer.fit(torch.compile(module) if compiled else module, loader(n_batches=4, world=world))
+    trainer.fit(torch.compile(module) if how == "fit" else module, loader(n_batches=4, world=world))
     return module.losses, _graphs_made()
 
 
-def test_lightning_fits_a_compiled_module_at_stage_3():
-    """`trainer.fit(torch.compile(model))`, Lightning's own convention: its training step
-    runs compiled (graphs were made) with eager's losses."""
+def _lightning_fits(rank, world):
+    hows = ("eager", "fit", "configure_model_eager", "configure_model")
+    return {how: _lightning_fit(rank, world, how) for how in hows}
+
+
+def test_lightning_trains_compiled_at_stage_3():
+    """`trainer.fit(torch.compile(model))`, Lightning's own convention, and blocks
+    compiled in `configure_model`: the model runs compiled (graphs were made) with
+    eager's losses."""
     pytest.importorskip("lightning")
-    eager, _ = run_world(_lightning_fit, 2, False, timeout=600)[0]
-    compiled, graphs = run_world(_lightning_fit, 2, True, timeout=600)[0]
-    assert graphs > 0
-    assert compiled == pytest.approx(eager, rel=1e-4)
+    results = run_world(_lightning_fits, 2, timeout=900)[0]
+    for how, eager in (("fit", "eager"), ("configure_model", "configure_model_eager")):
+        compiled, graphs = results[how]
+        assert results[eager][1] == 0 < graphs, how
+        assert compiled == pytest.approx(results[eager][0], rel=1e-4), how
 
 
 def _fabric_loop(rank, world, compiled):

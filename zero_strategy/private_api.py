@@ -151,8 +151,13 @@ def mark_sharded_for_generate(module: torch.nn.Module) -> None:
     """Mark a Transformers model as sharded, so that its `generate()` defaults to
     `synced_gpus=True`: the attribute torch's FSDP sets on the modules it manages
     (`_is_fsdp_managed_module`), which Transformers reads to turn it on. Transformers has
-    no public switch for models sharded by another library."""
+    no public switch for models sharded by another library. FSDP2 sets
+    `_fsdp_use_orig_params` beside it, and so does this: dynamo reads the pair, and
+    without the second it breaks the graph at the module ("FSDP with
+    use_orig_params=False"); with it, dynamo takes the parameters as inputs, as for
+    FSDP2's modules."""
     module._is_fsdp_managed_module = True
+    module._fsdp_use_orig_params = True
 
 
 # ---------------------------------------------------------------- optimizer step hooks
