@@ -38,6 +38,8 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    if args.get("torch_compile") is not None:  # a compiled graph draws other dropout masks
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     model = GPT2LMHeadModel(config)
     lora = args.pop("lora", False)
     if lora:  # LoRA adapters on a frozen base, the common ZeRO-3 fine-tuning case
@@ -83,6 +85,8 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     if lora:
         return logs, sorted(os.listdir(out))
+    if args.get("torch_compile"):
+        return logs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return logs, type(trainer.accelerator).__name__
 
 
@@ -172,3 +176,23 @@ def test_lora_on_a_frozen_base_matches_the_stock_trainer(tmp_path):
             assert loss == pytest.approx(want_loss, rel=1e-5)
             assert norm == pytest.approx(want_norm, rel=1e-5)
     assert "adapter_model.safetensors" in ours[0][1]  # written by the main process
+
+
+def test_torch_compile_trains_as_the_eager_zero_trainer(tmp_path):
+    """`TrainingArguments(torch_compile=True)`: the Trainer hands Accelerate a dynamo
+    plugin, the ZeroAccelerator compiles the sharded model, and it trains with the eager
+    run's losses and gradient norms (dropout off in both: compiled RNG differs)."""
+    eager = run_world(_train, 2, "zero", str(tmp_path / "eager"), torch_compile=False)
+    compiled = run_world(
+        _train,
+        2,
+        "zero",
+        str(tmp_path / "compiled"),
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
+    for (logs, graphs), (want, _) in zip(compiled, eager):
+        assert graphs > 0
+        for (loss, norm), (want_loss, want_norm) in zip(logs, want, strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-4)
+            assert norm == pytest.approx(want_norm, rel=1e-4)

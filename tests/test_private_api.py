@@ -132,6 +132,7 @@ def test_marking_a_model_sharded_turns_on_synced_generation():
     assert not is_fsdp_managed_module(model)
     ti.mark_sharded_for_generate(model)
     assert is_fsdp_managed_module(model)
+    assert model._fsdp_use_orig_params  # dynamo's reading of the pair: FSDP2's modules
 
 
 def test_storage_use_count_counts_the_tensors_on_a_storage():
