@@ -32,6 +32,11 @@ ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3", "zero3-re
 TENSOR_PARALLEL = ["fsdp2-tp2", "zero1-tp2", "zero3-tp2"]
 # The ~0.7B model: stage 3 and its peers, fp32 and bf16 compute, at batch 1.
 BIG = ["ddp", "fsdp2", "ds3", "ds3-lean", "zero3", "fsdp2-bf16", "zero3-bf16"]
+# torch.compile (--impls compiled): each compiled beside its eager run; DDP compiled whole,
+# FSDP2 and ours per block. The first step (compilation) is reported apart.
+COMPILED = [
+    f"{impl}{c}" for impl in ("ddp", "fsdp2", "zero1", "zero2", "zero3") for c in ("", "-compiled")
+]
 BATCH = {"big": 1}  # sequences per rank; 4 for the other sizes
 
 
@@ -89,6 +94,7 @@ def run_one(impl: str, args, out: str) -> dict | None:
         "state": max(r["model_state_mib"] for r in ranks),
         "loss": ranks[0]["losses"],
         "params": ranks[0]["params"],
+        "first": max(r["first_step_s"] for r in ranks),
         "io_read": max(r["io_read_per_step"] for r in ranks),
         "io_write": max(r["io_write_per_step"] for r in ranks),
     }
@@ -168,6 +174,31 @@ def print_table(impls: list[str], rounds: list[dict[str, dict]], args) -> None:
         )
 
 
+def print_compiled_table(impls: list[str], rounds: list[dict[str, dict]]) -> None:
+    """Compiled rows against their eager run and against compiled DDP (per-round ratios,
+    then their median), with the first step's time apart: it compiles."""
+    print(
+        "\n| compiled | median step (s) | step time / eager's | throughput vs DDP compiled "
+        "| first step (s, compiling) | eager first step (s) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for impl in impls:
+        if not impl.endswith("-compiled"):
+            continue
+        got = [rd[impl] for rd in rounds if impl in rd]
+        if not got:
+            continue
+        eager = impl.removesuffix("-compiled")
+        eager_first = [rd[eager]["first"] for rd in rounds if eager in rd]
+        eager_first_s = f"{statistics.median(eager_first):.1f}" if eager_first else "-"
+        print(
+            f"| {impl} | {statistics.median(g['step'] for g in got):.3f} "
+            f"| {_median_ratio(rounds, impl, eager)} "
+            f"| {_median_ratio(rounds, 'ddp-compiled', impl)} "
+            f"| {statistics.median(g['first'] for g in got):.1f} | {eager_first_s} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="bench")
@@ -177,7 +208,10 @@ def main() -> None:
     parser.add_argument(
         "--impls",
         default="",
-        help=f"default: {ALL}; for --size big {BIG}; 'tp' for {TENSOR_PARALLEL} (--nproc 4)",
+        help=(
+            f"default: {ALL}; for --size big {BIG}; 'tp' for {TENSOR_PARALLEL} (--nproc 4); "
+            f"'compiled' for {COMPILED}"
+        ),
     )
     parser.add_argument("--batch", type=int, default=0, help="default: 1 for big, else 4")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (one core each)")
@@ -188,6 +222,8 @@ def main() -> None:
     impls = args.impls.split(",") if args.impls else (BIG if args.size == "big" else ALL)
     if impls == ["tp"]:
         impls = list(TENSOR_PARALLEL)
+    if impls == ["compiled"]:
+        impls = list(COMPILED)
     args.batch = args.batch or BATCH.get(args.size, 4)
     args.skipped = {}
     if args.from_json:
@@ -198,6 +234,8 @@ def main() -> None:
     else:
         rounds = run_rounds(impls, args)
     print_table(impls, rounds, args)
+    if any(i.endswith("-compiled") for i in impls):
+        print_compiled_table(impls, rounds)
     if args.json:
         Path(args.json).write_text(json.dumps(rounds, indent=1))
         Path(args.json).with_suffix(".skipped.json").write_text(json.dumps(args.skipped))

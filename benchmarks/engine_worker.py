@@ -323,8 +323,21 @@ def zero_step_and_state(engine):
     return step, state
 
 
+def compiled(impl: str) -> bool:
+    """`-compiled`: DDP compiled whole (its DDPOptimizer splits the graph at its
+    buckets), the sharded ones per block before sharding (torchtitan's recipe)."""
+    return impl.endswith("-compiled")
+
+
 def build(impl: str, model: torch.nn.Module):
     """Returns (forward, backward, step, model_state_bytes) for the implementation."""
+    if compiled(impl):
+        impl = impl.removesuffix("-compiled")
+        if impl != "ddp":
+            for block in model.blocks:
+                block.compile()
+        forward, *rest = build(impl, model)
+        return (torch.compile(forward) if impl == "ddp" else forward), *rest
     bf16 = "-bf16" in impl  # zero2-bf16, zero2-bf16-disk
     if tensor_parallel(impl):
         return build_tensor_parallel(impl, model)
@@ -462,6 +475,8 @@ def main() -> None:
             step()
             t3 = time.perf_counter()
             losses.append(loss.item())
+            if i == 0:  # a compiled impl's first step compiles
+                first_step_s = t3 - t0
             if i >= args.warmup:
                 times.append(t3 - t0 - (t2b - t2))
                 phases.append((t1 - t0, t2 - t1, t3 - t2b))
@@ -471,6 +486,7 @@ def main() -> None:
         "rank": rank,
         "params": n_params,
         "median_step_s": statistics.median(times),
+        "first_step_s": first_step_s,
         "step_times": times,
         "phase_medians_s": {
             k: statistics.median(p[i] for p in phases)
