@@ -317,3 +317,102 @@ def test_a_transformers_model_compiles_in_every_mode_at_stage_3():
         assert ours == 14, breaks  # both forwards, training and evaluation, of 2 blocks
         # Transformers' own: a logger warning inside its forward.
         assert all("logging.Logger" in reason for reason in theirs), theirs
+
+
+def _names_when_compiled_before(rank, world):
+    _fresh_dynamo()
+    model = make_model()
+    names = list(model.state_dict())
+    engine = ZeroEngine(torch.compile(model), make_optimizer(model), ZeroConfig(stage=3))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    sharded_names = list(engine.full_state_dict())
+    engine.close()
+    return names, sharded_names, engine.module is model, _graphs_made()
+
+
+def test_a_model_compiled_before_the_hand_over_keeps_its_own_names():
+    """`ZeroEngine(torch.compile(model), ...)` shards the module inside the wrapper: the
+    state dict (and so every checkpoint) has the model's names, not `_orig_mod.` ones,
+    `engine.module` is the user's model, and the engine's forward runs compiled."""
+    names, sharded_names, module_is_model, graphs = run_world(_names_when_compiled_before, 2)[0]
+    assert sorted(sharded_names) == sorted(names)
+    assert module_is_model and graphs > 0
+
+
+def _tensor_parallel_compiled(rank, world, compile_blocks):
+    from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fresh_dynamo()
+    model = llama()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    apply_llama_plan(model, mesh["tensor"])
+    if compile_blocks:
+        for layer in model.model.layers:
+            layer.compile()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3), device_mesh=mesh)
+    losses = []
+    for ids in batches(3, 4):
+        ids = ids.chunk(2)[engine.rank]
+        loss = loss_of(engine, ids)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    engine.close()
+    return losses, [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+
+
+def test_tensor_parallelism_with_compiled_blocks_warns_and_runs_eagerly():
+    """Blocks compiled before the hand-over under tensor parallelism (dp 2 x tp 2): the
+    engine names the combination in a warning and trains eagerly, with eager's losses,
+    instead of failing inside dynamo in the first forward."""
+    pytest.importorskip("transformers")
+    eager = run_world(_tensor_parallel_compiled, 4, False, timeout=600)
+    compiled = run_world(_tensor_parallel_compiled, 4, True, timeout=600)
+    for (losses, warned), (want, not_warned) in zip(compiled, eager):
+        assert losses == want and not not_warned
+        assert len(warned) == 1 and "tensor parallelism" in warned[0]
+        assert "model.layers.0" in warned[0], warned
+
+
+_DTENSOR_AT_AN_OFFSET = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29605"))
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+weight = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+flat = torch.zeros(100)
+flat[8:24].copy_(weight._local_tensor.flatten())
+weight._local_tensor.data = flat[8:24].view(4, 4)  # as a unit's flat buffer holds it
+linear = torch.compile(lambda x: x @ weight.redistribute(mesh, [Replicate()]).to_local(),
+                       backend="aot_eager")
+try:
+    linear(torch.ones(2, 4))
+finally:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.xfail(
+    strict=True, reason="torch 2.13: dynamo cannot fake a DTensor shard at an offset"
+)
+def test_torch_compiles_a_dtensor_whose_shard_starts_inside_a_storage():
+    """The torch limit behind the eager fallback above, bare. When a torch release passes
+    this, the strict expected failure fails: tensor parallelism can then compile."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DTENSOR_AT_AN_OFFSET], capture_output=True)
+    error = out.stderr.decode()
+    if out.returncode and "storage on different device" not in error:
+        raise RuntimeError(error[-800:])  # another failure than the known limit: a real one
+    assert out.returncode == 0, "the known limit"

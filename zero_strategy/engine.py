@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .builder import steps
+from .builder.compiled import eager_under_tensor_parallelism, unwrap_compiled
 from .builder.materialise import materialise
 from .builder.meta_init import InitFn
 from .checkpoint.state_door import StateDoor
@@ -77,8 +78,11 @@ class ZeroEngine:
         dimension of a 2-D (data, tensor) `device_mesh` and pass that mesh, or set
         `ZeroConfig.tensor_parallel_size` (contiguous tensor groups). ZeRO then shards over
         the data dimension only (`zero_strategy.tensor_parallel`)."""
+        model, self._runner = unwrap_compiled(model)  # its own names, its compiled call
         prepared = steps.prepare(model, optimizer, config, device)
         self.config, self.device, self.module = prepared.config, prepared.device, model
+        if steps.tensor_sharded(prepared.params):
+            self._runner = eager_under_tensor_parallelism(model, self._runner)
         self.optimizers = prepared.optimizers
         self.optimizer = self.optimizers[0]
         experts, homes = self._assemble_units(
@@ -332,7 +336,7 @@ class ZeroEngine:
 
     # ================================================================ training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._runner(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward with the fp16 loss scale applied; reductions run during it."""

@@ -1,0 +1,55 @@
+"""A model compiled before it is handed over: `torch.compile(model)`, or its blocks'
+`block.compile()` (torchtitan's recipe).
+
+`torch.compile(model)` returns a wrapper whose parameter names all begin `_orig_mod.`.
+Sharded as it is, those names would go into every checkpoint, and a checkpoint would
+load only into a model compiled the same way. The engine shards the module inside, under
+the model's own names (Lightning and Accelerate unwrap it alike), and calls the wrapper.
+
+Tensor parallelism does not compile in torch 2.13. Dynamo's fake tensors fail on a
+DTensor whose local shard starts at a nonzero offset of its storage ("Attempted to set the
+storage of a tensor on device cpu to a storage on different device meta"), and every
+unit's flat buffer makes its shards so. A model compiled before the hand-over then runs
+eagerly, with a warning that names the combination, instead of failing in the first
+forward. `tests/test_compile.py` holds the bare reproduction as an expected failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..private_api import compiled_submodules, run_eagerly
+
+
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Callable[..., Any]]:
+    """(the module to shard, what a forward calls): the module inside a compiled
+    wrapper and the wrapper, or the model twice."""
+    dynamo = sys.modules.get("torch._dynamo")  # nothing is compiled until it is loaded
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod, model
+    return model, model
+
+
+def eager_under_tensor_parallelism(model: nn.Module, runner: Callable[..., Any]) -> nn.Module:
+    """The model to call once its compiled parts are set back to eager, with a warning
+    that says which were compiled."""
+    blocks = compiled_submodules(model)
+    if runner is model and not blocks:
+        return model
+    compiled = ["the whole model"] if runner is not model else []
+    compiled += [name or "the model" for name in blocks][:3] + (["..."] if len(blocks) > 3 else [])
+    warnings.warn(
+        f"torch.compile with tensor parallelism ({', '.join(compiled)} compiled): torch "
+        "2.13's dynamo cannot trace DTensor shards that start inside a storage, which "
+        "the engine's flat buffers make them. The model runs eagerly; compile without "
+        "tensor parallelism, or leave the model uncompiled to silence this.",
+        stacklevel=3,
+    )
+    for name in blocks:
+        run_eagerly(model.get_submodule(name))
+    return model
