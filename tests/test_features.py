@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from training import global_batch, local_batch, make_model, make_optimizer
+from training import global_batch, local_batch, make_model
 from zero_strategy import ZeroConfig, ZeroEngine
 
 OPTIMIZERS = {
@@ -241,32 +241,6 @@ def test_buffers_follow_ddp_broadcast_buffers(stage):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     unsynced = run_world(_batchnorm_run, 2, "zero", stage, broadcast_buffers=False)
     assert not torch.equal(unsynced[1][0], ddp[1][0])  # without it rank 1 drifts
-
-
-def _compiled_run(rank, world, stage, backend):
-    model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
-    forward = torch.compile(model, backend=backend) if backend else model
-    losses = []
-    for step in range(4):
-        x, y = local_batch(step, 0, rank, world)
-        loss = forward(x, y)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.parametrize("stage", [1, 3])
-def test_torch_compile_of_the_module_trains_like_eager(stage):
-    """torch.compile over a sharded module (Lightning users compile theirs; Accelerate's
-    dynamo_backend does): the engine's hooks break the graph where they must, and training
-    is the same. aot_eager traces as inductor does without needing a C++ toolchain."""
-    eager = run_world(_compiled_run, 2, stage, None)
-    compiled = run_world(_compiled_run, 2, stage, "aot_eager")
-    for a, b in zip(compiled, eager):
-        assert a == pytest.approx(b, rel=1e-6)
 
 
 def _early_layers_frozen(rank, world, kind, stage=3, **config):
