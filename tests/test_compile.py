@@ -416,3 +416,27 @@ def test_torch_compiles_a_dtensor_whose_shard_starts_inside_a_storage():
     if out.returncode and "storage on different device" not in error:
         raise RuntimeError(error[-800:])  # another failure than the known limit: a real one
     assert out.returncode == 0, "the known limit"
+
+
+def _offloaded(rank, world, offload_dir):
+    out = {}
+    for mode in ("eager", "blocks"):
+        _fresh_dynamo()
+        model = _compiled_before(make_model(), mode)
+        config = ZeroConfig(
+            stage=3, offload_params="disk", offload_optimizer="disk", offload_dir=offload_dir
+        )
+        engine = ZeroEngine(model, make_optimizer(model), config)
+        out[mode] = _steps(engine, engine.backward, engine, rank, world, steps=3), _graphs_made()
+        engine.close()
+    return out
+
+
+def test_offloaded_parameters_and_optimizer_state_compile(tmp_path):
+    """Stage 3 with parameters and optimizer state on disk, blocks compiled whole
+    (fullgraph): the tiers' reads and writes are in the engine's hooks, outside the
+    graphs, so the combination compiles and trains with eager's losses."""
+    results = run_world(_offloaded, 2, str(tmp_path), timeout=600)[0]
+    (eager, _), (compiled, graphs) = results["eager"], results["blocks"]
+    assert graphs > 0
+    assert compiled == pytest.approx(eager, rel=1e-4)
