@@ -32,4 +32,9 @@ def test_gpu_check_smoke_on_cpu():
     assert calls > 0 and worst < 1e-5  # the engine took the kernel path; CPU against CPU
     assert "| fused AdamW, " in out and "| MoE permute, " in out
     assert "offload_optimizer='cpu', world 1" in out and "| CPU offload" in out
+    assert re.search(
+        r"compiled blocks \(aot_eager\) at stage 3 on cpu: worst relative loss "
+        r"difference [0-9.e+-]+ against eager",
+        out,
+    ), out[-2000:]
     assert "correctness: ok" in out
