@@ -440,3 +440,54 @@ def test_offloaded_parameters_and_optimizer_state_compile(tmp_path):
     (eager, _), (compiled, graphs) = results["eager"], results["blocks"]
     assert graphs > 0
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def _lightning_tensor_parallel(rank, world, compiled):
+    import warnings
+
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+    from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    _fresh_dynamo()
+
+    class Llama(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = llama()
+            self.losses: list[float] = []
+
+        def configure_model(self):
+            apply_llama_plan(self.model, self.device_mesh["tensor_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            loss = loss_of(self.model, batch[0])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    module = Llama()
+    trainer = quiet_trainer(world, ZeroStrategy(stage=3, tensor_parallel_size=2), max_steps=3)
+    data = DataLoader(TensorDataset(torch.cat(batches(3, 4))), batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(torch.compile(module) if compiled else module, data)
+    return module.losses, [str(w.message) for w in caught if "tensor parallelism" in str(w.message)]
+
+
+def test_lightning_tensor_parallel_with_a_compiled_module_warns_and_runs_eagerly():
+    """`trainer.fit(torch.compile(model))` with `ZeroStrategy(tensor_parallel_size=2)`:
+    the strategy undoes Lightning's compile (`to_uncompiled`) with the warning that names
+    it, and trains with eager's losses instead of failing inside dynamo."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    eager = run_world(_lightning_tensor_parallel, 4, False, timeout=600)
+    compiled = run_world(_lightning_tensor_parallel, 4, True, timeout=600)
+    for (losses, warned), (want, none) in zip(compiled, eager):
+        assert losses == want and not none
+        assert len(warned) == 1 and "trainer.fit" in warned[0], warned
