@@ -288,8 +288,9 @@ def _fabric_fit(rank, world):
     return losses
 
 
-def _accelerate_fit(rank, world):
+def _accelerate_fit(rank, world, dynamo_backend=None):
     import os
+    import warnings
 
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -299,12 +300,17 @@ def _accelerate_fit(rank, world):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     os.environ["ZERO_STRATEGY_TENSOR_PARALLEL_SIZE"] = "2"
-    accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3))
+    compile_with = {"dynamo_backend": dynamo_backend} if dynamo_backend else {}
+    accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3), **compile_with)
     model = apply_llama_plan(llama(), accelerator.device_mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data = torch.cat(batches(STEPS, BATCH))
     loader = DataLoader(TensorDataset(data), batch_size=BATCH // 2)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    warned = [str(w.message) for w in caught if "tensor parallelism" in str(w.message)]
+    assert len(warned) == (1 if dynamo_backend else 0), warned
     losses = []
     for (ids,) in loader:
         loss = loss_of(model, ids)
@@ -317,14 +323,17 @@ def _accelerate_fit(rank, world):
     return losses
 
 
-@pytest.mark.parametrize("door", ["fabric", "accelerate"])
+@pytest.mark.parametrize("door", ["fabric", "accelerate", "accelerate-dynamo"])
 def test_fabric_and_accelerate_take_the_same_spelling(door):
     """Fabric (parallelize_fn, as its ModelParallelStrategy) and Accelerate (the plan on
     accelerator.device_mesh["tp"], the size from ZERO_STRATEGY_TENSOR_PARALLEL_SIZE): the
-    losses of one process, with clipping."""
+    losses of one process, with clipping. With Accelerate's dynamo_backend, which torch
+    cannot compile under tensor parallelism, prepare() warns once and it runs eagerly."""
     pytest.importorskip("lightning" if door == "fabric" else "accelerate")
     reference, _ = _single_process(STEPS)
-    for losses in run_world(_fabric_fit if door == "fabric" else _accelerate_fit, 4):
+    fit = _fabric_fit if door == "fabric" else _accelerate_fit
+    extra = ("inductor",) if door == "accelerate-dynamo" else ()
+    for losses in run_world(fit, 4, *extra):
         _close(losses, reference)
 
 
