@@ -10,6 +10,7 @@ Lightning's, Fabric's, Accelerate's and Transformers' private names are the inte
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -102,6 +103,16 @@ def persistent_direct_buffers(module: torch.nn.Module):
     for name, buf in module._buffers.items():
         if buf is not None and name not in module._non_persistent_buffers_set:
             yield name, buf
+
+
+def compiled_wrapper_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module inside `torch.compile(model)`'s wrapper (`OptimizedModule._orig_mod`,
+    where Lightning and Accelerate also read it), or None for any other module. Nothing is
+    compiled before `torch._dynamo` is loaded, so an unloaded one is not loaded here."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        return model._orig_mod
+    return None
 
 
 def compiled_submodules(model: torch.nn.Module) -> list[str]:

@@ -16,23 +16,20 @@ forward. `tests/test_compile.py` holds the bare reproduction as an expected fail
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from ..private_api import compiled_submodules, run_eagerly
+from ..private_api import compiled_submodules, compiled_wrapper_inner, run_eagerly
 
 
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Callable[..., Any]]:
     """(the module to shard, what a forward calls): the module inside a compiled
     wrapper and the wrapper, or the model twice."""
-    dynamo = sys.modules.get("torch._dynamo")  # nothing is compiled until it is loaded
-    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
-        return model._orig_mod, model
-    return model, model
+    inner = compiled_wrapper_inner(model)
+    return (model, model) if inner is None else (inner, model)
 
 
 def eager_under_tensor_parallelism(model: nn.Module, runner: Callable[..., Any]) -> nn.Module:
