@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import tempfile
 import time
 import traceback
@@ -20,6 +22,7 @@ import torch.distributed as dist
 def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on ask
     try:
         dist.init_process_group(
             "gloo",
@@ -76,6 +79,10 @@ def run_world(
                         results[r] = ("died", f"exit code {p.exitcode}")
                 if time.monotonic() > deadline:
                     hung = [r for r in range(world_size) if r not in results]
+                    for r in hung:  # their stacks to stderr, where the failure shows them
+                        if procs[r].is_alive():
+                            os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(1)
                     raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (hang)")
         finally:
             for p in procs:
