@@ -17,6 +17,7 @@ MoE permute. Targets: AdamW >= 85% of copy bandwidth and >= 1.1x torch fused; pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +88,37 @@ def run_kernel_tests() -> bool:
 
 
 # ----------------------------------------------------------------------------- (2) training
+@contextlib.contextmanager
+def world_of_one(device: torch.device, tmp: str):
+    """A one-rank process group (NCCL beside gloo on CUDA) for the block, then destroyed."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    store = dist.FileStore(os.path.join(tmp, "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def timed_steps(engine, cfg, device: torch.device, steps: int) -> tuple[list[float], list[float]]:
+    """The engine's losses and step times over `steps` batches of 8 sequences (seed 1)."""
+    g = torch.Generator().manual_seed(1)
+    losses, times = [], []
+    for _ in range(steps):
+        data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
+        x, y = data[:, :-1].to(device), data[:, 1:].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())  # waits for the device
+        times.append(time.perf_counter() - start)
+    return losses, times
+
+
 def train_losses(device: torch.device, steps: int) -> tuple[list[float], int]:
     """Losses of the small GPT at stage 3, and how many fused-kernel steps the engine took."""
     from examples.gpt import GPT, GPTConfig, decay_groups
@@ -96,16 +129,7 @@ def train_losses(device: torch.device, steps: int) -> tuple[list[float], int]:
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3, betas=(0.9, 0.95))
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, gradient_clipping=1.0))
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-        x, y = data[:, :-1].to(device), data[:, 1:].to(device)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
+    losses, _ = timed_steps(engine, cfg, device, steps)
     return losses, engine.fused_step.launches
 
 
@@ -150,18 +174,12 @@ def check_state_paths(device: torch.device, tmp: str) -> tuple[bool, str]:
 
 
 def check_training(device: torch.device, steps: int) -> tuple[bool, str]:
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
-        try:
-            with kernels.use_backend("auto" if device.type == "cuda" else "triton"):
-                got, fused_calls = train_losses(device, steps)
-                state_ok, state_line = check_state_paths(device, tmp)
-            with kernels.use_backend("reference"):
-                ref, _ = train_losses(torch.device("cpu"), steps)
-        finally:
-            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp, world_of_one(device, tmp):
+        with kernels.use_backend("auto" if device.type == "cuda" else "triton"):
+            got, fused_calls = train_losses(device, steps)
+            state_ok, state_line = check_state_paths(device, tmp)
+        with kernels.use_backend("reference"):
+            ref, _ = train_losses(torch.device("cpu"), steps)
     print(state_line)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     ok = worst < 1e-3 and fused_calls > 0 and state_ok
@@ -191,31 +209,12 @@ def check_compiled(device: torch.device, steps: int) -> tuple[bool, str]:
         engine = ZeroEngine(
             model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=3)
         )
-        g = torch.Generator().manual_seed(1)
-        losses, times = [], []
-        for _ in range(steps):
-            data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-            x, y = data[:, :-1].to(device), data[:, 1:].to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())  # synchronises
-            times.append(time.perf_counter() - start)
+        losses, times = timed_steps(engine, cfg, device, steps)
         return losses, times[0], statistics.median(times[2:] or times)
 
-    backend_name = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group(backend_name, store=store, rank=0, world_size=1)
-        try:
-            eager, eager_first, eager_step = run(False)
-            compiled, first, step = run(True)
-        finally:
-            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp, world_of_one(device, tmp):
+        eager, eager_first, eager_step = run(False)
+        compiled, first, step = run(True)
     worst = max(abs(a - b) / abs(b) for a, b in zip(compiled, eager))
     ok = worst < 1e-3
     return ok, (
@@ -269,45 +268,26 @@ def check_cpu_offload(device: torch.device, steps: int, width: int) -> tuple[boo
 
     cfg = GPTConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=8, n_embd=width)
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
-        try:
-            for tier in ("none", "cpu", "cpu+params"):
-                torch.manual_seed(0)
-                model = GPT(cfg).to(device)
-                optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3)
-                config = ZeroConfig(
-                    stage=3,
-                    gradient_clipping=1.0,
-                    offload_optimizer=tier.removesuffix("+params"),
-                    offload_params="cpu" if tier.endswith("+params") else "none",
-                    # unit buffers: the reduced gradients go to the host through the
-                    # page-locked landings (per-parameter reductions copy them directly)
-                    overlap_comm=not tier.endswith("+params"),
-                )
-                engine = ZeroEngine(model, optimizer, config)
-                g = torch.Generator().manual_seed(1)
-                losses, times = [], []
-                for _ in range(steps):
-                    data = torch.randint(cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-                    x, y = data[:, :-1].to(device), data[:, 1:].to(device)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    loss = engine(x, y)
-                    engine.backward(loss)
-                    engine.step()
-                    engine.zero_grad()
-                    losses.append(loss.item())  # (waits for the device)
-                    times.append(time.perf_counter() - t0)
-                report = engine.memory_report()
-                params = sum(u.layout.numel for u in engine.units)
-                engine.release_module()
-                results[tier] = (losses, statistics.median(times[1:] or times), report)
-        finally:
-            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp, world_of_one(device, tmp):
+        for tier in ("none", "cpu", "cpu+params"):
+            torch.manual_seed(0)
+            model = GPT(cfg).to(device)
+            optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3)
+            config = ZeroConfig(
+                stage=3,
+                gradient_clipping=1.0,
+                offload_optimizer=tier.removesuffix("+params"),
+                offload_params="cpu" if tier.endswith("+params") else "none",
+                # unit buffers: the reduced gradients go to the host through the
+                # page-locked landings (per-parameter reductions copy them directly)
+                overlap_comm=not tier.endswith("+params"),
+            )
+            engine = ZeroEngine(model, optimizer, config)
+            losses, times = timed_steps(engine, cfg, device, steps)
+            report = engine.memory_report()
+            params = sum(u.layout.numel for u in engine.units)
+            engine.release_module()
+            results[tier] = (losses, statistics.median(times[1:] or times), report)
     (ref, t_ref, _), (got, t_off, report) = results["none"], results["cpu"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     with_params, t_params, params_report = results["cpu+params"]
@@ -472,25 +452,19 @@ def main() -> int:
     print(line)
     lightning_ok, line = check_lightning(cuda)
     print(line)
-    try:  # new, never run on a GPU before: a failure must not cost the other figures
+    # New, never run on a GPU before: a failure must not cost the other figures (each
+    # check's process group is destroyed on the way out, by world_of_one).
+    try:
         offload_ok, line, offload = check_cpu_offload(device, sizes["steps"], sizes["width"])
     except Exception:
-        import traceback
-
         offload_ok, offload = False, {}
         line = "CPU offload check FAILED:\n" + traceback.format_exc()[-3000:]
-        if dist.is_initialized():
-            dist.destroy_process_group()
     print(line)
-    try:  # likewise new on a GPU
+    try:
         compiled_ok, line = check_compiled(device, max(sizes["steps"], 4))
     except Exception:
-        import traceback
-
         compiled_ok = False
         line = "compiled check FAILED:\n" + traceback.format_exc()[-3000:]
-        if dist.is_initialized():
-            dist.destroy_process_group()
     print(line)
     ok = ok and trained and lightning_ok and offload_ok and compiled_ok
     copy_bw = copy_bandwidth(device, sizes["copy"], sizes["repeats"])
