@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from .builder import steps
-from .builder.compiled import eager_under_tensor_parallelism, unwrap_compiled
 from .builder.materialise import materialise
 from .builder.meta_init import InitFn
 from .checkpoint.state_door import StateDoor
@@ -78,11 +77,9 @@ class ZeroEngine:
         dimension of a 2-D (data, tensor) `device_mesh` and pass that mesh, or set
         `ZeroConfig.tensor_parallel_size` (contiguous tensor groups). ZeRO then shards over
         the data dimension only (`zero_strategy.tensor_parallel`)."""
-        model, self._runner = unwrap_compiled(model)  # its own names, its compiled call
         prepared = steps.prepare(model, optimizer, config, device)
+        model, self._runner = prepared.module, prepared.runner  # out of a compiled wrapper
         self.config, self.device, self.module = prepared.config, prepared.device, model
-        if steps.tensor_sharded(prepared.params):
-            self._runner = eager_under_tensor_parallelism(model, self._runner)
         self.optimizers = prepared.optimizers
         self.optimizer = self.optimizers[0]
         experts, homes = self._assemble_units(

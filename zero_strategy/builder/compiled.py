@@ -40,13 +40,13 @@ def eager_under_tensor_parallelism(model: nn.Module, runner: Callable[..., Any])
         return model
     compiled = ["the whole model"] if runner is not model else []
     compiled += [name or "the model" for name in blocks][:3] + (["..."] if len(blocks) > 3 else [])
-    warn_eager_under_tensor_parallelism(", ".join(compiled))
+    warn_eager_under_tensor_parallelism(", ".join(compiled), stacklevel=5)  # the user's line
     for name in blocks:
         run_eagerly(model.get_submodule(name))
     return model
 
 
-def warn_eager_under_tensor_parallelism(what: str) -> None:
+def warn_eager_under_tensor_parallelism(what: str, stacklevel: int = 3) -> None:
     """The warning for `what` was compiled, run eagerly instead (a framework's door that
     undoes its own compile says the same)."""
     warnings.warn(
@@ -54,5 +54,5 @@ def warn_eager_under_tensor_parallelism(what: str) -> None:
         "cannot trace DTensor shards that start inside a storage, which the engine's flat "
         "buffers make them. The model runs eagerly; compile without tensor parallelism, "
         "or leave the model uncompiled to silence this.",
-        stacklevel=4,
+        stacklevel=stacklevel,
     )

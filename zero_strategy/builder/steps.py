@@ -1,7 +1,8 @@
 """The engine's parts, put together in order. Read top to bottom, each step takes what
 the steps before it made:
 
-0. `prepare`: the config, the optimizers and the model's parameters checked;
+0. `prepare`: the config, the optimizers and the model's parameters checked (a compiled
+   model taken out of its wrapper);
 1. `process_groups`: the engine's own process groups;
 2. `check_mesh`: what tensor parallelism cannot do, refused before any other collective;
 3. `where_things_live` and `place_experts`: the stage this world runs, the homes of the
@@ -75,6 +76,7 @@ from ..tensor_parallel import check_head_counts
 from ..tensor_parallel import check_parameters as check_tensor_parameters
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
+from .compiled import eager_under_tensor_parallelism, unwrap_compiled
 
 
 # ==================================================================== 0. prepare
@@ -85,6 +87,8 @@ class Prepared:
     optimizer_set: OptimizerSet
     params: list  # partition.ModelParam, each parameter once (tied ones too)
     device: torch.device
+    module: nn.Module  # the model, out of a compiled wrapper (`compiled.py`)
+    runner: Callable[..., Any]  # what a forward calls: the wrapper, or the module
 
 
 def prepare(
@@ -101,6 +105,7 @@ def prepare(
     optimizer_set = OptimizerSet(optimizers)
     if not isinstance(model, nn.Module):
         raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
+    model, runner = unwrap_compiled(model)  # sharded under the model's own names
     _settle_expert_parallel(model, optimizer_set, cfg.expert_parallel_size)
     params = unique_parameters(model)
     if not params:
@@ -108,7 +113,10 @@ def prepare(
             f"{type(model).__name__} has no parameters, so there is nothing to shard or "
             "train. Pass the model that holds the trainable parameters."
         )
-    return Prepared(cfg, optimizers, optimizer_set, params, _resolve_device(params, device))
+    if tensor_sharded(params):
+        runner = eager_under_tensor_parallelism(model, runner)
+    device = _resolve_device(params, device)
+    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner)
 
 
 def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
