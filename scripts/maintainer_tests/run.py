@@ -286,7 +286,7 @@ def run_pytest_suite(
     return run
 
 
-CODE = ("zero_strategy", "integrations", "kernels")
+CODE = ("zero_strategy",)
 
 
 def _code_state() -> str:
