@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -22,8 +23,10 @@ import torch.distributed as dist
 def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on ask
     try:
+        # A hung rank's stacks, on ask, to the process's own stderr: the test's may be a
+        # capture with no file descriptor (capsys), where registering would fail.
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",

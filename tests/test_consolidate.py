@@ -239,7 +239,7 @@ def test_a_pickle_planted_in_a_consolidated_ckpt_is_refused_and_never_run(traine
     import pickle
     from pathlib import Path
 
-    from integrations.fabric import read_state_dict
+    from zero_strategy.integrations.fabric import read_state_dict
 
     ckpt, _ = trained
     out = tmp_path / "model.ckpt"
