@@ -113,15 +113,3 @@ def test_registration_comes_with_the_import_in_any_order_and_the_hook_then_leave
     assert _run("import zero_strategy\nimport lightning\n" + probe).split()[:2] == ["True", "True"]
     every = "import zero_strategy, lightning, pytorch_lightning, hydra.core.config_store\n"
     assert _run(every + probe) == "True True False"  # nothing left to register: gone
-
-
-def test_compiled_by_lightning_reads_what_from_compiled_sets():
-    import lightning as L
-    from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
-
-    module = L.LightningModule()
-    assert not api.compiled_by_lightning(module)
-    from_compiled(torch.compile(module))
-    assert api.compiled_by_lightning(module)
-    to_uncompiled(module)
-    assert not api.compiled_by_lightning(module)

@@ -310,7 +310,7 @@ def _accelerate_fit(rank, world, dynamo_backend=None):
         warnings.simplefilter("always")
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     warned = [str(w.message) for w in caught if "tensor parallelism" in str(w.message)]
-    assert len(warned) == (1 if dynamo_backend else 0), warned
+    assert not warned, warned
     losses = []
     for (ids,) in loader:
         loss = loss_of(model, ids)
@@ -320,6 +320,8 @@ def _accelerate_fit(rank, world, dynamo_backend=None):
         optimizer.zero_grad()
         losses.append(_mean_over_ranks(loss))
     accelerator.end_training()
+    if dynamo_backend:  # it ran compiled
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     return losses
 
 
@@ -327,12 +329,12 @@ def _accelerate_fit(rank, world, dynamo_backend=None):
 def test_fabric_and_accelerate_take_the_same_spelling(door):
     """Fabric (parallelize_fn, as its ModelParallelStrategy) and Accelerate (the plan on
     accelerator.device_mesh["tp"], the size from ZERO_STRATEGY_TENSOR_PARALLEL_SIZE): the
-    losses of one process, with clipping. With Accelerate's dynamo_backend, which torch
-    cannot compile under tensor parallelism, prepare() warns once and it runs eagerly."""
+    losses of one process, with clipping; with Accelerate's dynamo_backend too, compiled
+    (each DTensor shard on a storage of its own: `FlatUnit.point_param_at`)."""
     pytest.importorskip("lightning" if door == "fabric" else "accelerate")
     reference, _ = _single_process(STEPS)
     fit = _fabric_fit if door == "fabric" else _accelerate_fit
-    extra = ("inductor",) if door == "accelerate-dynamo" else ()
+    extra = ("aot_eager",) if door == "accelerate-dynamo" else ()  # inductor: minutes
     for losses in run_world(fit, 4, *extra):
         _close(losses, reference)
 

@@ -115,22 +115,6 @@ def compiled_wrapper_inner(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def compiled_submodules(model: torch.nn.Module) -> list[str]:
-    """The modules compiled in place (`module.compile()`), by name: `nn.Module.compile`
-    keeps the compiled call in `_compiled_call_impl`, with no public way to read it or
-    undo it."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if getattr(module, "_compiled_call_impl", None) is not None
-    ]
-
-
-def run_eagerly(module: torch.nn.Module) -> None:
-    """Undo `module.compile()`: the module's next call is its eager forward."""
-    module._compiled_call_impl = None
-
-
 # ---------------------------------------------------------------- Transformers
 # Checked against Transformers 5.24.0. The core loads and shards Hugging Face models.
 def hf_init_weights(module: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:

@@ -76,7 +76,7 @@ from ..tensor_parallel import check_head_counts
 from ..tensor_parallel import check_parameters as check_tensor_parameters
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
-from .compiled import eager_under_tensor_parallelism, unwrap_compiled
+from .compiled import unwrap_compiled
 
 
 # ==================================================================== 0. prepare
@@ -113,8 +113,6 @@ def prepare(
             f"{type(model).__name__} has no parameters, so there is nothing to shard or "
             "train. Pass the model that holds the trainable parameters."
         )
-    if tensor_sharded(params):
-        runner = eager_under_tensor_parallelism(model, runner)
     device = _resolve_device(params, device)
     return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner)
 

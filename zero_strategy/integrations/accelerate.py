@@ -41,7 +41,6 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.builder.compiled import unwrap_compiled, warn_eager_under_tensor_parallelism
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
@@ -318,10 +317,6 @@ class ZeroAccelerator(Accelerator):
         attach(model, self.engine)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
-        inner, runner = unwrap_compiled(prepared)
-        if runner is not inner and self.engine.tensor_parallel_size > 1:
-            warn_eager_under_tensor_parallelism("the model, by Accelerate's dynamo_backend")
-            prepared = inner
         wrapped = ZeroOptimizer(optimizer, self.engine)
         mark_prepared(wrapped)  # prepare() keeps it, and lists it as Accelerate's own
         return prepared, wrapped

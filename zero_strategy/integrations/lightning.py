@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
-from zero_strategy.builder.compiled import warn_eager_under_tensor_parallelism
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state
@@ -31,7 +30,6 @@ from .lightning_averaging import averaging_classes, refuse_stock_averaging
 from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
 from .pairing import stand_in_optimizer
 from .private_api import (
-    compiled_by_lightning,
     give_device_mesh,
     layer_sync,
     run_after_closure,
@@ -223,9 +221,6 @@ def make_strategy(root: str):
                 optimizer = list(self.optimizers)
             else:
                 optimizer = stand_in_optimizer(model)  # evaluation only
-            if self._device_mesh is not None and compiled_by_lightning(model):
-                warn_eager_under_tensor_parallelism("the LightningModule, by trainer.fit")
-                importlib.import_module(f"{root}.utilities.compile").to_uncompiled(model)
             self.engine = ZeroEngine(
                 model,
                 optimizer,

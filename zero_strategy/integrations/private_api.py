@@ -45,13 +45,6 @@ def give_device_mesh(module: Any, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
-def compiled_by_lightning(module: Any) -> bool:
-    """`LightningModule._compiler_ctx`: set when `trainer.fit(torch.compile(model))` hands
-    the module over (Lightning's `from_compiled` puts the compiled forward and steps on it);
-    `to_uncompiled` undoes it but has no way to ask first."""
-    return getattr(module, "_compiler_ctx", None) is not None
-
-
 def report_placement(module: Any, device: Any, dtype: Any) -> None:
     """`_DeviceDtypeModuleMixin._device` / `._dtype`: what `LightningModule.device` and
     `.dtype` report, where the engine put the buffers (`module.to()` would move the

@@ -85,7 +85,8 @@ def held_bytes(
     _add_model_state(ledger, units, optimizer.state.values(), stage)
     for unit in units:
         if stage == 3 and unit.gathered_bytes():
-            ledger.add_storage("gathered_parameters", unit.gathered_storage())
+            for storage in unit.gathered_storages():
+                ledger.add_storage("gathered_parameters", storage)
         if stage >= 2:
             ledger.add("comm_buffers", unit.grad_full)
     for tensor in comm_tensors:

@@ -82,8 +82,10 @@ class FullParameters:
             with torch.no_grad():
                 for unit in chosen:
                     if unit.full is not None and unit.layout.numel:
+                        unit.copies_to_full()
                         if modifier_rank is not None:
                             self._take_modifiers_values(unit, modifier_rank)
+                            unit.full_to_copies()
                         write_back_unit(unit)
             for unit in held:
                 unit.free_full()

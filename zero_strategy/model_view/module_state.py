@@ -156,6 +156,7 @@ def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
     if source.numel() == slot.numel:
         values = source.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
     elif unit.full is not None:
+        unit.copies_to_full()
         values = unit.full[lo:hi]
     else:
         return

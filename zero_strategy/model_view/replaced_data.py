@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..tensor_parallel import local_tensor, match_local_dtype
+from ..tensor_parallel import local_tensor
 from ..units.flat_unit import FlatUnit
 from .full_view import write_back_unit
 
@@ -75,10 +75,8 @@ def adopt_replaced(unit: FlatUnit, indices: list[int]) -> None:
                 "engine. Assign a tensor of the same shape, or write in place "
                 "(param.data.copy_(values))."
             )
-        view = unit.full[slot.offset : slot.end]
-        view.copy_(local.detach().reshape(-1))
-        local.data = view.view(slot.shape)
-        match_local_dtype(param)
+        unit.full[slot.offset : slot.end].copy_(local.detach().reshape(-1))
+        unit.point_param_at(i)
     write_back_unit(unit)
 
 

@@ -30,6 +30,7 @@ from .dtensors import (
     local_grad,
     local_tensor,
     match_local_dtype,
+    on_storage_of_its_own,
     real_dtensor_like,
     set_local_grad,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "local_grad",
     "local_tensor",
     "match_local_dtype",
+    "on_storage_of_its_own",
     "placement_of",
     "read_block",
     "real_dtensor_like",

@@ -25,6 +25,23 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return private_api.local_tensor(p) if is_dtensor(p) else p
 
 
+def on_storage_of_its_own(values: torch.Tensor) -> torch.Tensor:
+    """`values` (contiguous, inside a larger storage) over the same memory, as a tensor
+    whose storage starts at its first element. torch.compile cannot trace a DTensor whose
+    local shard starts inside its storage (dynamo's fake copy of the shard fails, torch
+    2.13); a slice of the storage is memory shared, not copied. Only for memory that is
+    never freed while the result lives (stages 0-2's persistent buffers): the slice keeps
+    the old address when its parent storage is resized."""
+    if values.is_meta or values.storage_offset() == 0:
+        return values
+    storage = values.untyped_storage()
+    start = values.storage_offset() * values.element_size()
+    piece = storage[start : start + values.numel() * values.element_size()]
+    return torch.empty(0, dtype=values.dtype, device=values.device).set_(
+        piece, 0, values.shape, values.stride()
+    )
+
+
 def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A DTensor of `p`'s mesh, placements and shape over `local` (a meta parameter's
     real replacement; its local shard is resized when the engine points it at memory)."""

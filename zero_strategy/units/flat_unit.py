@@ -26,7 +26,13 @@ from torch import nn
 
 from ..comm.topology import ShardGroup
 from ..layout.partition import UnitLayout
-from ..tensor_parallel import local_tensor, match_local_dtype, set_local_grad
+from ..tensor_parallel import (
+    is_dtensor,
+    local_tensor,
+    match_local_dtype,
+    on_storage_of_its_own,
+    set_local_grad,
+)
 from .storage_pool import StoragePool
 
 
@@ -96,6 +102,8 @@ class FlatUnit:
         nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
+        # Stage 3: DTensor parameters' copies of their values, by slot (`_own_copy`).
+        self._copies: dict[int, torch.Tensor] = {}
         self._pool: StoragePool | None = None  # stage 3: recycles gather memory
         # Stage 3 with offload_params="disk": the shard is in memory only while in use.
         self._home: ShardHome | None = None
@@ -237,9 +245,55 @@ class FlatUnit:
         return [local_tensor(p) for p in self.params]
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
-        for slot, p in zip(self.layout.slots, self.params):
-            local_tensor(p).data = flat[slot.offset : slot.end].view(slot.shape)
-            match_local_dtype(p)
+        for index in range(len(self.params)):
+            self.point_param_at(index, flat)
+
+    def point_param_at(self, index: int, flat: torch.Tensor | None = None) -> None:
+        """Parameter `index` shows its values in `flat` (the full buffer by default). A
+        DTensor's local shard gets a storage that starts at its first element, which
+        torch.compile needs (`on_storage_of_its_own`): at stages 0-2 the same memory, at
+        stage 3 a copy (`_own_copy`)."""
+        slot, p = self.layout.slots[index], self.params[index]
+        values = (self.full if flat is None else flat)[slot.offset : slot.end].view(slot.shape)
+        if is_dtensor(p):
+            values = (
+                self._own_copy(index, values) if self.stage >= 3 else on_storage_of_its_own(values)
+            )
+        local_tensor(p).data = values
+        match_local_dtype(p)
+
+    def _own_copy(self, index: int, values: torch.Tensor) -> torch.Tensor:
+        """Stage 3: a slice of the gather buffer would keep the address the buffer had
+        when it was made, and the buffer moves at each gather; so a DTensor parameter
+        gets a copy of its own (FSDP2's copy-out), one storage for the unit's life, grown
+        at each gather and freed with the buffer: tensors autograd saved in forward
+        (weight.t()) see its values again when it is refilled for backward."""
+        copy = self._copies.get(index)
+        if copy is None:
+            copy = self._copies[index] = torch.empty_like(values)
+        else:
+            copy.untyped_storage().resize_(values.numel() * values.element_size())
+        return copy.copy_(values)
+
+    @torch.no_grad()
+    def copies_to_full(self) -> None:
+        """Stage 3, gathered: what was written to DTensor parameters' own copies, back
+        into the full buffer (before it is written back to the masters or broadcast)."""
+        if self.full is None:
+            return
+        for index, copy in self._copies.items():
+            slot = self.layout.slots[index]
+            self.full[slot.offset : slot.end].copy_(copy.reshape(-1))
+
+    @torch.no_grad()
+    def full_to_copies(self) -> None:
+        """Stage 3, gathered: the full buffer was written (a broadcast, a gather again):
+        the DTensor parameters' own copies take its values."""
+        if self.full is None:
+            return
+        for index, copy in self._copies.items():
+            slot = self.layout.slots[index]
+            copy.copy_(self.full[slot.offset : slot.end].view(slot.shape))
 
     def _free_storage_views(self) -> None:
         """Stage 3: a freed parameter keeps its own shape, numel, dtype and device (what
@@ -249,6 +303,8 @@ class FlatUnit:
         for placeholder, p in zip(self._placeholders, self.params):
             local_tensor(p).data = placeholder
             match_local_dtype(p)
+        for copy in self._copies.values():
+            copy.untyped_storage().resize_(0)
 
     def attach_param_grads(self) -> None:
         """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,
@@ -423,6 +479,7 @@ class FlatUnit:
         """Stage 3, a unit kept gathered: gather its updated shard again, now."""
         with self.resident():
             self.group.comm.all_gather(self.full, self.gather_input(self.full))
+        self.full_to_copies()
 
     def start_publish(self):
         """Stages 1-2: start gathering every rank's updated slice back into the whole
@@ -449,11 +506,16 @@ class FlatUnit:
         self.full = None
 
     def gathered_bytes(self) -> int:
-        return 0 if self._buf is None or self.stage < 3 else self._buf.untyped_storage().nbytes()
+        if self._buf is None or self.stage < 3:
+            return 0
+        copies = sum(copy.untyped_storage().nbytes() for copy in self._copies.values())
+        return self._buf.untyped_storage().nbytes() + copies
 
-    def gathered_storage(self) -> torch.UntypedStorage:
-        """Stage 3: the gather buffer's memory (empty while the unit is freed)."""
-        return self._buf.untyped_storage()
+    def gathered_storages(self) -> list[torch.UntypedStorage]:
+        """Stage 3: the gather buffer's memory and the DTensor parameters' own copies
+        (empty while the unit is freed)."""
+        copies = [copy.untyped_storage() for copy in self._copies.values()]
+        return [self._buf.untyped_storage(), *copies]
 
     # ------------------------------------------------------------------ after the step
     def sync_compute_from_master(self, lo: int = 0, hi: int | None = None) -> None:
