@@ -35,6 +35,7 @@ from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
 from ..private_api import fake_tensor_mode
 from .format import CLIENT_STATE
+from .one_file import ENGINE_KEY
 from .read import CheckpointReader
 from .safe_load import safe_torch_load
 
@@ -54,6 +55,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     state: str = ""  # "ema/": the parameter's EMA (optimizer state) instead of its value
+    optimizer_key: str = ""  # optimizer state ("exp_avg") written as such, not a weight
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +87,63 @@ def plan(
             out.append(Entry(alias, name, tuple(meta["shape"]), target, state))
     for name in reader.index["buffers"]:
         out.append(Entry(name, "buffer/" + name, (), torch.float32))  # resolved when read
+    return out
+
+
+def plan_optimizer(reader: CheckpointReader) -> list[Entry]:
+    """Every parameter's elementwise optimizer state (masters' dtype), group by group in
+    the optimizer's order."""
+    params = reader.index["params"]
+    out: list[Entry] = []
+    for names in _group_names(reader.index):
+        for name in names:
+            meta = params[name]
+            dtype = torch.float64 if meta["dtype"] == "float64" else torch.float32
+            for key in reader.index["optimizer"]["elementwise_state"]:
+                if key != EMA_KEY and reader.holds(name, f"{key}/"):
+                    shape = tuple(meta["shape"])
+                    out.append(Entry(f"{key}/{name}", name, shape, dtype, f"{key}/", key))
+    return out
+
+
+def _group_names(index: dict[str, Any]) -> list[list[str]]:
+    """Each param group's parameter names in the optimizer's order (the index's order by
+    group for checkpoints that did not record it)."""
+    opt = index["optimizer"]
+    if "param_names" in opt:
+        return opt["param_names"]
+    groups = range(len(opt["param_groups"]))
+    return [[n for n, m in index["params"].items() if m["group"] == g] for g in groups]
+
+
+def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any]]) -> list[dict]:
+    """torch's `optimizer.state_dict()` of each of the checkpoint's optimizers, keyed by
+    parameter name as FSDP's full optimizer state is (`param_groups[i]["params"]` lists
+    the names in the optimizer's order, so a plain optimizer loads it by position too).
+    `elementwise[name]` is a parameter's state tensors by key; the scalar state (Adam's
+    step) is its group's."""
+    opt = index["optimizer"]
+    names = _group_names(index)
+    counts = opt.get("groups_per_optimizer") or [len(opt["param_groups"])]
+    out, first = [], 0
+    for count in counts:
+        state: dict[str, dict[str, Any]] = {}
+        groups = []
+        for g in range(first, first + count):
+            saved = opt["param_groups"][g]
+            hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+            groups.append({**hyper, "params": list(names[g])})
+            for name in names[g]:
+                if name in elementwise:  # a tensor of its own each: Adam steps it in place
+                    scalars = {
+                        key: torch.tensor(spec["value"], dtype=getattr(torch, spec["dtype"]))
+                        if spec["dtype"]
+                        else spec["value"]
+                        for key, spec in opt["scalar_state"][g].items()
+                    }
+                    state[name] = {**elementwise[name], **scalars}
+        out.append({"state": state, "param_groups": groups})
+        first += count
     return out
 
 
@@ -162,7 +221,7 @@ def write_safetensors(reader: CheckpointReader, entries: list[Entry], path: Path
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[Entry]]:
@@ -178,11 +237,11 @@ def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[E
 
 # ============================================================================ torch.save
 def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap, progress) -> None:
-    """torch.save(wrap(state_dict)) without holding the state dict: the archive is
+    """torch.save(wrap(tensors by entry)) without holding the tensors: the archive is
     written from fake tensors, then each data record is filled with the real bytes."""
     with fake_tensor_mode():
-        fake = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in entries}
-    entry_of = {id(fake[e.name]): e for e in entries}
+        fake = {e: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+    entry_of = {id(tensor): e for e, tensor in fake.items()}
     obj = wrap(fake)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(obj, path)
@@ -257,7 +316,13 @@ def _patch_crc(f, info: zipfile.ZipInfo, crc: int, start_dir: int) -> None:
         pos += 46 + n + m + k
 
 
-def _lightning_wrapper(reader: CheckpointReader, path: Path):
+def _state_dict(fake: dict[Entry, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {e.name: t for e, t in fake.items() if not e.optimizer_key}
+
+
+def _lightning_wrapper(reader: CheckpointReader, path: Path, with_optimizer: bool):
+    """A Lightning checkpoint: the state dict, the trainer's saved state (the client
+    state), and with the optimizer its `optimizer_states`."""
     client = path / CLIENT_STATE
     extra = safe_torch_load(client) if client.exists() else {}
     extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
@@ -267,7 +332,24 @@ def _lightning_wrapper(reader: CheckpointReader, path: Path):
         extra.setdefault("pytorch-lightning_version", importlib.metadata.version("lightning"))
     except importlib.metadata.PackageNotFoundError:
         extra.setdefault("pytorch-lightning_version", "2.0.0")
-    return lambda sd: {"state_dict": sd, **extra}
+
+    def wrap(fake: dict[Entry, torch.Tensor]) -> dict[str, Any]:
+        out = {"state_dict": _state_dict(fake), **extra}
+        if with_optimizer:
+            elementwise: dict[str, dict[str, torch.Tensor]] = {}
+            for e, t in fake.items():
+                if e.optimizer_key:
+                    elementwise.setdefault(e.source, {})[e.optimizer_key] = t
+            out["optimizer_states"] = optimizer_states(reader.index, elementwise)
+            index = reader.index
+            out[ENGINE_KEY] = {  # what a resume reads beside Lightning's keys
+                "step": index["step"],
+                "loss_scaler": index["loss_scaler"],
+                "optimizer_class": index["optimizer"]["class"],
+            }
+        return out
+
+    return wrap
 
 
 # ============================================================================ entry point
@@ -280,15 +362,21 @@ def consolidate(
     exclude_frozen: bool = False,
     show_progress: bool = True,
     weights: str = "model",
+    with_optimizer: bool = False,
 ) -> list[Path]:
     """Write the consolidated model (`weights="ema"`: its EMA); returns the files
-    written."""
+    written. `with_optimizer` (the lightning format): the optimizer state too, whole, as
+    a Lightning checkpoint holds it (`optimizer_states`)."""
     if fmt not in ("safetensors", "torch", "lightning"):
         raise ValueError(f"Unknown format {fmt!r}; use 'safetensors', 'torch' or 'lightning'.")
     if dtype is not None and dtype not in OUT_DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}.")
+    if with_optimizer and fmt != "lightning":
+        raise ValueError("with_optimizer writes a Lightning checkpoint: use fmt='lightning'.")
     reader = CheckpointReader(checkpoint)
     entries = _resolve_buffers(reader, plan(reader, dtype, exclude_frozen, weights))
+    if with_optimizer:
+        entries += plan_optimizer(reader)
     progress = _progress(len(entries), show_progress)
     out = Path(out)
     written: list[Path] = []
@@ -315,7 +403,9 @@ def consolidate(
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             wrap = (
-                _lightning_wrapper(reader, reader.path) if fmt == "lightning" else (lambda sd: sd)
+                _lightning_wrapper(reader, reader.path, with_optimizer)
+                if fmt == "lightning"
+                else _state_dict
             )
             write_torch(reader, entries, out, wrap, progress)
             written.append(out)

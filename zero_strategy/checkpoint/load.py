@@ -21,8 +21,11 @@ from .format import (
     ShardedState,
     persistent_buffers,
 )
+from .one_file import OneFileReader
 from .read import CheckpointReader
 from .safe_load import CheckpointError, safe_torch_load
+
+Reader = CheckpointReader | OneFileReader
 
 
 def load(
@@ -37,17 +40,18 @@ def load(
     a refused checkpoint leaves the model as it was, on every rank (collective)."""
     error, reader, client = None, None, None
     try:
-        reader = CheckpointReader(path)
+        reader = open_reader(path, {name for name, _ in persistent_buffers(state.module)})
         _check_same_model(state, reader.index)
         opt_index = reader.index["optimizer"]
-        if load_optimizer_states and opt_index["class"] != state.optimizer.name:
+        known = opt_index["class"] is not None  # a one-file checkpoint may not say
+        if load_optimizer_states and known and opt_index["class"] != state.optimizer.name:
             raise CheckpointError(
                 f"The checkpoint's optimizer is {opt_index['class']} but the engine's is "
                 f"{state.optimizer.name}; build the same optimizer to resume, or pass "
                 "load_optimizer_states=False to load the parameters alone."
             )
         _verify(state, reader, load_optimizer_states)
-        client = client_state_of(reader.path)
+        client = reader.client_state()
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # a malformed index or an I/O error: refused all the same
@@ -67,6 +71,13 @@ def load(
     for name, buf in persistent_buffers(state.module):
         buf.data.copy_(reader.buffer(name))
     return LoadedCheckpoint(int(reader.index["step"]), reader.index["loss_scaler"], client)
+
+
+def open_reader(path: str | os.PathLike, buffer_names: set[str]) -> Reader:
+    """The reader of a sharded checkpoint directory, or of a one-file checkpoint."""
+    if Path(path).is_file():
+        return OneFileReader(path, buffer_names)
+    return CheckpointReader(path)
 
 
 def _master_ranges(
@@ -98,7 +109,7 @@ def state_ranges(
             yield stored.name, at + s, at + e, s - a, slot.tensor
 
 
-def _verify(state: ShardedState, reader: CheckpointReader, optimizer_states: bool) -> None:
+def _verify(state: ShardedState, reader: Reader, optimizer_states: bool) -> None:
     """Read (in bounded pieces) and check everything a load will take from the files."""
     for unit, name, lo, hi, _, layout in _master_ranges(state):
         reader.verify(name, lo, hi, dtype=unit.master_dtype, layout=layout)
@@ -144,7 +155,7 @@ def client_state_of(path: str | os.PathLike) -> dict | None:
     return safe_torch_load(client) if client.exists() else None
 
 
-def _load_optimizer_state(state: ShardedState, reader: CheckpointReader) -> None:
+def _load_optimizer_state(state: ShardedState, reader: Reader) -> None:
     optimizer = state.optimizer
     opt_index = reader.index["optimizer"]
     for group, saved in zip(optimizer.param_groups, opt_index["param_groups"]):
@@ -204,7 +215,7 @@ def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:
 
 
 def _keys_of(
-    state: ShardedState, reader: CheckpointReader, view: OptimizerView, keys: list[str]
+    state: ShardedState, reader: Reader, view: OptimizerView, keys: list[str]
 ) -> list[str]:
     """The elementwise state keys saved for the parameters of `view` (optimizers of
     different kinds keep different ones)."""

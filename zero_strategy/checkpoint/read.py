@@ -11,8 +11,17 @@ import torch
 
 from ..tensor_parallel import TensorPlacement, read_block
 from .checksums import CHUNK_BYTES, ChecksumMismatch, verified_read
-from .format import INDEX, MASTER_DTYPES, RESTORE, located, rank_file, read_index, stored_blocks
-from .safe_load import CheckpointError
+from .format import (
+    CLIENT_STATE,
+    INDEX,
+    MASTER_DTYPES,
+    RESTORE,
+    located,
+    rank_file,
+    read_index,
+    stored_blocks,
+)
+from .safe_load import CheckpointError, safe_torch_load
 from .safetensors_io import SafetensorsFile
 
 
@@ -28,6 +37,11 @@ class CheckpointReader:
         # A tensor-parallel block assembled from another layout's blocks, by what it is.
         self._block_key: tuple | None = None
         self._block: torch.Tensor | None = None
+
+    def client_state(self) -> dict | None:
+        """The client state saved with the checkpoint (weights_only), or None."""
+        client = self.path / CLIENT_STATE
+        return safe_torch_load(client) if client.exists() else None
 
     def _open(self, rank: int) -> SafetensorsFile:
         name = rank_file(rank)

@@ -19,11 +19,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt, hostile or of another model."""
 
 
-def safe_torch_load(path: str | os.PathLike) -> Any:
+def safe_torch_load(path: str | os.PathLike, mmap: bool = False) -> Any:
     """A torch file read with weights_only=True: a pickle that would run code or build
-    arbitrary objects is refused, naming the file, and never executed."""
+    arbitrary objects is refused, naming the file, and never executed. `mmap`: tensors
+    are mapped from the file, read as they are touched."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"{path} holds objects that safe loading (weights_only=True) refuses, so it was "

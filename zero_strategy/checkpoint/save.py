@@ -84,6 +84,29 @@ def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
     return groups
 
 
+def _param_order(state: ShardedState) -> list[list[str]]:
+    """Per param group, the stored names of this rank's parameters in the optimizer's
+    order: a one-file checkpoint lists each group's parameters as torch does."""
+    stored = {
+        id(p): state.stored(unit, slot.name, slot.shape).name
+        for unit in state.units
+        for slot, p in zip(unit.layout.slots, unit.params)
+    }
+    return [
+        list(dict.fromkeys(stored[id(p)] for p in params if id(p) in stored))
+        for params in state.optimizer.built_with
+    ]
+
+
+def _merged_order(reports: list[dict[str, Any]], groups: int) -> list[list[str]]:
+    """Every rank's names per group (expert-parallel ranks hold different experts), each
+    once, rank 0's order first."""
+    return [
+        list(dict.fromkeys(name for report in reports for name in report["order"][g]))
+        for g in range(groups)
+    ]
+
+
 def _json_safe(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
@@ -146,6 +169,7 @@ def save(
             "wrote": written,
             "keys": sorted(state_keys),
             "scalars": _scalar_state(state.optimizer),
+            "order": _param_order(state),
             "crc32": crcs,
             "error": error,
         },
@@ -301,6 +325,10 @@ def _index(
             "param_groups": groups,
             "elementwise_state": sorted({k for report in reports for k in report["keys"]}),
             "scalar_state": scalars,
+            # Each group's parameters in the optimizer's order, and how many groups each
+            # of the engine's optimizers has (a one-file checkpoint's optimizer_states).
+            "param_names": _merged_order(reports, len(optimizer.param_groups)),
+            "groups_per_optimizer": [len(opt.param_groups) for opt in optimizer.optimizers],
         },
         "loss_scaler": loss_scaler,
     }

@@ -69,6 +69,9 @@ class OptimizerSet:
             self.group_offsets.append(total)
             total += len(opt.param_groups)
         self.state: MutableMapping[Any, Any] = _RoutedState(self.optimizers)
+        # Each group's parameters as the user built it, in order (the engine then points
+        # the groups at its own views): a one-file checkpoint lists them so.
+        self.built_with: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -1,0 +1,160 @@
+"""A one-file checkpoint read as a sharded one: a Lightning checkpoint written whole
+(`state_dict_type="full"`), or any `torch.save` of `{"state_dict": ..., "optimizer_states":
+[...]}` whose optimizer state is keyed by parameter name (FSDP's full form and ours).
+
+`OneFileReader` answers what the sharded load asks of `CheckpointReader` (its index, and
+ranges of a parameter or of its optimizer state), so a one-file checkpoint loads into any
+world size, stage and tensor-parallel layout by the same code. The file is opened with
+`mmap=True` and `weights_only=True`: each rank's memory holds the pages of the ranges it
+reads, not the model, and nothing in the file runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout.partition import FROZEN_GROUP
+from ..tensor_parallel import TensorPlacement
+from .safe_load import CheckpointError, safe_torch_load
+
+# Where a one-file checkpoint written by this project keeps what a Lightning checkpoint
+# has no place for (read back by `OneFileReader`; Lightning ignores the key).
+ENGINE_KEY = "zero_strategy"
+_WHOLE_KEYS = ("state_dict", "optimizer_states", ENGINE_KEY)
+
+
+class OneFileReader:
+    """A one-file checkpoint with `CheckpointReader`'s interface. `buffer_names`: the
+    model's persistent buffers, which the file's state dict holds beside the parameters."""
+
+    def __init__(self, path: str | os.PathLike, buffer_names: set[str]):
+        self.path = Path(path)
+        self.checkpoint = safe_torch_load(self.path, mmap=True)
+        if not isinstance(self.checkpoint, dict) or "state_dict" not in self.checkpoint:
+            raise CheckpointError(
+                f"{self.path} is not a checkpoint this engine can load: a one-file checkpoint "
+                "is a dict with a 'state_dict' (and 'optimizer_states' to resume), as "
+                "Lightning writes it. Pass the directory a sharded save wrote, or such a file."
+            )
+        self._weights: dict[str, torch.Tensor] = self.checkpoint["state_dict"]
+        self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
+        groups, scalars, names = self._read_optimizer(self.checkpoint.get("optimizer_states"))
+        group_of = {name: g for g, members in enumerate(names) for name in members}
+        params = {
+            name: {
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "group": group_of.get(name, FROZEN_GROUP),
+                "aliases": [],
+            }
+            for name, t in self._weights.items()
+            if name not in buffer_names
+        }
+        engine = self.checkpoint.get(ENGINE_KEY, {})
+        self.index: dict[str, Any] = {
+            "params": params,
+            "buffers": [name for name in self._weights if name in buffer_names],
+            "step": engine.get("step", self.checkpoint.get("global_step", 0)),
+            "loss_scaler": engine.get("loss_scaler", {}),
+            "optimizer": {
+                "class": engine.get("optimizer_class"),  # unknown for another writer's file
+                "param_groups": groups,
+                "elementwise_state": sorted({k for s in self._state.values() for k in s}),
+                "scalar_state": scalars,
+                "param_names": names,
+            },
+        }
+
+    def _read_optimizer(
+        self, states: Any
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[str]]]:
+        """(each group's hyperparameters, its scalar state, its parameters' names), and
+        every parameter's elementwise state into `_state`."""
+        groups: list[dict[str, Any]] = []
+        scalars: list[dict[str, Any]] = []
+        names: list[list[str]] = []
+        for optimizer in states or []:
+            for group in optimizer["param_groups"]:
+                members = list(group["params"])
+                if any(not isinstance(m, str) for m in members):
+                    raise CheckpointError(
+                        f"{self.path}: the optimizer state is keyed by position, not by "
+                        "parameter name, so it cannot be matched to a sharded model. Load "
+                        "the weights alone (load_optimizer_states=False), or save with "
+                        "state_dict_type='full' from this strategy."
+                    )
+                groups.append({k: v for k, v in group.items() if k != "params"})
+                names.append(members)
+                scalar: dict[str, Any] = {}
+                for name in members:
+                    for key, value in optimizer["state"].get(name, {}).items():
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                            self._state.setdefault(name, {})[key] = value
+                        elif isinstance(value, torch.Tensor):
+                            dtype = str(value.dtype).removeprefix("torch.")
+                            scalar[key] = {"value": value.item(), "dtype": dtype}
+                        else:
+                            scalar[key] = {"value": value, "dtype": None}
+                scalars.append(scalar)
+        return groups, scalars, names
+
+    def client_state(self) -> dict[str, Any]:
+        """What the file holds besides the model and optimizer (Lightning's loops,
+        callbacks, epoch): the client state of a sharded checkpoint."""
+        return {k: v for k, v in self.checkpoint.items() if k not in _WHOLE_KEYS}
+
+    def _tensor(self, name: str, prefix: str) -> torch.Tensor:
+        if not prefix:
+            return self._weights[name]
+        return self._state[name][prefix.removesuffix("/")]
+
+    def holds(self, name: str, prefix: str) -> bool:
+        if not prefix:
+            return name in self._weights
+        return prefix.removesuffix("/") in self._state.get(name, {})
+
+    def read(
+        self,
+        name: str,
+        lo: int,
+        hi: int,
+        prefix: str = "",
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        layout: TensorPlacement | None = None,
+    ) -> torch.Tensor:
+        """Elements [lo, hi) of `name` (or its `prefix` state) in the stored coordinates
+        of `layout`: a tensor-parallel block is cut out of the whole tensor first."""
+        tensor, at = self._tensor(name, prefix), 0
+        if layout is not None and layout.sharded:
+            start, shape = layout.block(layout.position)
+            tensor = tensor[tuple(slice(a, a + n) for a, n in zip(start, shape))]
+            at = layout.offset
+        values = tensor.reshape(-1)[lo - at : hi - at]
+        if out is None:
+            return values.to(dtype, copy=True)
+        return out.copy_(values)
+
+    def verify(
+        self,
+        name: str,
+        lo: int,
+        hi: int,
+        prefix: str = "",
+        dtype: torch.dtype = torch.float32,
+        layout: TensorPlacement | None = None,
+    ) -> None:
+        """The range exists (a torch file has no checksums to check it against)."""
+        if not self.holds(name, prefix):
+            raise CheckpointError(f"{self.path} holds no {prefix}{name}: {self._whole_hint}")
+        if self.read(name, lo, hi, prefix, dtype=dtype, layout=layout).numel() != hi - lo:
+            raise CheckpointError(f"{self.path}: {prefix}{name} is too short. {self._whole_hint}")
+
+    _whole_hint = "the file is of another model, or truncated."
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._weights[name]
