@@ -320,33 +320,47 @@ def _state_dict(fake: dict[Entry, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {e.name: t for e, t in fake.items() if not e.optimizer_key}
 
 
-def _lightning_wrapper(reader: CheckpointReader, path: Path, with_optimizer: bool):
+def _lightning_wrapper(
+    reader: CheckpointReader, path: Path, with_optimizer: bool, keys: dict[str, Any] | None
+):
     """A Lightning checkpoint: the state dict, the trainer's saved state (the client
-    state), and with the optimizer its `optimizer_states`."""
+    state), and with the optimizer its `optimizer_states`. `keys` ({"model": name,
+    "optimizers": [names]}): Fabric's layout instead, each under the name the user saved
+    it by, and no Lightning entries added."""
     client = path / CLIENT_STATE
     extra = safe_torch_load(client) if client.exists() else {}
-    extra = {k: v for k, v in extra.items() if k not in ("state_dict", "optimizer_states")}
-    extra.setdefault("epoch", 0)
-    extra.setdefault("global_step", reader.index["step"])
-    try:  # the installed Lightning's version, read without importing Lightning
-        extra.setdefault("pytorch-lightning_version", importlib.metadata.version("lightning"))
-    except importlib.metadata.PackageNotFoundError:
-        extra.setdefault("pytorch-lightning_version", "2.0.0")
+    model_key = keys["model"] if keys else "state_dict"
+    extra = {k: v for k, v in extra.items() if k not in (model_key, "optimizer_states")}
+    if keys is None:
+        extra.setdefault("epoch", 0)
+        extra.setdefault("global_step", reader.index["step"])
+        try:  # the installed Lightning's version, read without importing Lightning
+            version = importlib.metadata.version("lightning")
+        except importlib.metadata.PackageNotFoundError:
+            version = "2.0.0"
+        extra.setdefault("pytorch-lightning_version", version)
 
     def wrap(fake: dict[Entry, torch.Tensor]) -> dict[str, Any]:
-        out = {"state_dict": _state_dict(fake), **extra}
-        if with_optimizer:
-            elementwise: dict[str, dict[str, torch.Tensor]] = {}
-            for e, t in fake.items():
-                if e.optimizer_key:
-                    elementwise.setdefault(e.source, {})[e.optimizer_key] = t
-            out["optimizer_states"] = optimizer_states(reader.index, elementwise)
-            index = reader.index
-            out[ENGINE_KEY] = {  # what a resume reads beside Lightning's keys
-                "step": index["step"],
-                "loss_scaler": index["loss_scaler"],
-                "optimizer_class": index["optimizer"]["class"],
-            }
+        out = {model_key: _state_dict(fake), **extra}
+        if not with_optimizer:
+            return out
+        elementwise: dict[str, dict[str, torch.Tensor]] = {}
+        for e, t in fake.items():
+            if e.optimizer_key:
+                elementwise.setdefault(e.source, {})[e.optimizer_key] = t
+        states = optimizer_states(reader.index, elementwise)
+        if keys is None:
+            out["optimizer_states"] = states
+        else:
+            out.update(zip(keys["optimizers"], states))
+        index = reader.index
+        out[ENGINE_KEY] = {  # what a resume reads beside the framework's keys
+            "step": index["step"],
+            "loss_scaler": index["loss_scaler"],
+            "optimizer_class": index["optimizer"]["class"],
+            "model_key": model_key,
+            "optimizer_keys": keys["optimizers"] if keys else None,
+        }
         return out
 
     return wrap
@@ -363,6 +377,7 @@ def consolidate(
     show_progress: bool = True,
     weights: str = "model",
     with_optimizer: bool = False,
+    keys: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Write the consolidated model (`weights="ema"`: its EMA); returns the files
     written. `with_optimizer` (the lightning format): the optimizer state too, whole, as
@@ -403,7 +418,7 @@ def consolidate(
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             wrap = (
-                _lightning_wrapper(reader, reader.path, with_optimizer)
+                _lightning_wrapper(reader, reader.path, with_optimizer, keys)
                 if fmt == "lightning"
                 else _state_dict
             )

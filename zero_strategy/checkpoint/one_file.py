@@ -24,7 +24,6 @@ from .safe_load import CheckpointError, safe_torch_load
 # Where a one-file checkpoint written by this project keeps what a Lightning checkpoint
 # has no place for (read back by `OneFileReader`; Lightning ignores the key).
 ENGINE_KEY = "zero_strategy"
-_WHOLE_KEYS = ("state_dict", "optimizer_states", ENGINE_KEY)
 
 
 class OneFileReader:
@@ -34,15 +33,24 @@ class OneFileReader:
     def __init__(self, path: str | os.PathLike, buffer_names: set[str]):
         self.path = Path(path)
         self.checkpoint = safe_torch_load(self.path, mmap=True)
-        if not isinstance(self.checkpoint, dict) or "state_dict" not in self.checkpoint:
+        engine = self.checkpoint.get(ENGINE_KEY, {}) if isinstance(self.checkpoint, dict) else {}
+        model_key = engine.get("model_key", "state_dict")
+        if not isinstance(self.checkpoint, dict) or model_key not in self.checkpoint:
             raise CheckpointError(
                 f"{self.path} is not a checkpoint this engine can load: a one-file checkpoint "
                 "is a dict with a 'state_dict' (and 'optimizer_states' to resume), as "
                 "Lightning writes it. Pass the directory a sharded save wrote, or such a file."
             )
-        self._weights: dict[str, torch.Tensor] = self.checkpoint["state_dict"]
+        optimizer_keys = engine.get("optimizer_keys")
+        if optimizer_keys is None:  # Lightning's layout: a list under one key
+            self._whole_keys = {model_key, "optimizer_states", ENGINE_KEY}
+            optimizers = self.checkpoint.get("optimizer_states")
+        else:  # Fabric's: each optimizer under the name it was saved by
+            self._whole_keys = {model_key, *optimizer_keys, ENGINE_KEY}
+            optimizers = [self.checkpoint[k] for k in optimizer_keys]
+        self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
-        groups, scalars, names = self._read_optimizer(self.checkpoint.get("optimizer_states"))
+        groups, scalars, names = self._read_optimizer(optimizers)
         group_of = {name: g for g, members in enumerate(names) for name in members}
         params = {
             name: {
@@ -54,7 +62,6 @@ class OneFileReader:
             for name, t in self._weights.items()
             if name not in buffer_names
         }
-        engine = self.checkpoint.get(ENGINE_KEY, {})
         self.index: dict[str, Any] = {
             "params": params,
             "buffers": [name for name in self._weights if name in buffer_names],
@@ -105,7 +112,7 @@ class OneFileReader:
     def client_state(self) -> dict[str, Any]:
         """What the file holds besides the model and optimizer (Lightning's loops,
         callbacks, epoch): the client state of a sharded checkpoint."""
-        return {k: v for k, v in self.checkpoint.items() if k not in _WHOLE_KEYS}
+        return {k: v for k, v in self.checkpoint.items() if k not in self._whole_keys}
 
     def _tensor(self, name: str, prefix: str) -> torch.Tensor:
         if not prefix:

@@ -42,6 +42,7 @@ from .strategy_config import (
     signature_with_config_fields,
     zero_config_from,
 )
+from .whole_checkpoint import check_state_dict_type, save_whole
 
 
 def make_precision(root: str):
@@ -105,7 +106,9 @@ def make_strategy(root: str):
 
     class ZeroStrategy(DDPStrategy):
         """ZeRO stages 1-3 over `ZeroEngine`. `ZeroStrategy(stage=3, gradient_clipping=0,
-        ...)` takes any ZeroConfig field, or `config=ZeroConfig(...)`."""
+        ...)` takes any ZeroConfig field, or `config=ZeroConfig(...)`. Checkpoints are
+        sharded directories, or with `state_dict_type="full"` one file that Lightning's
+        loaders and `torch.load(weights_only=True)` open (`whole_checkpoint.py`)."""
 
         strategy_name = "zero"
 
@@ -120,9 +123,12 @@ def make_strategy(root: str):
             precision_plugin=None,
             process_group_backend: str | None = None,
             start_method: str = "popen",
+            state_dict_type: str = "sharded",
             **zero_options: Any,
         ):
             self._zero_base = zero_config_from(stage, config, zero_options)  # validates early
+            # "full": each checkpoint one file, as FSDPStrategy(state_dict_type="full").
+            self.state_dict_type = check_state_dict_type(state_dict_type, "ZeroStrategy")
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=parallel_devices,
@@ -314,6 +320,9 @@ def make_strategy(root: str):
                     "not supported. Drop them or use a CheckpointIO with strategy='ddp'."
                 )
             client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
+            if self.state_dict_type == "full":
+                save_whole(self.engine, filepath, client, lambda e: self.broadcast(e, src=0))
+                return
             self.engine.save_checkpoint(str(filepath), client_state=client)
 
         def load_checkpoint(

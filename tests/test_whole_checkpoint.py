@@ -1,0 +1,99 @@
+"""`state_dict_type="full"`: each checkpoint is one torch file, written by rank 0 from the
+sharded save in bounded memory, that Lightning's loaders, `torch.load(weights_only=True)`,
+a plain optimizer and a resume at another stage all open."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+
+pytest.importorskip("lightning")
+
+from lightning_helpers import fit, lit_module_class, loader, quiet_trainer
+
+from training import TINY, make_optimizer
+
+
+def _strategy(stage: int, state_dict_type: str = "full"):
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    return ZeroStrategy(stage=stage, state_dict_type=state_dict_type)
+
+
+def _probe() -> torch.Tensor:
+    return torch.arange(2 * TINY.block_size).reshape(2, -1) % TINY.vocab_size
+
+
+def _fit_and_save(rank, world, path):
+    """Five steps at stage 3, saved whole; the model's logits on a probe batch."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    trainer = quiet_trainer(world, _strategy(3), max_steps=5, num_sanity_val_steps=0)
+    module = lit_module_class()()
+    trainer.fit(module, loader(n_batches=5, world=world))
+    trainer.save_checkpoint(path)
+    with torch.no_grad(), trainer.strategy.engine.gathered_parameters():
+        logits = module.model.eval()(_probe())
+    # trainer.validate(ckpt_path=...) in a fresh trainer, of a fresh module (stage 1).
+    fresh = lit_module_class()()
+    evaluator = quiet_trainer(world, _strategy(1))
+    evaluator.validate(fresh, loader(n_batches=1, world=world), ckpt_path=path, verbose=False)
+    with torch.no_grad(), evaluator.strategy.engine.gathered_parameters():
+        validated = fresh.model.eval()(_probe())
+    listed = sorted(os.listdir(os.path.dirname(path)))
+    return logits, validated, os.path.isfile(path), listed
+
+
+def test_a_full_checkpoint_is_one_file_that_lightning_torch_and_a_plain_optimizer_open(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    (logits, validated, is_file, listed), _ = run_world(_fit_and_save, 2, path)
+    assert is_file and listed == ["last.ckpt"]  # the sharded copy it came from is gone
+    assert torch.equal(validated, logits)
+
+    checkpoint = torch.load(path, weights_only=True)  # nothing but tensors and containers
+    assert checkpoint["global_step"] == 5 and "loops" in checkpoint
+
+    # Lightning's loader, in one plain process: the same model.
+    model = lit_module_class().load_from_checkpoint(path)
+    with torch.no_grad():
+        assert torch.equal(model.model(_probe()), logits)
+
+    # A plain optimizer takes the state as it takes FSDP's full one (names by position).
+    optimizer = make_optimizer(model.model)
+    state = checkpoint["optimizer_states"][0]
+    names = [n for g in state["param_groups"] for n in g["params"]]
+    assert names == [
+        f"model.{n}" for g in optimizer.param_groups for p in g["params"]
+        for n, q in model.model.named_parameters() if q is p
+    ]  # fmt: skip
+    optimizer.load_state_dict(state)
+    some = optimizer.param_groups[0]["params"][0]
+    assert torch.equal(optimizer.state[some]["exp_avg"], state["state"][names[0]]["exp_avg"])
+    assert int(optimizer.state[some]["step"]) == 5
+
+
+@pytest.mark.parametrize("resume_stage", ["zero1", "zero3"])
+def test_a_full_checkpoint_resumes_at_another_stage_as_the_uninterrupted_run(
+    tmp_path, resume_stage
+):
+    """Written whole at stage 3 after one epoch of 5 steps; resumed with ckpt_path at
+    `resume_stage`, the second epoch's losses, scheduler and step count are the
+    uninterrupted run's (the optimizer state came back, resharded)."""
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    kw = dict(epoch_steps=5, accumulate=1)
+    full = run_world(fit, 2, "zero3", -1, None, None, True, max_epochs=2, **kw)
+    run_world(fit, 2, _strategy(3), -1, None, None, True, save_at_end=ckpt, max_epochs=1, **kw)
+    assert os.path.isfile(ckpt)
+    resumed = run_world(fit, 2, resume_stage, -1, None, ckpt, True, max_epochs=2, **kw)
+    for a, b in zip(resumed, full):
+        assert a["losses"] == pytest.approx(b["losses"][5:], rel=1e-5)
+        assert a["lr"] == b["lr"] and a["global_step"] == b["global_step"] == 10
+
+
+def test_an_unknown_state_dict_type_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"'sharded'.*'full'"):
+        _strategy(3, "fsdp")
