@@ -33,10 +33,12 @@ def _accelerator(kind: str, stage: int, accum: int = ACCUM, **kwargs):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
+    state_dict_type = kwargs.pop("state_dict_type", "sharded")
     common = dict(cpu=True, gradient_accumulation_steps=accum, **kwargs)
     if kind == "ddp":
         return Accelerator(**common)
-    return ZeroAccelerator(zero_plugin=ZeroPlugin(stage=stage), **common)
+    plugin = ZeroPlugin(stage=stage, state_dict_type=state_dict_type)
+    return ZeroAccelerator(zero_plugin=plugin, **common)
 
 
 def _loop(

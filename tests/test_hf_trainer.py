@@ -42,6 +42,7 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     model = GPT2LMHeadModel(config)
     lora = args.pop("lora", False)
+    state_dict_type = args.pop("state_dict_type", "sharded")
     if lora:  # LoRA adapters on a frozen base, the common ZeRO-3 fine-tuning case
         from peft import LoraConfig, get_peft_model
 
@@ -75,7 +76,7 @@ def _train(rank, world, kind, out, stage=3, resume=None, max_steps=STEPS, seed=0
             args=arguments,
             train_dataset=Tokens(),
             eval_dataset=evaluation,
-            zero_plugin=ZeroPlugin(stage=stage),
+            zero_plugin=ZeroPlugin(stage=stage, state_dict_type=state_dict_type),
         )
     trainer.train(resume_from_checkpoint=resume)
     if args.get("load_best_model_at_end"):
@@ -109,13 +110,17 @@ def test_same_losses_and_grad_norms_as_the_stock_trainer(stage, stock, tmp_path)
             assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
-def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
-    out = str(tmp_path)
-    full = run_world(_train, 2, "zero", out)
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path, state_dict_type):
+    """The engine's checkpoint in each Trainer checkpoint: the sharded directory, or
+    with `ZeroPlugin(state_dict_type="full")` one file; either resumes bit for bit."""
+    out, kind = str(tmp_path), {"state_dict_type": state_dict_type}
+    full = run_world(_train, 2, "zero", out, **kind)
     checkpoint = os.path.join(out, "checkpoint-3")
-    assert os.path.isdir(os.path.join(checkpoint, "zero_model"))
+    saved = {"sharded": "zero_model", "full": "zero_model.pt"}[state_dict_type]
+    assert sorted(f for f in os.listdir(checkpoint) if f.startswith("zero_model")) == [saved]
     # Another seed: the weights and optimizer state must come from the checkpoint.
-    resumed = run_world(_train, 2, "zero", out + "-resumed", 3, checkpoint, STEPS, 7)
+    resumed = run_world(_train, 2, "zero", out + "-resumed", 3, checkpoint, STEPS, 7, **kind)
     for (logs, _), (want, _) in zip(resumed, full):
         # The log history of steps 1-3 comes back with trainer_state.json; 4-6 are new.
         assert logs == want

@@ -15,7 +15,7 @@ pytest.importorskip("lightning")
 
 from lightning_helpers import fit, lit_module_class, loader, quiet_trainer
 
-from training import TINY, make_optimizer
+from training import TINY, local_batch, make_model, make_optimizer
 
 
 def _strategy(stage: int, state_dict_type: str = "full"):
@@ -97,3 +97,54 @@ def test_a_full_checkpoint_resumes_at_another_stage_as_the_uninterrupted_run(
 def test_an_unknown_state_dict_type_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"'sharded'.*'full'"):
         _strategy(3, "fsdp")
+
+
+def _fabric_strategy(stage: int):
+    from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+    return ZeroFabricStrategy(stage=stage, state_dict_type="full")
+
+
+def test_fabric_saves_one_file_that_a_plain_process_and_another_stage_load(tmp_path):
+    """`fabric.save(path, {"model", "optimizer", "step"})` at stage 3 with
+    state_dict_type="full": one file with each entry under the name it was saved by, as
+    Fabric's FSDP writes it. A plain model and AdamW load it strictly and give the
+    resumed run's first loss; `fabric.load` at stage 1 resumes as the uninterrupted run."""
+    from test_fabric import _loop
+
+    ckpt = str(tmp_path / "half.pt")
+    full = run_world(_loop, 2, _fabric_strategy(3), 10, ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == 5 and {"model", "optimizer"} <= set(saved)
+
+    model = make_model()
+    model.load_state_dict(saved["model"])  # strict: every name, nothing more
+    make_optimizer(model).load_state_dict(saved["optimizer"])
+
+    resumed = run_world(_loop, 2, "zero1", 10, None, ckpt)
+    for a, b in zip(resumed, full):
+        assert a == pytest.approx(b[10:], rel=1e-5)
+    x, y = local_batch(5, 0, 0, 2)
+    with torch.no_grad():
+        assert (model(x, y) / 2).item() == pytest.approx(resumed[0][0], rel=1e-6)
+
+
+def test_accelerate_save_state_full_writes_one_file_that_another_stage_resumes_from(tmp_path):
+    """`ZeroPlugin(state_dict_type="full")`: save_state writes the model and optimizer
+    state as one file (`zero_model.pt`) instead of the sharded directory; load_state at
+    stage 1 continues as the uninterrupted stage-3 run."""
+    pytest.importorskip("accelerate")
+    from test_accelerate import ACCUM, STEPS, _loop
+
+    ckpt = str(tmp_path / "state")
+    full = run_world(_loop, 2, "zero", 3, range(STEPS), ckpt, state_dict_type="full")
+    files = os.listdir(ckpt)
+    assert "zero_model.pt" in files and "zero_model" not in files
+    whole = torch.load(os.path.join(ckpt, "zero_model.pt"), weights_only=True)
+    model = make_model()
+    model.load_state_dict(whole["model"])
+    make_optimizer(model).load_state_dict(whole["optimizer"])
+    resumed = run_world(_loop, 2, "zero", 1, range(3, STEPS), None, ckpt)
+    for a, b in zip(resumed, full):
+        assert a["losses"] == pytest.approx(b["losses"][3 * ACCUM :], rel=1e-5)
+        assert a["lr"] == b["lr"]

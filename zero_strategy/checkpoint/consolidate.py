@@ -352,7 +352,7 @@ def _lightning_wrapper(
         if keys is None:
             out["optimizer_states"] = states
         else:
-            out.update(zip(keys["optimizers"], states))
+            out.update((k, s) for k, s in zip(keys["optimizers"], states) if k is not None)
         index = reader.index
         out[ENGINE_KEY] = {  # what a resume reads beside the framework's keys
             "step": index["step"],

@@ -47,7 +47,7 @@ class OneFileReader:
             optimizers = self.checkpoint.get("optimizer_states")
         else:  # Fabric's: each optimizer under the name it was saved by
             self._whole_keys = {model_key, *optimizer_keys, ENGINE_KEY}
-            optimizers = [self.checkpoint[k] for k in optimizer_keys]
+            optimizers = [self.checkpoint[k] for k in optimizer_keys if k is not None]
         self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
         groups, scalars, names = self._read_optimizer(optimizers)

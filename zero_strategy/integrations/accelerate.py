@@ -44,6 +44,7 @@ from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
+from .whole_checkpoint import check_state_dict_type, save_whole
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
@@ -56,6 +57,7 @@ ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"
 ENV_TENSOR_PARALLEL = "ZERO_STRATEGY_TENSOR_PARALLEL_SIZE"
 ENV_CONFIG_FILE = "ZERO_STRATEGY_CONFIG_FILE"
 CHECKPOINT_DIR = "zero_model"  # inside save_state's folder: the engine's sharded checkpoint
+CHECKPOINT_FILE = "zero_model.pt"  # or, with state_dict_type="full", the one file
 OPTIMIZER_MARKER = {"zero_strategy": "sharded; the state is in the zero_model checkpoint"}
 
 # Accelerate's mixed_precision -> the engine's compute dtype. "bf16" keeps fp32
@@ -78,6 +80,12 @@ class ZeroPlugin:
     stage: int | None = None
     config_file: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    # "full": save_state writes the model and optimizer state as one file (CHECKPOINT_FILE,
+    # {"model", "optimizer"} as FSDP's full state dicts hold them) instead of a directory.
+    state_dict_type: str = "sharded"
+
+    def __post_init__(self) -> None:
+        check_state_dict_type(self.state_dict_type, "ZeroPlugin")
 
     def resolve(self, mixed_precision: str, base: Mapping[str, Any] | None = None) -> ZeroConfig:
         values: dict[str, Any] = {"stage": 3, **(base or {})}
@@ -447,7 +455,7 @@ class ZeroAccelerator(Accelerator):
         """Runs on every rank inside save_state: the engine writes its sharded checkpoint
         (collective), and Accelerate's own model file is skipped for the sharded model."""
         if self.engine is not None and any(self._engine_of(m) is not None for m in models):
-            self.engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+            self.write_engine_checkpoint(output_dir)
         weights[:] = [w for w in weights if not isinstance(w, _ShardedModel)]
 
     def _load_engine_checkpoint(self, models: list, input_dir: str) -> None:
@@ -457,8 +465,38 @@ class ZeroAccelerator(Accelerator):
             if engine is None:
                 kept.append(model)
             else:
-                engine.load_checkpoint(os.path.join(input_dir, CHECKPOINT_DIR))
+                engine.load_checkpoint(engine_checkpoint_in(input_dir))
         models[:] = kept
+
+    def write_engine_checkpoint(self, output_dir: str) -> None:
+        """The engine's model and optimizer state into `output_dir` (collective): the
+        sharded directory, or with `state_dict_type="full"` one file holding them under
+        "model" and "optimizer" (Accelerate's names)."""
+        assert self.engine is not None
+        if self.zero_plugin.state_dict_type != "full":
+            self.engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+            return
+        count = len(self.engine.optimizers)
+        keys = {
+            "model": "model",
+            "optimizers": [f"optimizer_{i}" if i else "optimizer" for i in range(count)],
+        }
+        path = os.path.join(output_dir, CHECKPOINT_FILE)
+        save_whole(self.engine, path, {}, self._from_main_process, keys)
+
+    @staticmethod
+    def _from_main_process(value: Any) -> Any:
+        """The main process's `value` on every rank (Accelerate's broadcast_object_list)."""
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+
+def engine_checkpoint_in(folder: str) -> str:
+    """The engine's checkpoint in a save_state (or Trainer checkpoint) folder: the one
+    file when there is one, else the sharded directory."""
+    whole = os.path.join(folder, CHECKPOINT_FILE)
+    return whole if os.path.isfile(whole) else os.path.join(folder, CHECKPOINT_DIR)
 
 
 class _ShardedModel(dict):

@@ -28,6 +28,7 @@ from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message, stand_in_optimizer
 from .private_api import backward_sync_control_base, set_backward_sync_control
+from .whole_checkpoint import check_state_dict_type, save_whole
 from .strategy_config import (
     compute_dtype_for,
     precision_flag,
@@ -67,9 +68,12 @@ class ZeroFabricStrategy(DDPStrategy):
         precision=None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        state_dict_type: str = "sharded",
         **zero_options: Any,
     ):
         self._zero_base = zero_config_from(stage, config, zero_options)
+        # "full": fabric.save writes one file, as FSDPStrategy(state_dict_type="full").
+        self.state_dict_type = check_state_dict_type(state_dict_type, "ZeroFabricStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -295,6 +299,10 @@ class ZeroFabricStrategy(DDPStrategy):
             return
         self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
+        if self.state_dict_type == "full":
+            agree = lambda error: self.broadcast(error, src=0)  # noqa: E731
+            save_whole(engine, path, client, agree, _saved_under(state, engine))
+            return
         engine.save_checkpoint(str(path), client_state=client)
 
     def load_checkpoint(
@@ -318,6 +326,19 @@ class ZeroFabricStrategy(DDPStrategy):
         self._shard_for_evaluation(state or {})
         client = self._require_engine("fabric.load()").load_checkpoint(str(path), with_optimizer)
         return _restore_client(path, state, client, strict)
+
+
+def _saved_under(state: dict[str, Any], engine: ZeroEngine) -> dict[str, Any]:
+    """Where a one-file checkpoint puts the model and each of the engine's optimizers:
+    under the names `state` gives them, as Fabric's FSDP full checkpoint does."""
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"fabric.save with state_dict_type='full' writes one model, but the state holds "
+            f"{len(modules)} modules ({modules}). Save one module per file, or use 'sharded'."
+        )
+    name_of = {id(v): k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    return {"model": modules[0], "optimizers": [name_of.get(id(o)) for o in engine.optimizers]}
 
 
 def _restore_client(path, state: dict | None, client: dict | None, strict: bool) -> dict:

@@ -24,7 +24,13 @@ from typing import Any
 import transformers.trainer as hf_trainer
 from transformers import Trainer
 
-from .accelerate import CHECKPOINT_DIR, ZeroAccelerator, ZeroPlugin
+from .accelerate import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_FILE,
+    ZeroAccelerator,
+    ZeroPlugin,
+    engine_checkpoint_in,
+)
 
 
 class ZeroTrainer(Trainer):
@@ -83,18 +89,19 @@ class ZeroTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zero_engine is not None:
-            self.zero_engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR))
+            self.accelerator.write_engine_checkpoint(output_dir)
         super()._save_optimizer_and_scheduler(output_dir)  # scheduler; a marker optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self.zero_engine is not None:
-            sharded = os.path.join(checkpoint, CHECKPOINT_DIR)
-            if not os.path.isdir(sharded):
+            saved = engine_checkpoint_in(checkpoint)
+            if not os.path.exists(saved):
                 raise FileNotFoundError(
-                    f"{checkpoint} has no {CHECKPOINT_DIR}/ (the sharded model and optimizer "
-                    "state ZeroTrainer writes); resume from a checkpoint ZeroTrainer saved."
+                    f"{checkpoint} has no {CHECKPOINT_DIR}/ or {CHECKPOINT_FILE} (the model and "
+                    "optimizer state ZeroTrainer writes); resume from a checkpoint ZeroTrainer "
+                    "saved."
                 )
-            self.zero_engine.load_checkpoint(sharded)
+            self.zero_engine.load_checkpoint(saved)
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_best_model(self) -> None:
@@ -102,7 +109,7 @@ class ZeroTrainer(Trainer):
         reading its own ranges (the stock path loads the whole model file on every rank
         and rounds it through the compute dtype)."""
         best = self.state.best_model_checkpoint
-        sharded = os.path.join(best, CHECKPOINT_DIR) if best else ""
-        if self.zero_engine is None or not os.path.isdir(sharded):
+        saved = engine_checkpoint_in(best) if best else ""
+        if self.zero_engine is None or not os.path.exists(saved):
             return super()._load_best_model()
-        self.zero_engine.load_checkpoint(sharded, load_optimizer_states=False)
+        self.zero_engine.load_checkpoint(saved, load_optimizer_states=False)
