@@ -254,3 +254,23 @@ def test_a_pickle_planted_in_a_consolidated_ckpt_is_refused_and_never_run(traine
     with pytest.raises(pickle.UnpicklingError):
         L.LightningModule.load_from_checkpoint(out)
     assert not marker.exists()
+
+
+def test_with_optimizer_writes_the_optimizer_state_whole_by_name(trained, tmp_path):
+    """`consolidate --format lightning --with-optimizer`: what state_dict_type="full"
+    writes, from a sharded checkpoint after the fact. Each trained parameter's Adam state
+    is whole, in its parameter's shape, under its name; any other format refuses it."""
+    ckpt, state = trained
+    out = tmp_path / "full.ckpt"
+    args = ["consolidate", ckpt, str(out), "--format", "lightning", "--with-optimizer", "--quiet"]
+    assert main(args) == 0
+    saved = torch.load(out, weights_only=True)
+    (optimizer,) = saved["optimizer_states"]
+    names = [n for group in optimizer["param_groups"] for n in group["params"]]
+    assert names and set(names) <= set(state) and len(set(names)) == len(names)
+    for name in names:
+        moments = optimizer["state"][name]
+        assert moments["exp_avg"].shape == moments["exp_avg_sq"].shape == state[name].shape
+        assert moments["exp_avg_sq"].abs().sum() > 0  # trained: real state, not zeros
+    with pytest.raises(ValueError, match="fmt='lightning'"):
+        consolidate(ckpt, tmp_path / "x.pt", fmt="torch", with_optimizer=True)

@@ -33,6 +33,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         exclude_frozen=args.exclude_frozen,
         show_progress=not args.quiet,
         weights="ema" if args.ema else "model",
+        with_optimizer=args.with_optimizer,
     )
     for f in files:
         print(f)
@@ -152,6 +153,11 @@ def _add_consolidate(sub) -> None:
     c.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     c.add_argument(
         "--ema", action="store_true", help="write the EMA of the weights saved with them"
+    )
+    c.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="lightning: the optimizer state too, whole (what state_dict_type='full' writes)",
     )
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_consolidate)
