@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import rule
 import sources
 
 HERE = Path(__file__).resolve().parent
@@ -431,15 +432,21 @@ def one_line(message: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _save(run: SuiteRun) -> None:
-    folder = sources.CACHE / "results"
-    folder.mkdir(parents=True, exist_ok=True)
+def _results_file(suite: str, strategy: str, select: str) -> Path:
+    """Saved results, one file per selection kind: a baseline compares like with like."""
+    tag = "" if select == "list" or suite != "lightning" else "-rule"
+    return sources.CACHE / "results" / f"{suite}-{strategy}{tag}.json"
+
+
+def _save(run: SuiteRun, select: str) -> None:
+    path = _results_file(run.suite, run.strategy, select)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = {**asdict(run), "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    (folder / f"{run.suite}-{run.strategy}.json").write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps(data, indent=1))
 
 
-def _load(suite: str, strategy: str) -> SuiteRun | None:
-    path = sources.CACHE / "results" / f"{suite}-{strategy}.json"
+def _load(suite: str, strategy: str, select: str) -> SuiteRun | None:
+    path = _results_file(suite, strategy, select)
     if not path.exists():
         return None
     data = json.loads(path.read_text())
@@ -447,6 +454,21 @@ def _load(suite: str, strategy: str) -> SuiteRun | None:
     run = SuiteRun(suite, strategy, results, data["wall"], command=data.get("command", ""))
     run.notes = [*data["notes"], f"results of the run of {data['date']}"]
     return run
+
+
+def _rule_entries(root: Path) -> tuple[list[Entry], str]:
+    """Lightning's entries found by rule (rule.py), and a line that counts them."""
+    found = rule.lightning_ddp_tests(root)
+    entries = [Entry("standalone" if f.standalone else "pytest", f.node) for f in found]
+    files = len({f.node.split("::")[0] for f in found})
+    gated = sum(f.cuda_gated for f in found)
+    standalone = sum(f.standalone for f in found)
+    note = (
+        f"selected by rule (scripts/maintainer_tests/rule.py): {len(found)} test functions in "
+        f"{files} files, {standalone} of them standalone, {gated} gated on 2+ CUDA devices "
+        "(they skip on CPU)"
+    )
+    return entries, note
 
 
 def ensure_deps() -> None:
@@ -473,6 +495,12 @@ def main() -> None:
     parser.add_argument("--script-timeout", type=int, default=420)
     parser.add_argument("--selection", type=Path, default=HERE / "selection.txt")
     parser.add_argument(
+        "--select",
+        default="rule",
+        choices=["rule", "list"],
+        help="Lightning's tests: every DDP test found by rule (rule.py), or the list's",
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="rebuild the report from the saved results"
     )
     args = parser.parse_args()
@@ -487,19 +515,23 @@ def main() -> None:
         entry = sources.obtain(suite, args.git_mirror, args.refresh)
         notes[suite] = sources.source_note(entry)
         root = entry / "tests" if suite == "lightning" else entry
+        entries = selection[suite]
+        if suite == "lightning" and args.select == "rule":
+            entries, found_note = _rule_entries(root)
+            notes[suite] += f"; {found_note}"
         for strategy in args.strategies:
             if args.report_only:
-                if saved := _load(suite, strategy):
+                if saved := _load(suite, strategy, args.select):
                     runs[(suite, strategy)] = saved
                 continue
             print(f"[{suite}] {strategy} ...", flush=True)
-            run = run_pytest_suite(suite, strategy, selection[suite], root, root, args)
+            run = run_pytest_suite(suite, strategy, entries, root, root, args)
             if keep:
-                _save(run)
+                _save(run, args.select)
             runs[(suite, strategy)] = run
             c = run.counts()
             print(f"[{suite}] {strategy}: {c} in {run.wall:.0f}s ({run.notes[-1]})", flush=True)
-        if "ddp" not in args.strategies and keep and (base := _load(suite, "ddp")):
+        if "ddp" not in args.strategies and keep and (base := _load(suite, "ddp", args.select)):
             runs = {(suite, "ddp"): base, **runs}
     text = report(runs, notes, args)
     date = datetime.date.today().isoformat()
