@@ -174,3 +174,50 @@ def test_a_disk_without_room_for_the_file_is_refused_on_every_rank_naming_sharde
     for message, listed in run_world(_save_on_a_full_disk, 2, str(tmp_path / "last.ckpt")):
         assert message is not None and "state_dict_type='sharded'" in message, message
         assert "MiB free" in message and listed == []
+
+
+def _bf16_resumes(rank, world, folder):
+    import torch.distributed as dist
+
+    from zero_strategy import ZeroConfig, ZeroEngine
+    from zero_strategy.checkpoint.consolidate import consolidate
+
+    def engine_at(seed):
+        model = make_model(seed).to(torch.bfloat16)  # a bf16 model, the masters fp32
+        config = ZeroConfig(stage=3, compute_dtype="bf16")
+        return ZeroEngine(model, make_optimizer(model), config)
+
+    def steps(engine, first):
+        losses = []
+        for step in range(first, first + 2):
+            loss = engine(*local_batch(step, 0, rank, world))
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    engine = engine_at(0)
+    steps(engine, 0)
+    engine.save_checkpoint(f"{folder}/sharded")
+    engine.close()
+    if rank == 0:
+        consolidate(f"{folder}/sharded", f"{folder}/one.ckpt", "lightning", with_optimizer=True)
+    dist.barrier()
+    out = []
+    for path in (f"{folder}/sharded", f"{folder}/one.ckpt"):
+        engine = engine_at(1)  # other weights: all of it must come from the checkpoint
+        engine.load_checkpoint(path)
+        out.append(steps(engine, 2))
+        engine.close()
+    return out
+
+
+def test_a_bf16_models_one_file_holds_its_fp32_masters_and_resumes_as_the_sharded_one(tmp_path):
+    """In bf16 with fp32 masters, the one file keeps the weights in the masters'
+    precision (a bf16 copy would round them), so a resume from it continues exactly as
+    one from the sharded checkpoint."""
+    for from_sharded, from_file in run_world(_bf16_resumes, 2, str(tmp_path)):
+        assert from_file == from_sharded
+    weights = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
+    assert {t.dtype for t in weights.values()} == {torch.float32}

@@ -66,10 +66,16 @@ class Entry:
 
 
 def plan(
-    reader: CheckpointReader, dtype: str | None, exclude_frozen: bool, weights: str = "model"
+    reader: CheckpointReader,
+    dtype: str | None,
+    exclude_frozen: bool,
+    weights: str = "model",
+    masters: bool = False,
 ) -> list[Entry]:
     """What the consolidated model holds, in checkpoint order: its weights, or (`weights`
-    "ema") their sharded EMA, frozen parameters as they are."""
+    "ema") their sharded EMA, frozen parameters as they are. `masters`: in the precision
+    of the fp32 (fp64) masters rather than the model's, so that a resume from the file
+    steps the same values (a bf16 model's weights are not rounded)."""
     if weights not in ("model", "ema"):
         raise ValueError(f"Unknown weights {weights!r}; use 'model' or 'ema'.")
     if weights == "ema" and EMA_KEY not in reader.index["optimizer"]["elementwise_state"]:
@@ -82,6 +88,8 @@ def plan(
         if exclude_frozen and meta["group"] == FROZEN_GROUP:
             continue
         target = OUT_DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
+        if masters and not dtype:
+            target = torch.float64 if meta["dtype"] == "float64" else torch.float32
         state = f"{EMA_KEY}/" if weights == "ema" and meta["group"] != FROZEN_GROUP else ""
         for alias in [name, *meta["aliases"]]:
             out.append(Entry(alias, name, tuple(meta["shape"]), target, state))
@@ -381,7 +389,8 @@ def consolidate(
 ) -> list[Path]:
     """Write the consolidated model (`weights="ema"`: its EMA); returns the files
     written. `with_optimizer` (the lightning format): the optimizer state too, whole, as
-    a Lightning checkpoint holds it (`optimizer_states`)."""
+    a Lightning checkpoint holds it (`optimizer_states`), and the weights in the masters'
+    precision (unless `dtype` says otherwise)."""
     if fmt not in ("safetensors", "torch", "lightning"):
         raise ValueError(f"Unknown format {fmt!r}; use 'safetensors', 'torch' or 'lightning'.")
     if dtype is not None and dtype not in OUT_DTYPES:
@@ -389,7 +398,8 @@ def consolidate(
     if with_optimizer and fmt != "lightning":
         raise ValueError("with_optimizer writes a Lightning checkpoint: use fmt='lightning'.")
     reader = CheckpointReader(checkpoint)
-    entries = _resolve_buffers(reader, plan(reader, dtype, exclude_frozen, weights))
+    chosen = plan(reader, dtype, exclude_frozen, weights, masters=with_optimizer)
+    entries = _resolve_buffers(reader, chosen)
     if with_optimizer:
         entries += plan_optimizer(reader)
     progress = _progress(len(entries), show_progress)

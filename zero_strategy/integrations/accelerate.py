@@ -44,13 +44,13 @@ from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.deepspeed_config import from_deepspeed_config, looks_like_deepspeed_config
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
-from .whole_checkpoint import check_state_dict_type, save_whole
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .pairing import model_of, one_optimizer_message
 from .private_api import mark_prepared
 from .replica_grads import ReplicatedModels
+from .whole_checkpoint import check_state_dict_type, save_whole
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
 ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"

@@ -28,13 +28,13 @@ from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message, stand_in_optimizer
 from .private_api import backward_sync_control_base, set_backward_sync_control
-from .whole_checkpoint import check_state_dict_type, save_whole
 from .strategy_config import (
     compute_dtype_for,
     precision_flag,
     register_zero_names,
     zero_config_from,
 )
+from .whole_checkpoint import check_state_dict_type, save_whole
 
 
 class _EngineSyncControl(backward_sync_control_base()):
