@@ -76,13 +76,14 @@ def test_a_full_checkpoint_is_one_file_that_lightning_torch_and_a_plain_optimize
     assert int(optimizer.state[some]["step"]) == 5
 
 
-@pytest.mark.parametrize("resume_stage", ["zero1", "zero3"])
+@pytest.mark.parametrize("resume_stage", ["zero1", "zero3", "ddp"])
 def test_a_full_checkpoint_resumes_at_another_stage_as_the_uninterrupted_run(
     tmp_path, resume_stage
 ):
     """Written whole at stage 3 after one epoch of 5 steps; resumed with ckpt_path at
-    `resume_stage`, the second epoch's losses, scheduler and step count are the
-    uninterrupted run's (the optimizer state came back, resharded)."""
+    `resume_stage` (Lightning's own DDP too: its optimizer loads the state by position),
+    the second epoch's losses, scheduler and step count are the uninterrupted run's (the
+    optimizer state came back, resharded)."""
     ckpt = str(tmp_path / "epoch1.ckpt")
     kw = dict(epoch_steps=5, accumulate=1)
     full = run_world(fit, 2, "zero3", -1, None, None, True, max_epochs=2, **kw)
