@@ -6,7 +6,6 @@ import faulthandler
 import io
 import multiprocessing as mp
 import os
-import queue as queue_module
 import signal
 import sys
 import tempfile
@@ -14,13 +13,14 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
+def _worker(fn, rank, world_size, init_file, conn, args, kwargs):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -37,10 +37,14 @@ def _worker(fn, rank, world_size, init_file, queue, args, kwargs):
         result = fn(rank, world_size, *args, **kwargs)
         buffer = io.BytesIO()
         torch.save(result, buffer)  # tensors by value: the process exits before the parent reads
-        queue.put((rank, "ok", buffer.getvalue()))
+        # Sent from this thread, now: a multiprocessing.Queue sends from a feeder thread
+        # that the process joins at exit, and a garbage collection running a finalizer in
+        # that thread once left ranks hung there, their results never sent.
+        conn.send(("ok", buffer.getvalue()))
     except BaseException as e:  # reported to the parent, which raises
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
+        conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -58,29 +62,35 @@ def run_world(
     With expect_errors, returns each rank's (status, payload) instead of raising; status is
     "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort)."""
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (parent reads, rank writes)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, queue, args, kwargs))
+            ctx.Process(
+                target=_worker, args=(fn, r, world_size, init_file, pipes[r][1], args, kwargs)
+            )
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
+        for _, writer in pipes:
+            writer.close()
         results: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         try:
             while len(results) < world_size:
-                try:
-                    rank, status, payload = queue.get(timeout=0.5)
-                    results[rank] = (status, payload)
-                    continue
-                except queue_module.Empty:
-                    pass
+                waiting = {pipes[r][0]: r for r in range(world_size) if r not in results}
+                for reader in wait(list(waiting), timeout=0.5):
+                    r = waiting[reader]
+                    try:
+                        results[r] = reader.recv()
+                    except EOFError:  # it died before it reported
+                        procs[r].join(timeout=5)
+                        results[r] = ("died", f"exit code {procs[r].exitcode}")
                 for r, p in enumerate(procs):  # a rank killed by the runtime reports nothing
-                    if r not in results and not p.is_alive() and queue.empty():
+                    if r not in results and not p.is_alive() and not pipes[r][0].poll():
                         results[r] = ("died", f"exit code {p.exitcode}")
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and len(results) < world_size:
                     hung = [r for r in range(world_size) if r not in results]
                     for r in hung:  # their stacks to stderr, where the failure shows them
                         if procs[r].is_alive():
@@ -92,6 +102,8 @@ def run_world(
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+            for reader, _ in pipes:
+                reader.close()
     if expect_errors:
         return [results[r] for r in range(world_size)]
     errors = [
