@@ -459,7 +459,17 @@ def _load(suite: str, strategy: str, select: str) -> SuiteRun | None:
 def _rule_entries(root: Path) -> tuple[list[Entry], str]:
     """Lightning's entries found by rule (rule.py), and a line that counts them."""
     found = rule.lightning_ddp_tests(root)
-    entries = [Entry("standalone" if f.standalone else "pytest", f.node) for f in found]
+    entries = [Entry("standalone", f.node) for f in found if f.standalone]
+    # The others by file, each with a filter of its test names: a node id in a module that
+    # cannot be imported (a missing optional dependency) would end the whole pytest run,
+    # where a file is one collection error and the run goes on.
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for f in found:
+        if not f.standalone:
+            path, *_, name = f.node.split("::")
+            by_file[path].append(re.escape(name))
+    for path, names in by_file.items():
+        entries.append(Entry("pytest", path, rf"^({'|'.join(names)})(\[|$)"))
     files = len({f.node.split("::")[0] for f in found})
     gated = sum(f.cuda_gated for f in found)
     standalone = sum(f.standalone for f in found)
