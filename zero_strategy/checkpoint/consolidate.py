@@ -34,10 +34,8 @@ import torch
 from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
 from ..private_api import fake_tensor_mode
-from .format import CLIENT_STATE
 from .one_file import ENGINE_KEY
 from .read import CheckpointReader
-from .safe_load import safe_torch_load
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {
@@ -65,6 +63,12 @@ class Entry:
         return n * torch.empty(0, dtype=self.dtype).element_size()
 
 
+def _master_dtype(meta: dict[str, Any]) -> torch.dtype:
+    """The dtype of a parameter's master and optimizer state: fp64 for fp64 training,
+    fp32 otherwise."""
+    return torch.float64 if meta["dtype"] == "float64" else torch.float32
+
+
 def plan(
     reader: CheckpointReader,
     dtype: str | None,
@@ -89,7 +93,7 @@ def plan(
             continue
         target = OUT_DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
         if masters and not dtype:
-            target = torch.float64 if meta["dtype"] == "float64" else torch.float32
+            target = _master_dtype(meta)
         state = f"{EMA_KEY}/" if weights == "ema" and meta["group"] != FROZEN_GROUP else ""
         for alias in [name, *meta["aliases"]]:
             out.append(Entry(alias, name, tuple(meta["shape"]), target, state))
@@ -106,7 +110,7 @@ def plan_optimizer(reader: CheckpointReader) -> list[Entry]:
     for names in _group_names(reader.index):
         for name in names:
             meta = params[name]
-            dtype = torch.float64 if meta["dtype"] == "float64" else torch.float32
+            dtype = _master_dtype(meta)
             for key in reader.index["optimizer"]["elementwise_state"]:
                 if key != EMA_KEY and reader.holds(name, f"{key}/"):
                     shape = tuple(meta["shape"])
@@ -328,15 +332,12 @@ def _state_dict(fake: dict[Entry, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {e.name: t for e, t in fake.items() if not e.optimizer_key}
 
 
-def _lightning_wrapper(
-    reader: CheckpointReader, path: Path, with_optimizer: bool, keys: dict[str, Any] | None
-):
+def _lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict[str, Any] | None):
     """A Lightning checkpoint: the state dict, the trainer's saved state (the client
     state), and with the optimizer its `optimizer_states`. `keys` ({"model": name,
     "optimizers": [names]}): Fabric's layout instead, each under the name the user saved
     it by, and no Lightning entries added."""
-    client = path / CLIENT_STATE
-    extra = safe_torch_load(client) if client.exists() else {}
+    extra = reader.client_state() or {}
     model_key = keys["model"] if keys else "state_dict"
     extra = {k: v for k, v in extra.items() if k not in (model_key, "optimizer_states")}
     if keys is None:
@@ -428,7 +429,7 @@ def consolidate(
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             wrap = (
-                _lightning_wrapper(reader, reader.path, with_optimizer, keys)
+                _lightning_wrapper(reader, with_optimizer, keys)
                 if fmt == "lightning"
                 else _state_dict
             )

@@ -15,15 +15,14 @@ from ..units.flat_unit import FlatUnit, OneResident
 from ..units.optimizer_view import OptimizerView
 from . import atomic_dir
 from .format import (
-    CLIENT_STATE,
     RESTORE,
     LoadedCheckpoint,
     ShardedState,
     persistent_buffers,
 )
 from .one_file import OneFileReader
-from .read import CheckpointReader
-from .safe_load import CheckpointError, safe_torch_load
+from .read import CheckpointReader, client_state_in
+from .safe_load import CheckpointError
 
 Reader = CheckpointReader | OneFileReader
 
@@ -151,8 +150,7 @@ def _check_optimizer_groups(state: ShardedState, opt_index: dict[str, Any]) -> N
 
 def client_state_of(path: str | os.PathLike) -> dict | None:
     """The client state saved with a checkpoint (loaded with weights_only=True), or None."""
-    client = atomic_dir.resolve(Path(path)) / CLIENT_STATE
-    return safe_torch_load(client) if client.exists() else None
+    return client_state_in(atomic_dir.resolve(Path(path)))
 
 
 def _load_optimizer_state(state: ShardedState, reader: Reader) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,13 @@ from .safetensors_io import SafetensorsFile
 
 
 # ============================================================================ loading
+def client_state_in(folder: Path) -> dict | None:
+    """The client state saved in a checkpoint directory (loaded with weights_only=True),
+    or None."""
+    client = folder / CLIENT_STATE
+    return safe_torch_load(client) if client.exists() else None
+
+
 class CheckpointReader:
     """Reads ranges of parameters and state from a checkpoint directory, opening each
     rank file once and only when a range in it is needed."""
@@ -40,8 +48,7 @@ class CheckpointReader:
 
     def client_state(self) -> dict | None:
         """The client state saved with the checkpoint (weights_only), or None."""
-        client = self.path / CLIENT_STATE
-        return safe_torch_load(client) if client.exists() else None
+        return client_state_in(self.path)
 
     def _open(self, rank: int) -> SafetensorsFile:
         name = rank_file(rank)

@@ -508,8 +508,7 @@ class FlatUnit:
     def gathered_bytes(self) -> int:
         if self._buf is None or self.stage < 3:
             return 0
-        copies = sum(copy.untyped_storage().nbytes() for copy in self._copies.values())
-        return self._buf.untyped_storage().nbytes() + copies
+        return sum(storage.nbytes() for storage in self.gathered_storages())
 
     def gathered_storages(self) -> list[torch.UntypedStorage]:
         """Stage 3: the gather buffer's memory and the DTensor parameters' own copies
