@@ -75,3 +75,56 @@ def test_bf16_compute_with_fp32_masters(stage, reference):
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-3
     assert all(v.dtype == torch.float32 for v in state.values())
     assert rel_l2(state, ref_state) <= 2e-2
+
+
+class _DictBlocks(torch.nn.Module):
+    """Blocks that are ModuleDicts of layers, called layer by layer: a ModuleDict has no
+    forward, so no hook on it ever runs. Each of its layers is a unit instead (stage 3's
+    gathers, stages 1-2's waits for the post-step gathers); with the ModuleDict as the
+    unit, stage 2 read half-gathered weights on the step after the first, at random."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)})
+            for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block["b"](torch.tanh(block["a"](x))))
+        return x.pow(2).mean()
+
+
+def _train_dict_blocks(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    model = _DictBlocks()
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.5), ZeroConfig(stage=stage))
+    for step in range(6):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x))
+        engine.step()
+        engine.zero_grad()
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_blocks_that_are_module_dicts_train_as_one_process(stage):
+    from zero_strategy.layout.partition import select_unit_modules
+
+    model = _DictBlocks()
+    assert select_unit_modules(model, [])[:2] == ["blocks.0.a", "blocks.0.b"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(6):
+        for rank in range(2):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            (model(x) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for state in run_world(_train_dict_blocks, 2, stage):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)

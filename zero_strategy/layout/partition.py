@@ -220,9 +220,13 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
 
     With no class names given, every child of every nn.ModuleList is a unit (the blocks of
     almost every transformer); a model with no ModuleList gets one unit per direct child.
+    A child that is a container with no forward of its own (an nn.ModuleDict of a block's
+    layers) is never called, so its hooks would never run: its children stand in its
+    place.
     """
     wanted = set(class_names)
     chosen: list[str] = []
+    dissolved: set[str] = set()  # containers whose children stand in their place
 
     def covered(path: str) -> bool:
         return any(within(path, c) for c in chosen)
@@ -236,8 +240,12 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
         else:
             parent_path = path.rsplit(".", 1)[0] if "." in path else ""
             parent = model.get_submodule(parent_path)
-            if isinstance(parent, nn.ModuleList) and any(True for _ in module.parameters()):
-                chosen.append(path)
+            in_a_list = isinstance(parent, nn.ModuleList) or parent_path in dissolved
+            if in_a_list and any(True for _ in module.parameters()):
+                if _never_called(module):
+                    dissolved.add(path)
+                else:
+                    chosen.append(path)
     if wanted:
         found = {type(m).__name__ for _, m in model.named_modules()}
         missing = sorted(wanted - found)
@@ -249,6 +257,11 @@ def select_unit_modules(model: nn.Module, class_names: Iterable[str]) -> list[st
     if not chosen and not wanted:
         chosen = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
     return chosen
+
+
+def _never_called(module: nn.Module) -> bool:
+    """A container with no forward of its own (nn.ModuleDict, nn.ModuleList)."""
+    return type(module).forward is nn.Module.forward
 
 
 def frozen_leftover_modules(model: nn.Module, unit_paths: Iterable[str]) -> list[str]:
