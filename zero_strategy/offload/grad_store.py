@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..units.flat_unit import FlatUnit
+from ..units.no_gradient import NO_GRADIENT
 from .offload_file import OffloadFile
 from .shard_store import DiskShards
 from .staging import StagingBuffers
@@ -53,6 +54,7 @@ class DiskGrads:
             on_memory,
             tensors_of=_gradient,
             starts_zero=True,
+            zero=NO_GRADIENT,
             what="gradient shards",
             kind="gradients",
         )

@@ -71,6 +71,7 @@ class DiskShards(KeptFailure):
         on_memory: Callable[[], None] = lambda: None,
         tensors_of: Callable[[FlatUnit], list[torch.Tensor]] = shard_tensors,
         starts_zero: bool = False,
+        zero: float = 0.0,
         what: str = "parameter shards",
         kind: str | None = None,
     ):
@@ -81,6 +82,7 @@ class DiskShards(KeptFailure):
         # Units whose values are all zero: nothing to read, zero-filled when used (the
         # gradients after zero_grad). Their file bytes are stale and never read.
         self._zero: set[int] = set()
+        self.zero = zero  # what those values are (the gradients' 'none yet': -0.0)
         self.on_memory = on_memory  # told after memory is taken or given back
         self.staging = staging  # the host buffers, shared with the other per-unit tier
         self._regions: dict[int, _Region] = {}
@@ -141,7 +143,7 @@ class DiskShards(KeptFailure):
         try:
             if index in self._zero:
                 for tensor, _ in region.tensors:
-                    tensor.zero_()
+                    tensor.fill_(self.zero)
             elif index in self._writes:  # its latest values are still in that buffer
                 self._unpack(region, self._writes[index][0])
             elif index in self._reads:

@@ -29,10 +29,12 @@ from ..config import ZeroConfig
 from ..offload import UnitTiers
 from ..private_api import user_step_hooks
 from ..units.flat_unit import FlatUnit, OneResident
+from ..units.no_gradient import fill_no_gradient
 from ..units.optimizer_view import OptimizerView
 from .ema import ShardedEMA
 from .fused_step import FusedAdamStep
 from .grad_norm import GradNorm
+from .held_back import held_back, no_gradient_parts
 from .loss_scaler import LossScaler
 from .optimizer_set import OptimizerSet
 
@@ -81,6 +83,11 @@ class ShardedOptimizer:
         self._in_tile = False  # a step over one tile, run without hooks, is running
         self.grads_unscaled = False
         self.grads_live = False  # gradients since the last zero_grad
+        # Views no rank gave a gradient to since the last zero_grad (`held_back`): their
+        # .grad is hidden, so the optimizer skips them as it would in one process; and
+        # the parts of the others that got none, put back after the step.
+        self._no_gradient: set[int] = set()
+        self._held_back: dict[int, list[tuple[int, int]]] = {}
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
         self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's
 
@@ -138,10 +145,15 @@ class ShardedOptimizer:
         """The optimizer's parameters' `.grad`: views of the gradient shards; None where
         the shard is offloaded (its memory is there only while it is in use)."""
         for view in self.views:
-            view.param.grad = view.grad if view.unit.grad_home is None else None
+            view.param.grad = view.grad if self._shown(view) else None
+
+    def _shown(self, view: OptimizerView) -> bool:
+        return view.unit.grad_home is None and id(view) not in self._no_gradient
 
     def grads_arrived(self) -> None:
-        """A synchronised backward ended: the reduced gradients are the optimizer's."""
+        """A synchronised backward ended: the reduced gradients are the optimizer's, but
+        for the parameters no rank gave one to (hidden, as in one process)."""
+        self._no_gradient, self._held_back = no_gradient_parts(self.views)
         self.expose_grads()
         self.grads_live = True
 
@@ -154,7 +166,7 @@ class ShardedOptimizer:
         cleared = {
             v.group_index
             for v in self.views
-            if v.param.grad is None and v.unit.grad_home is None  # offloaded: never shown
+            if v.param.grad is None and self._shown(v)  # offloaded: never shown
         }
         cleared |= self.mirror.cleared()
         if self.stage < 2:
@@ -267,7 +279,8 @@ class ShardedOptimizer:
         written = [True]  # whether every update also wrote the compute copies
 
         def step_tile(tile: list[OptimizerView]) -> None:
-            written[0] &= self._step_optimizers(chosen, tile)
+            with held_back(tile, self._held_back, self.optimizer_set.state):
+                written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self.ema.update(self.config.ema_decay, groups, tile)
             if self.masters_offloaded:  # while the masters are in memory
@@ -318,6 +331,7 @@ class ShardedOptimizer:
                     self.norm.forget(unit)
             for view in self.views:
                 shown = view.unit.grad_home is None or view.group_index in groups
+                shown = shown and id(view) not in self._no_gradient
                 view.param.grad = view.grad if shown else None
             try:
                 yield
@@ -375,7 +389,12 @@ class ShardedOptimizer:
             views = [v for v in tile if v.group_index in groups]
             if not views:
                 continue
-            if not partial and fused is not None and fused.applies([v.param for v in views]):
+            if (
+                not partial
+                and fused is not None
+                and not any(id(v) in self._no_gradient or id(v) in self._held_back for v in views)
+                and fused.applies([v.param for v in views])
+            ):
                 fused.step(self._fused_views(opt))
                 continue
             copies_written = False
@@ -383,7 +402,8 @@ class ShardedOptimizer:
                 shown = {id(v) for v in views}
                 for view in self.views:
                     if view.group_index in groups:
-                        view.param.grad = view.grad if id(view) in shown else None
+                        hidden = id(view) in self._no_gradient or id(view) not in shown
+                        view.param.grad = None if hidden else view.grad
             self.inside_step, self._in_tile = True, partial
             try:
                 if partial:
@@ -444,10 +464,11 @@ class ShardedOptimizer:
             view.param.grad = None
         self.grads_unscaled = False
         self.grads_live = False
+        self._no_gradient, self._held_back = set(), {}
         return True
 
     def zero_groups(self, groups: set[int]) -> None:
-        self.change_grads(groups, torch.Tensor.zero_)
+        self.change_grads(groups, fill_no_gradient)
         for view in self.views:
             if view.group_index in groups:
                 view.param.grad = None

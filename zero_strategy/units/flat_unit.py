@@ -33,6 +33,7 @@ from ..tensor_parallel import (
     on_storage_of_its_own,
     set_local_grad,
 )
+from .no_gradient import fill_no_gradient, no_gradient
 from .storage_pool import StoragePool
 
 
@@ -195,9 +196,7 @@ class FlatUnit:
             self._free_storage_views()
         self.grad_opt = None
         if self.stage < 2 and lay.trainable:
-            self._grad_full = torch.zeros(
-                lay.padded_numel, dtype=self.compute_dtype, device=self.device
-            )
+            self._grad_full = no_gradient(lay.padded_numel, self.compute_dtype, self.device)
             if not apart:
                 self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
         if self.grad_opt is None and lay.trainable:
@@ -234,7 +233,7 @@ class FlatUnit:
             device=self.host,
             pin_memory=self.pin,
         )
-        return out.zero_() if values is None else out.copy_(values)
+        return fill_no_gradient(out) if values is None else out.copy_(values)
 
     @property
     def locals(self) -> list[torch.Tensor]:
@@ -433,7 +432,7 @@ class FlatUnit:
         if self._grad_home is not None:
             self._grad_home.forget(self)
         elif self.grad_opt is not None:
-            self.grad_opt.zero_()
+            fill_no_gradient(self.grad_opt)
 
     @property
     def gathered(self) -> bool:

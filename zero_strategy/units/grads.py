@@ -16,9 +16,11 @@ each rank's loss is the mean over its own batch, and the step follows the mean o
 (an expert's sum over its group already holds every rank's tokens, by the all-to-all).
 
 Under `no_sync()`, gradients accumulate locally and nothing is communicated; the next
-synchronised backward reduces everything. At the end of a synchronised backward every
-trainable unit has been reduced exactly once on every rank (units that got no gradient
-are reduced with zeros), so collectives pair up across ranks whatever was used.
+synchronised backward reduces everything. Reductions that pair with other ranks' go out
+in one order every rank agrees on (`reduction_order`), whatever path each rank's backward
+took: a gradient ready early waits for its turn, and at the end of a synchronised
+backward every entry not yet sent goes out, as negative zeros where this rank has no
+gradient (`no_gradient`: the optimizer then knows which parameters no rank used).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from ..private_api import (
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 from .flat_unit import FlatUnit
 from .host_landing import HostLandings
+from .no_gradient import fill_no_gradient, no_gradient
+from .reduction_order import MISSING, Entry, ReductionOrder, Turns
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
 # with the one being filled, that bounds the transient gradient memory to three units
@@ -126,7 +130,10 @@ class GradReducer:
         before_reduction: Callable[[], None] = lambda: None,
         before_backward_end: Callable[[], None] = lambda: None,
         on_grads_landed: Callable[[FlatUnit], None] = lambda unit: None,
+        exchange: Callable[[list], list] | None = None,
     ):
+        """`exchange` gives every data-parallel rank's copy of a JSON-able value: the
+        ranks agree once on the order their reductions go out in (`reduction_order`)."""
         self.units = units
         # Stages 2-3: a unit's reduced gradient is all in its fp32 shard (which is then in
         # memory, even when offloaded): the engine notes its norm before it leaves.
@@ -163,6 +170,17 @@ class GradReducer:
         self._trainable_count = {
             u.layout.index: sum(s.trainable for s in u.layout.slots) for u in units
         }
+        # Reductions that pair with other ranks' go out in one order on every rank,
+        # whatever path each rank's backward took; this backward's walk through it.
+        self.order = ReductionOrder(
+            [[s.trainable for s in u.layout.slots] for u in units],
+            exchange if any(self._paired(u) for u in units) else None,
+        )
+        self._turns: Turns | None = None
+        self._last_entry: dict[int, Entry] = {}  # unit reduced whole -> its last entry
+        # Gradients of the latest synchronised backward that were ready before their turn
+        # (0 when this rank's path matched the agreed order).
+        self.waited_turns = 0
         self.handles = []
         # DTensor parameters, by the local shard they had when hooked: a module
         # conversion (`.to()`) swaps a DTensor parameter's contents, which unwires its
@@ -197,10 +215,30 @@ class GradReducer:
 
     # ---------------------------------------------------------------- hooks
     def backward_started(self) -> None:
-        """Queue the end-of-backward callback once per backward pass."""
+        """Queue the end-of-backward callback once per backward pass, and start its walk
+        through the reduction order."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self._finish_backward)
+            self._turns = self._start_turns() if self.sync else None
+            if self.sync:
+                self.waited_turns = 0
+
+    @staticmethod
+    def _paired(unit: FlatUnit) -> bool:
+        """Whether the unit's reduction is a collective (other ranks hold its copy)."""
+        return unit.layout.trainable and unit.group.holders.distributed
+
+    def _start_turns(self) -> Turns:
+        """This backward's walk through the reduction order: the parameters of the units
+        reduced one by one, each its own turn; a unit reduced whole goes out at the turn
+        of its last parameter in the order."""
+        turns = self.order.turns(lambda entry: self._paired(self.units[entry[0]]))
+        self._last_entry = {}
+        for unit_index, slot_index in turns.entries:
+            if not self._would_reduce_directly(self.units[unit_index]):
+                self._last_entry[unit_index] = (unit_index, slot_index)
+        return turns
 
     @staticmethod
     def _make_hook(reducer: weakref.ref[GradReducer], unit_position: int, slot_index: int):
@@ -229,7 +267,7 @@ class GradReducer:
                 set_local_grad(p, view)
         elif self._reduces_directly(unit):
             del grad  # autograd's own tensor: reduced in place when nothing else holds it
-            self._launch_slot(unit, slot_index, local_grad(p))
+            self._send_in_turn(unit, slot_index, local_grad(p))
             p.grad = None
         else:
             if unit.grad_full is None:
@@ -247,24 +285,60 @@ class GradReducer:
                 written.add(slot_index)
             p.grad = None
         idx = unit.layout.index
+        self.order.saw((idx, slot_index))
         self._ready[idx] = self._ready.get(idx, 0) + 1
         if self._ready[idx] == self._trainable_count[idx]:
             self.on_unit_ready(unit)
-            if self.sync and self.overlap and idx not in self._direct:
+            if self.sync and self.overlap and idx not in self._direct and not self._paired(unit):
                 self._launch(unit)
+        if self.sync and self.overlap and idx not in self._direct:
+            self._send_in_turn(unit, slot_index, None)
+
+    def _send_in_turn(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor | None) -> None:
+        """A parameter's gradient is in (`grad`: to reduce on its own; None: written into
+        its unit's buffer): send what the reduction order says is due. A reduction no
+        other rank pairs with goes out at once."""
+        if self._turns is None or not self._paired(unit):
+            if grad is not None:
+                self._launch_slot(unit, slot_index, grad)
+            return
+        entry = (unit.layout.index, slot_index)
+        due = self._turns.offer(entry, grad)
+        if entry not in (e for e, _ in due):
+            self.waited_turns += 1
+        for turn, item in due:
+            self._send_turn(turn, item)
+
+    def _send_turn(self, entry: Entry, item: object) -> None:
+        """An entry's turn: its parameter's gradient reduced on its own (zeros if this
+        rank produced none), or its unit reduced whole if this was the unit's last."""
+        unit_index, slot_index = entry
+        unit = self.units[unit_index]
+        if self._last_entry.get(unit_index) == entry:
+            self._launch(unit)
+        elif unit_index not in self._last_entry:
+            if item is MISSING:  # what a rank with no gradient sends (`no_gradient`)
+                slot = unit.layout.slots[slot_index]
+                item = no_gradient(slot.numel, self.reduce_dtype, unit.device)
+            self._direct.setdefault(unit_index, set())
+            self._launch_slot(unit, slot_index, item)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
         self.before_backward_end()
         self._local_sums = not self.sync
         if self.sync:
-            for unit in self.units:
+            for entry, item in self._turns.rest() if self._turns is not None else ():
+                self._send_turn(entry, item)
+            for unit in self.units:  # the units no other rank pairs with
                 if unit.layout.index in self._direct:
                     self._send_missing_slots(unit)
                 elif unit.layout.trainable and unit.layout.index not in self._launched:
                     self._launch(unit)
             self.wait()
             self._launched.clear()
+            self.order.agree()
+        self._turns = None
         self._direct.clear()
         self._ready.clear()
         self.on_backward_end()
@@ -282,12 +356,19 @@ class GradReducer:
         idx = unit.layout.index
         if idx in self._direct:
             return True
-        if not (self.sync and self.overlap) or self._local_sums:
-            return False
-        if not unit.group.comm.reduces_in_place:
+        if not self._would_reduce_directly(unit):
             return False
         self._direct[idx] = set()
         return True
+
+    def _would_reduce_directly(self, unit: FlatUnit) -> bool:
+        return (
+            self.stage >= 2
+            and self.sync
+            and self.overlap
+            and not self._local_sums
+            and unit.group.comm.reduces_in_place
+        )
 
     def _launch_slot(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Reduce one parameter's gradient over every rank holding its copy: over the shard
@@ -342,8 +423,8 @@ class GradReducer:
         sent = self._direct[unit.layout.index]
         for slot_index, slot in enumerate(unit.layout.slots):
             if slot.trainable and slot_index not in sent:
-                zeros = torch.zeros(slot.numel, dtype=self.reduce_dtype, device=unit.device)
-                self._launch_slot(unit, slot_index, zeros)
+                none = no_gradient(slot.numel, self.reduce_dtype, unit.device)
+                self._launch_slot(unit, slot_index, none)
 
     def _launch(self, unit: FlatUnit) -> None:
         self.before_reduction()
@@ -382,15 +463,17 @@ class GradReducer:
     def _zero_unwritten(self, unit: FlatUnit) -> None:
         """Zero the parts of a pooled buffer no gradient was written to this window."""
         if unit.grad_full is None:  # no gradient reached this unit on this rank
-            unit.take_grad_buffer(
-                self.pool.take(unit.layout.padded_numel, unit.compute_dtype, unit.device)
-            ).zero_()
+            fill_no_gradient(
+                unit.take_grad_buffer(
+                    self.pool.take(unit.layout.padded_numel, unit.compute_dtype, unit.device)
+                )
+            )
             return
         written = self._written.pop(unit.layout.index, set())
         for slot_index, slot in enumerate(unit.layout.slots):
             if slot_index not in written:
-                unit.grad_full[slot.offset : slot.end].zero_()
-        unit.grad_full[unit.layout.numel :].zero_()
+                fill_no_gradient(unit.grad_full[slot.offset : slot.end])
+        fill_no_gradient(unit.grad_full[unit.layout.numel :])
 
     def _land(self, job: _InFlight) -> None:
         job.work.wait()
@@ -476,6 +559,7 @@ class GradReducer:
         self.host_landings.drop()
         self._sent_bytes = 0
         self._direct.clear()
+        self._turns = None
         self._let_landing_go()
 
     def _let_landing_go(self) -> None:
@@ -495,7 +579,13 @@ class GradReducer:
         """Gradients being reduced, and where other ranks' parts land (the buffers being
         filled are the units')."""
         in_flight = [t for job in self.in_flight for t in _held_by(job)]
-        return in_flight + self.host_landings.tensors()
+        return in_flight + self.host_landings.tensors() + self._waiting_turn()
+
+    def _waiting_turn(self) -> list[torch.Tensor]:
+        """Gradients ready and waiting for their turn in the reduction order."""
+        if self._turns is None:
+            return []
+        return [t for t in self._turns.waiting() if isinstance(t, torch.Tensor)]
 
     def pooled_buffers(self) -> list[torch.Tensor]:
         """Full-size gradient buffers kept idle for reuse."""
@@ -510,12 +600,14 @@ class GradReducer:
             for idx in self._written:
                 buf = self.units[idx].grad_full
                 filling += 0 if buf is None else _nbytes(buf)
-        return self._sent_bytes + filling, self.pool.free_bytes
+        waiting = sum(_nbytes(t) for t in self._waiting_turn())
+        return self._sent_bytes + filling + waiting, self.pool.free_bytes
 
     def zero_grad(self) -> None:
         # A backward that raised half way left its per-backward state (its end-of-backward
         # callback never ran): finish what it sent and start the next one clean.
         self.wait()
+        self._turns = None
         self._direct.clear()
         self._ready.clear()
         self._launched.clear()
@@ -530,5 +622,5 @@ class GradReducer:
                     self.pool.give(buffer)
                 self._written.pop(unit.layout.index, None)
             elif unit.grad_full is not None:
-                unit.grad_full.zero_()
+                fill_no_gradient(unit.grad_full)
                 unit.attach_param_grads()

@@ -16,7 +16,7 @@ data-parallel ranks on a gloo group of their own:
   so reductions pair up too. (An evaluation forward posts none: no reduction follows it,
   and its gathers are checked by their own tags.) The check follows wrapped modules: a
   branch inside one unit that leaves some of its parameters without a gradient on some
-  ranks only is not seen, and is not supported (their reductions would pair up wrongly).
+  ranks only is not seen here; the reductions' own order (`reduction_order`) pairs it.
 - END: the end of a backward; it closes the pass, so that a rank whose path is a
   prefix of another's fails here instead of waiting for a tag that never comes.
 
@@ -172,8 +172,8 @@ class OrderCheck:
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "
-            "(ZeroConfig.unit_module_classes) so they are gathered together, as long as every "
-            "rank still gives each of their parameters a gradient." + hint
+            "(ZeroConfig.unit_module_classes) so they are gathered together (a branch inside "
+            "one unit trains), or use stage 2, where divergent paths train." + hint
         )
 
     def _describe(self, kind: int, index: int, phase: int) -> str:

@@ -53,6 +53,9 @@ class UnitSchedule:
             before_reduction=self._check_paths,
             before_backward_end=self._check_backward_path,
             on_grads_landed=on_grads_landed,
+            exchange=lambda value: groups.world.comm.control_all_gather_json(
+                value, units[0].device
+            ),
         )
         self.publisher = (
             ParameterPublisher(

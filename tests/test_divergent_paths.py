@@ -1,0 +1,350 @@
+"""Ranks that take different paths through the model train on (stages 0-2).
+
+Three models whose ranks run different modules on the same step:
+- a toy vision-language model: rank 0 sees images on most steps, rank 1 never does, rank 2
+  (of 4) on every other step, and on every third step no rank does. Its projector sits in
+  the root unit beside the embeddings, so a text-only rank leaves part of a unit without
+  a gradient (what DDP's `find_unused_parameters=True` handles);
+- per-rank random LayerDrop over a 4-block stack;
+- an early-exit model whose ranks stop at different depths.
+
+Each must step as one process does on the union of the ranks' batches (the mean of the
+ranks' mean losses), to 1e-6 relative, with the gradients reduced one parameter at a time
+(gloo's pairwise sends), a unit at a time (a native reduce-scatter), under gradient
+accumulation (`no_sync`), and on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+DIM, STEPS = 12, 6
+
+
+class VisionLanguage(nn.Module):
+    """Text blocks, with image features projected and added when the batch has images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.Module()
+        self.vision.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(2)])
+        self.projector = nn.Linear(DIM, DIM)
+        self.embed = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(2)])
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor, images: torch.Tensor | None) -> torch.Tensor:
+        h = self.embed(x)
+        if images is not None:
+            v = images
+            for layer in self.vision.layers:
+                v = torch.tanh(layer(v))
+            h = h + self.projector(v)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h).pow(2).mean()
+
+
+class LayerDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(4)])
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor, dropped: list[int]) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i not in dropped:
+                x = torch.tanh(block(x))
+        return self.head(x).pow(2).mean()
+
+
+class EarlyExit(nn.Module):
+    """Blocks, each followed by an exit; a batch leaves at its exit `depth`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(4)])
+        self.exits = nn.ModuleList([nn.Linear(DIM, 3) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        for block in self.blocks[: depth + 1]:
+            x = torch.tanh(block(x))
+        return self.exits[depth](x).pow(2).mean()
+
+
+def _data(model: str, step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, object]:
+    """One rank's micro-batch and path on one step."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(4, DIM, generator=g)
+    if model == "vlm":
+        sees = {0: step % 3 != 2, 1: False, 2: step % 2 == 0, 3: step % 3 == 0}[rank]
+        return x, (torch.randn(4, DIM, generator=g) if sees and step % 3 != 2 else None)
+    if model == "layerdrop":
+        return x, [i for i in range(4) if torch.rand((), generator=g) < 0.5]
+    return x, int(torch.randint(4, (), generator=g))
+
+
+MODELS = {"vlm": VisionLanguage, "layerdrop": LayerDrop, "early_exit": EarlyExit}
+
+
+def _train(rank: int, world: int, stage: int, native: bool, micro: int):
+    states = {}
+    for name, cls in MODELS.items():
+        torch.manual_seed(0)
+        model = cls()
+        config = ZeroConfig(
+            stage=stage,
+            reduce_scatter_via_all_reduce=False if native else None,
+            collective_timeout=30.0,
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = ZeroEngine(model, optimizer, config)
+        for step in range(STEPS):
+            for m in range(micro):
+                with engine.no_sync() if m < micro - 1 else _nothing():
+                    x, path = _data(name, step, rank, m)
+                    engine.backward(engine(x, path) / micro)
+            engine.step()
+            engine.zero_grad()
+        states[name] = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+        engine.close()
+    return states
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _reference(name: str, world: int, micro: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(world):
+            for m in range(micro):
+                x, path = _data(name, step, rank, m)
+                (model(x, path) / (world * micro)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(results: list[dict], world: int, micro: int) -> None:
+    for name in MODELS:
+        reference = _reference(name, world, micro)
+        for rank, states in enumerate(results):
+            for key, value in reference.items():
+                torch.testing.assert_close(
+                    states[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key} rank {rank}"
+                )
+
+
+@pytest.mark.parametrize(
+    "stage,native,micro",
+    [
+        (0, False, 1),
+        (1, False, 1),
+        (2, False, 1),  # one parameter at a time (pairwise sends)
+        (2, True, 1),  # a unit at a time (reduce-scatter)
+        (2, False, 2),  # accumulated under no_sync, then reduced from the unit buffers
+    ],
+)
+def test_divergent_paths_step_as_one_process_on_two_ranks(stage, native, micro):
+    _check(run_world(_train, 2, stage, native, micro, timeout=180), 2, micro)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_divergent_paths_step_as_one_process_on_four_ranks(stage):
+    _check(run_world(_train, 4, stage, False, 1, timeout=240), 4, 1)
+
+
+def test_the_ranks_paths_do_differ():
+    """The data behind the tests above: on some steps rank 0 and rank 1 take different
+    paths, and in the vision-language model, on some steps neither sees images."""
+
+    def path(name: str, step: int, rank: int) -> str:
+        taken = _data(name, step, rank)[1]
+        return "images" if isinstance(taken, torch.Tensor) else repr(taken)
+
+    for name in MODELS:
+        assert any(path(name, s, 0) != path(name, s, 1) for s in range(STEPS)), name
+    assert any(all(path("vlm", s, r) == "None" for r in range(4)) for s in range(STEPS))
+
+
+class Block(nn.Module):
+    """Two layers, the second run only when asked: at stage 3 one unit, part of which has
+    no gradient on the ranks that skip it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, with_b: bool) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        return x + torch.tanh(self.b(x)) if with_b else x
+
+
+class BranchInBlock(nn.Module):
+    """Blocks whose second layer runs only on some ranks: the case DDP's
+    find_unused_parameters covers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor, with_b: list[bool]) -> torch.Tensor:
+        for block, use in zip(self.blocks, with_b):
+            x = block(x, use)
+        return self.head(x).pow(2).mean()
+
+
+def _branch_data(step: int, rank: int) -> tuple[torch.Tensor, list[bool]]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+    x = torch.randn(4, DIM, generator=g)
+    return x, [bool(torch.rand((), generator=g) < 0.5) for _ in range(3)]
+
+
+def _train_branch(rank: int, world: int, stage: int):
+    torch.manual_seed(0)
+    model = BranchInBlock()
+    config = ZeroConfig(stage=stage, collective_timeout=30.0)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
+    for step in range(STEPS):
+        engine.backward(engine(*_branch_data(step, rank)))
+        engine.step()
+        engine.zero_grad()
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_branch_inside_one_unit_steps_as_one_process(stage):
+    torch.manual_seed(0)
+    model = BranchInBlock()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(2):
+            (model(*_branch_data(step, rank)) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for state in run_world(_train_branch, 2, stage, timeout=120):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def _count_collectives(rank: int, world: int, stage: int, diverge: bool):
+    torch.manual_seed(0)
+    model = LayerDrop()
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage))
+    reports, waited = [], []
+    for step in range(4):
+        engine.reset_comm_report()
+        dropped = [1] if diverge and rank == 1 and step >= 2 else []
+        engine.backward(engine(torch.randn(4, DIM), dropped))
+        engine.reducer.wait()
+        reports.append(engine.comm_report())
+        waited.append(engine.reducer.waited_turns)
+        engine.step()
+        engine.zero_grad()
+    engine.close()
+    return reports, waited
+
+
+def _calls(report: dict) -> dict[str, int]:
+    return {kind: counts["calls"] for kind, counts in report.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_when_paths_agree_the_collectives_are_unchanged_and_nothing_waits(stage):
+    """After the first backward, each backward's collectives are the same, and the first
+    one's differ only by the one exchange of orders (two control messages: their size,
+    then themselves); at stage 2, one reduction per parameter. No gradient waits for its
+    turn once the order is agreed."""
+    for reports, waited in run_world(_count_collectives, 2, stage, False, timeout=120):
+        first, *rest = reports
+        assert all(report == rest[0] for report in rest), reports
+        extra = {
+            kind: calls - _calls(rest[0]).get(kind, 0)
+            for kind, calls in _calls(first).items()
+            if calls != _calls(rest[0]).get(kind, 0)
+        }
+        assert extra == {"control": 2}, (first, rest[0])
+        if stage == 2:
+            assert rest[0]["reduce_scatter"]["calls"] == 10  # 5 weights, 5 biases
+        assert waited[1:] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_rank_that_drops_a_block_waits_with_the_same_collectives(stage):
+    """Rank 1 drops a block from step 2: its gradients after that block's wait for its
+    turn (at the end of backward), and both ranks issue the collectives of a step where
+    every rank ran every block."""
+    (reports0, waited0), (reports1, waited1) = run_world(
+        _count_collectives, 2, stage, True, timeout=120
+    )
+    assert waited0[1:] == [0, 0, 0]
+    assert waited1[1] == 0 and min(waited1[2:]) > 0
+    assert reports0[2:] == [reports0[1]] * 2
+    assert reports1[2:] == [reports1[1]] * 2
+
+
+def _adamw_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Three text-only steps, then one with images."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x = torch.randn(4, DIM, generator=g)
+    return x, (torch.randn(4, DIM, generator=g) if step == 3 else None)
+
+
+def _adamw_steps(rank: int, world: int, stage: int) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = VisionLanguage()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage, collective_timeout=30.0))
+    states = []
+    for step in range(4):
+        engine.backward(engine(*_adamw_batch(step, rank)))
+        engine.step()
+        engine.zero_grad()
+        states.append({k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()})
+    engine.close()
+    return states
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_module_no_rank_ran_takes_no_adamw_step(stage):
+    """Text-only steps on both ranks: the vision tower and its projector keep their
+    weights to the bit (AdamW's weight decay would have moved them) while the rest steps
+    as torch's AdamW on the union of the batches. At stage 3 the tower's units are skipped
+    whole, so when images come their first step is torch's too; at stage 2 the tower
+    shares a bucket's slice, whose step count advanced (the documented limit), as the
+    projector shares the root unit's at stage 3."""
+    torch.manual_seed(0)
+    reference = VisionLanguage()
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    adamw = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+    expected = []
+    for step in range(4):
+        for rank in range(2):
+            (reference(*_adamw_batch(step, rank)) / 2).backward()
+        adamw.step()
+        adamw.zero_grad()
+        expected.append({k: v.clone() for k, v in reference.state_dict().items()})
+    for states in run_world(_adamw_steps, 2, stage, timeout=120):
+        for step, (got, want) in enumerate(zip(states, expected)):
+            for key, value in want.items():
+                if step < 3 and key.startswith(("vision.", "projector.")):
+                    assert torch.equal(got[key], start[key]), (step, key)
+                # At stage 3 the projector shares the root unit's slice (the limit again).
+                if step < 3 or (stage == 3 and not key.startswith("projector.")):
+                    torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7)

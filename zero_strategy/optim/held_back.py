@@ -1,0 +1,75 @@
+"""Parameters that no rank gave a gradient to take no step, as in one process.
+
+One process leaves such a parameter's `.grad` at None and its optimizer skips it: no
+weight decay, no momentum coasting. The reduction marks them (`units/no_gradient`); here
+the optimizer side honours the mark. An optimizer parameter is a rank's slice of a unit
+(at stages 0-2 a bucket of many model parameters), so:
+
+- a slice with no gradient in any element has its `.grad` hidden: the optimizer skips it
+  wholly, step count included;
+- a slice with some parameters marked is stepped, and those parameters' elements of it
+  and of its optimizer state (the tensors shaped as it) are put back as they were. The
+  limit: a step count kept per slice (Adam's) still advances for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from ..units.no_gradient import got_no_gradient
+from ..units.optimizer_view import OptimizerView
+
+Ranges = list[tuple[int, int]]  # [start, end) within one view
+
+
+def no_gradient_parts(views: Sequence[OptimizerView]) -> tuple[set[int], dict[int, Ranges]]:
+    """The views (by id) whose whole slice got no gradient on any rank, and for the others,
+    the ranges of each that did not (one per model parameter). Views whose gradients are
+    not in memory (offloaded) count as having them."""
+    parts: list[tuple[OptimizerView, int, int]] = []
+    for view in views:
+        if view.grad is None or view.unit.grad_home is not None:
+            continue
+        unit = view.unit
+        for slot in unit.layout.slots:
+            if not slot.trainable:
+                continue
+            lo = max(slot.offset - unit.opt_start, view.lo)
+            hi = min(slot.end - unit.opt_start, view.hi)
+            if lo < hi:
+                parts.append((view, lo, hi))
+    marked = got_no_gradient([v.unit.grad_opt[lo:hi] for v, lo, hi in parts])
+    ranges: dict[int, Ranges] = {}
+    for (view, lo, hi), none in zip(parts, marked):
+        if none:
+            ranges.setdefault(id(view), []).append((lo - view.lo, hi - view.lo))
+    whole = {id(v) for v in views if id(v) in ranges and _covers(ranges[id(v)], v.hi - v.lo)}
+    return whole, {k: r for k, r in ranges.items() if k not in whole}
+
+
+def _covers(ranges: Ranges, length: int) -> bool:
+    return sum(hi - lo for lo, hi in ranges) == length
+
+
+@contextlib.contextmanager
+def held_back(
+    views: Sequence[OptimizerView], ranges: Mapping[int, Ranges], state: Mapping
+) -> Iterator[None]:
+    """Around a step of `views`: the `ranges` of each (and of its optimizer state in
+    `state`, keyed by the view's parameter) are as before it, after it."""
+    saved = []
+    for view in views:
+        for lo, hi in ranges.get(id(view), ()):
+            kept = state.get(view.param) or {}
+            tensors = [view.param.data] + [
+                t
+                for t in kept.values()
+                if isinstance(t, torch.Tensor) and t.shape == view.param.shape
+            ]
+            saved += [(t, lo, hi, t[lo:hi].clone()) for t in tensors]
+    yield
+    for tensor, lo, hi, values in saved:
+        tensor[lo:hi].copy_(values)

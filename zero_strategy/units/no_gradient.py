@@ -1,0 +1,54 @@
+"""Which parameters no rank gave a gradient to, found with no extra collective.
+
+One process leaves such a parameter's `.grad` at None and its optimizer skips it (no
+momentum, no weight decay, no step count); DDP with `find_unused_parameters=True` does the
+same for a parameter unused on every rank, at the cost of an all-reduce of a bitmap each
+step. Here the reduction itself carries it: every gradient buffer starts filled with
+negative zero, and a rank with no gradient for a parameter sends negative zeros. IEEE
+addition keeps -0 only when every term is -0 (-0 + x = x for every x, +0 included;
+scaling by a positive factor keeps the sign), so after the reduction an element is -0
+exactly when no rank gave it a gradient, and a parameter whose part here is -0 in every
+element is one that no rank used. The optimizer hides its gradient for the step.
+
+The limit: a parameter that was used, and whose gradient is exactly -0 in every element
+of this rank's part, counts as unused (it would have taken a step with a zero gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+NO_GRADIENT = -0.0
+
+
+def fill_no_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (a gradient buffer) set to 'no gradient yet': negative zeros."""
+    return tensor.fill_(NO_GRADIENT)
+
+
+def no_gradient(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a rank with no gradient for a parameter sends in its place."""
+    return torch.full((numel,), NO_GRADIENT, dtype=dtype, device=device)
+
+
+def _all_no_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.eq(0) & tensor.signbit()).all()
+
+
+def got_no_gradient(grads: Sequence[torch.Tensor | None]) -> list[bool]:
+    """For each reduced gradient: whether no rank gave it one (every element -0). One
+    read of every first element per device (one host sync); a full pass only over those
+    that start with -0 (a real gradient almost never does)."""
+    flags = [False] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        if g is not None and g.numel():
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    for members in groups.values():
+        firsts = torch.cat([grads[i].reshape(-1)[:1] for i in members])
+        starts = (firsts.eq(0) & firsts.signbit()).cpu().tolist()
+        for i, start in zip(members, starts):
+            flags[i] = start and bool(_all_no_gradient(grads[i]))
+    return flags
