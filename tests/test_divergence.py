@@ -1,8 +1,8 @@
-"""Ranks that take different module paths under stage 3 get an error, never a hang."""
+"""Ranks that take different module paths under stage 3 train on; what cannot be
+reconciled (a state_dict on one rank only) is an error naming each rank's module, and
+without the order check nothing hangs either."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 from torch import nn
@@ -29,21 +29,28 @@ def _divergent_step(rank: int, world: int, verify: bool, timeout: float):
     # Step 1: same path everywhere.
     engine.backward(engine(torch.ones(2, 8), head=0))
     engine.step()
+    engine.zero_grad()
     # Step 2: rank 1 takes the other head.
     engine.backward(engine(torch.ones(2, 8), head=rank % 2))
     engine.step()
-    return "finished"
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return state
 
 
-def test_divergent_forward_raises_on_every_rank_naming_the_modules():
-    start = time.monotonic()
-    results = run_world(_divergent_step, 2, True, 30.0, expect_errors=True, timeout=60)
-    assert time.monotonic() - start < 60
-    for status, message in results:
-        assert status == "error"
-        assert "ModulePathDivergenceError" in message
-        assert "rank 0: forward of module 'heads.0'" in message
-        assert "rank 1: forward of module 'heads.1'" in message
+def test_ranks_that_run_different_heads_train_as_one_process():
+    torch.manual_seed(0)
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 8), head=0).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    for rank in range(2):
+        (model(torch.ones(2, 8), head=rank) / 2).backward()
+    optimizer.step()
+    for state in run_world(_divergent_step, 2, True, 30.0, timeout=60):
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_without_the_check_nothing_hangs_either():

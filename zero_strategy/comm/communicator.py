@@ -110,6 +110,9 @@ class _Works:
             work.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 class _PairwiseSum:
     """A reduce-scatter made of point-to-point sends: once they are all done, this rank's

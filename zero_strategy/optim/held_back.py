@@ -3,13 +3,13 @@
 One process leaves such a parameter's `.grad` at None and its optimizer skips it: no
 weight decay, no momentum coasting. The reduction marks them (`units/no_gradient`); here
 the optimizer side honours the mark. An optimizer parameter is a rank's slice of a unit
-(at stages 0-2 a bucket of many model parameters), so:
+(at stages 0-2 a bucket of many model parameters), stepped whole; the elements of the
+marked parameters in it, and in its optimizer state (the tensors shaped as it), are put
+back as they were after the step.
 
-- a slice with no gradient in any element has its `.grad` hidden: the optimizer skips it
-  wholly, step count included;
-- a slice with some parameters marked is stepped, and those parameters' elements of it
-  and of its optimizer state (the tensors shaped as it) are put back as they were. The
-  limit: a step count kept per slice (Adam's) still advances for them.
+Its scalar state (Adam's `step`) advances all the same: checkpoints keep one per param
+group, equal for all its slices, so that they can be cut again at another world size or
+stage. Hiding a whole slice's `.grad` would skip that too, and split the count.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from ..units.optimizer_view import OptimizerView
 Ranges = list[tuple[int, int]]  # [start, end) within one view
 
 
-def no_gradient_parts(views: Sequence[OptimizerView]) -> tuple[set[int], dict[int, Ranges]]:
-    """The views (by id) whose whole slice got no gradient on any rank, and for the others,
-    the ranges of each that did not (one per model parameter). Views whose gradients are
-    not in memory (offloaded) count as having them."""
+def no_gradient_parts(views: Sequence[OptimizerView]) -> dict[int, Ranges]:
+    """For each view (by id) with any: the ranges that got no gradient on any rank (one
+    per model parameter). Views whose gradients are not in memory (offloaded) count as
+    having them."""
     parts: list[tuple[OptimizerView, int, int]] = []
     for view in views:
         if view.grad is None or view.unit.grad_home is not None:
@@ -46,12 +46,7 @@ def no_gradient_parts(views: Sequence[OptimizerView]) -> tuple[set[int], dict[in
     for (view, lo, hi), none in zip(parts, marked):
         if none:
             ranges.setdefault(id(view), []).append((lo - view.lo, hi - view.lo))
-    whole = {id(v) for v in views if id(v) in ranges and _covers(ranges[id(v)], v.hi - v.lo)}
-    return whole, {k: r for k, r in ranges.items() if k not in whole}
-
-
-def _covers(ranges: Ranges, length: int) -> bool:
-    return sum(hi - lo for lo, hi in ranges) == length
+    return ranges
 
 
 @contextlib.contextmanager

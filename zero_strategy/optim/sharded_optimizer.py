@@ -83,10 +83,8 @@ class ShardedOptimizer:
         self._in_tile = False  # a step over one tile, run without hooks, is running
         self.grads_unscaled = False
         self.grads_live = False  # gradients since the last zero_grad
-        # Views no rank gave a gradient to since the last zero_grad (`held_back`): their
-        # .grad is hidden, so the optimizer skips them as it would in one process; and
-        # the parts of the others that got none, put back after the step.
-        self._no_gradient: set[int] = set()
+        # The parts of each view that no rank gave a gradient to since the last
+        # zero_grad: put back after the step, as if skipped (`held_back`).
         self._held_back: dict[int, list[tuple[int, int]]] = {}
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
         self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's
@@ -145,15 +143,12 @@ class ShardedOptimizer:
         """The optimizer's parameters' `.grad`: views of the gradient shards; None where
         the shard is offloaded (its memory is there only while it is in use)."""
         for view in self.views:
-            view.param.grad = view.grad if self._shown(view) else None
-
-    def _shown(self, view: OptimizerView) -> bool:
-        return view.unit.grad_home is None and id(view) not in self._no_gradient
+            view.param.grad = view.grad if view.unit.grad_home is None else None
 
     def grads_arrived(self) -> None:
-        """A synchronised backward ended: the reduced gradients are the optimizer's, but
-        for the parameters no rank gave one to (hidden, as in one process)."""
-        self._no_gradient, self._held_back = no_gradient_parts(self.views)
+        """A synchronised backward ended: the reduced gradients are the optimizer's; the
+        parameters no rank gave one to are noted, to be put back after the step."""
+        self._held_back = no_gradient_parts(self.views)
         self.expose_grads()
         self.grads_live = True
 
@@ -166,7 +161,7 @@ class ShardedOptimizer:
         cleared = {
             v.group_index
             for v in self.views
-            if v.param.grad is None and self._shown(v)  # offloaded: never shown
+            if v.param.grad is None and v.unit.grad_home is None  # offloaded: never shown
         }
         cleared |= self.mirror.cleared()
         if self.stage < 2:
@@ -331,7 +326,6 @@ class ShardedOptimizer:
                     self.norm.forget(unit)
             for view in self.views:
                 shown = view.unit.grad_home is None or view.group_index in groups
-                shown = shown and id(view) not in self._no_gradient
                 view.param.grad = view.grad if shown else None
             try:
                 yield
@@ -392,7 +386,7 @@ class ShardedOptimizer:
             if (
                 not partial
                 and fused is not None
-                and not any(id(v) in self._no_gradient or id(v) in self._held_back for v in views)
+                and not any(id(v) in self._held_back for v in views)
                 and fused.applies([v.param for v in views])
             ):
                 fused.step(self._fused_views(opt))
@@ -402,8 +396,7 @@ class ShardedOptimizer:
                 shown = {id(v) for v in views}
                 for view in self.views:
                     if view.group_index in groups:
-                        hidden = id(view) in self._no_gradient or id(view) not in shown
-                        view.param.grad = None if hidden else view.grad
+                        view.param.grad = view.grad if id(view) in shown else None
             self.inside_step, self._in_tile = True, partial
             try:
                 if partial:
@@ -464,7 +457,7 @@ class ShardedOptimizer:
             view.param.grad = None
         self.grads_unscaled = False
         self.grads_live = False
-        self._no_gradient, self._held_back = set(), {}
+        self._held_back = {}
         return True
 
     def zero_groups(self, groups: set[int]) -> None:

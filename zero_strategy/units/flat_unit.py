@@ -467,6 +467,15 @@ class FlatUnit:
         shard = self.gather_input(target)  # on the device (copied in, when on the host)
         return self.group.comm.all_gather(target, shard, async_op=True)
 
+    def start_gather_for_others(self) -> tuple[object, torch.Tensor]:
+        """Stage 3: take part in a gather that only other ranks asked for, into a buffer
+        of its own (the unit may be gathered here and in use); returns the work and the
+        buffer, dropped once the work is done (then `let_go`)."""
+        target = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        self.bring_in()
+        shard = self.gather_input(target)
+        return self.group.comm.all_gather(target, shard, async_op=True), target
+
     def finish_gather(self, work) -> None:
         """Stage 3: the gather `start_gather` began is done; the parameters point at the
         whole buffer."""

@@ -11,8 +11,9 @@ reverse (backward).
 
 Ranks that take different module paths would pair up mismatched collectives and hang.
 With `verify_module_order`, every gather waits for an exchange of tags over the
-data-parallel ranks (`order_check`); the gathers the recorded order predicts are announced
-a unit early, so that their exchanges have landed by the time they are due.
+data-parallel ranks (`order_check`), and where the ranks' paths differ every rank takes
+part in every gather any rank asked for; the gathers the recorded order predicts are
+announced a unit early, so that their exchanges have landed by the time they are due.
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ class GatherManager:
                 lambda i: units[i].layout.name if 0 <= i < len(units) else None,
                 lambda i: self._launch_gather(units[i]),
                 lambda: self._finish_agreed(finish_reductions),
+                join_gather=self._join_gather,
             )
         )
+        # Gathers this rank takes part in for other ranks only (their paths differ):
+        # (unit, work, buffer), dropped as they complete.
+        self._for_others: list[tuple[FlatUnit, object, torch.Tensor]] = []
         # The units every data-parallel rank holds alike, whose gathers and reductions
         # span those ranks: the ones the order check follows. Experts are held apart, each
         # by its expert-data-parallel group, and a rank whose experts get no token may
@@ -255,11 +260,46 @@ class GatherManager:
             self.order_check.check_uses()
 
     def end_of_backward_check(self) -> None:
-        """Before backward's last reductions: every rank's path through this pass agrees
-        (or this raises). Gathers announced but not needed are issued (every rank does)
-        and freed with the rest at the end of backward."""
+        """Before backward's last reductions: every rank's backward has ended (ranks whose
+        paths differed took part in each other's gathers meanwhile). Gathers announced but
+        not needed are issued (every rank does) and freed with the rest at the end of
+        backward."""
         if self.order_check is not None:
             self.order_check.end_of_backward()
+            self._drop_gathers_for_others(wait=True)
+
+    @property
+    def paths_diverged(self) -> bool:
+        """This pass saw ranks whose paths differ (the reductions wait for its end)."""
+        return self.order_check is not None and self.order_check.diverged
+
+    def _join_gather(self, index: int, keep: bool) -> None:
+        """A gather some rank asked for while the ranks' paths differ: this rank keeps the
+        unit if it asked too (`keep`) and does not hold it yet; else it takes part with
+        its shard and drops what arrives."""
+        unit = self.units[index]
+        if unit.layout.numel == 0:
+            return
+        self._drop_gathers_for_others(wait=False)
+        if keep and self._needs_gather(unit):
+            self._launch_gather(unit)
+        else:
+            self._for_others.append((unit, *unit.start_gather_for_others()))
+            self.on_memory()
+
+    def _drop_gathers_for_others(self, wait: bool) -> None:
+        """Let go of the gathers done for other ranks that have completed (`wait`: all of
+        them; every rank has issued them once every backward has ended)."""
+        kept = []
+        for unit, work, buffer in self._for_others:
+            if wait or work.is_completed():
+                work.wait()
+                unit.let_go()
+            else:
+                kept.append((unit, work, buffer))
+        if len(kept) != len(self._for_others):
+            self._for_others = kept
+            self.on_memory()
 
     # ---------------------------------------------------------------- order, prefetch
     def _track_order(self, unit: FlatUnit, record: bool) -> None:
@@ -362,6 +402,8 @@ class GatherManager:
                 total += held
             else:
                 self._live.discard(idx)
+        for _, _, buffer in self._for_others:
+            total += buffer.numel() * buffer.element_size()
         return total
 
     def ensure(self, unit: FlatUnit, phase: int) -> bool:
@@ -381,7 +423,7 @@ class GatherManager:
         """A divergence was found: wait for the gathers (and, through the engine, the
         reductions) this rank issued, each agreed on by every rank, so that none is left
         half done when this rank raises. A peer lost meanwhile is the error raised then."""
-        for work in list(self.pending.values()):
+        for work in [*self.pending.values(), *(w for _, w, _ in self._for_others)]:
             with contextlib.suppress(Exception):
                 work.wait()
         with contextlib.suppress(Exception):
@@ -398,6 +440,7 @@ class GatherManager:
         every non-persistent gathered unit (a peer is gone, or the process is ending after
         an error)."""
         self.pending.clear()
+        self._for_others.clear()
         if self.order_check is not None:
             self.order_check.forget()
         self._free_all()

@@ -131,10 +131,15 @@ class GradReducer:
         before_backward_end: Callable[[], None] = lambda: None,
         on_grads_landed: Callable[[FlatUnit], None] = lambda unit: None,
         exchange: Callable[[list], list] | None = None,
+        hold_reductions: Callable[[], bool] = lambda: False,
     ):
         """`exchange` gives every data-parallel rank's copy of a JSON-able value: the
         ranks agree once on the order their reductions go out in (`reduction_order`)."""
         self.units = units
+        # Stage 3, ranks whose paths differ in this pass: every reduction not yet sent
+        # waits for the end of backward, where every rank is at the same point of its
+        # gathers (reductions and gathers share the group, so they must interleave alike).
+        self.hold_reductions = hold_reductions
         # Stages 2-3: a unit's reduced gradient is all in its fp32 shard (which is then in
         # memory, even when offloaded): the engine notes its norm before it leaves.
         self.on_grads_landed = on_grads_landed
@@ -303,7 +308,8 @@ class GradReducer:
                 self._launch_slot(unit, slot_index, grad)
             return
         entry = (unit.layout.index, slot_index)
-        due = self._turns.offer(entry, grad)
+        self.before_reduction()  # (stage 3: the paths so far compared)
+        due = self._turns.offer(entry, grad, hold=self.hold_reductions())
         if entry not in (e for e, _ in due):
             self.waited_turns += 1
         for turn, item in due:

@@ -1,31 +1,34 @@
-"""Stage 3's divergence check: every rank gathers the same units in the same order, and
-passes through the same modules.
+"""Stage 3: every rank issues the same parameter gathers in the same order, whatever path
+each rank's forward and backward take through the model.
 
 Ranks that take different module paths would pair mismatched collectives: a hang, a gloo
 abort on mismatched sizes, or, worse, gradients of one module summed into another's
 (same-sized blocks). So every rank posts a stream of small tags, exchanged over its
-data-parallel ranks on a gloo group of their own:
+data-parallel ranks on a gloo group of their own; the k-th tags of all ranks form round
+k, read by every rank in order:
 
-- GATHER (unit, phase): a parameter gather this rank will issue. A gather is issued only
-  once its tag has come back the same from every rank, and gathers are issued in the
-  order of their tags. So the gathers that any two ranks issue agree, always: a path that
-  differs shows up as a differing tag, and raises on every rank, before a mismatched
-  collective exists.
+- GATHER (unit, phase): a parameter gather this rank will issue. A gather is issued once
+  its round has come back: the same from every rank, it is that gather; differing, every
+  gather any rank named in it is issued, in rank order, each once (`_merge`), this rank
+  keeping the units it asked for and dropping the data of the others.
 - USE (unit, phase): this rank's training forward or its backward entered the unit's
-  module. A gradient reduction is issued only once the uses before it came back the same,
-  so reductions pair up too. (An evaluation forward posts none: no reduction follows it,
-  and its gathers are checked by their own tags.) The check follows wrapped modules: a
-  branch inside one unit that leaves some of its parameters without a gradient on some
-  ranks only is not seen here; the reductions' own order (`reduction_order`) pairs it.
-- END: the end of a backward; it closes the pass, so that a rank whose path is a
-  prefix of another's fails here instead of waiting for a tag that never comes.
+  module. A gradient reduction waits until the uses before it came back; once a round of
+  this pass has differed (`diverged`), every reduction waits for the end of backward
+  (reductions share the group with the gathers, so they must interleave alike). An
+  evaluation forward posts none.
+- END, then IDLE: the end of a backward. A rank whose backward has ended posts IDLE tags,
+  taking part in the others' gathers, until every rank has posted END; every rank leaves
+  in the same round. With agreeing paths that is END's own round.
+
+Only what cannot be reconciled raises `ModulePathDivergenceError`, naming each rank's
+module: a state_dict() on some ranks only (every rank would take part in a gather of the
+whole model for it), and, without `join_gather`, any difference.
 
 Tags are posted asynchronously and checked only when the gather or reduction they guard
 is due (or earlier, without waiting, once they have landed). A gather the recorded module
 order predicts is posted a unit early (`announce`), so its tag has long landed when it is
 due: a gather waits for no rank beyond what its data needs. A gather nobody predicted is
-posted and checked at once (every rank meets there). A reduction goes out once every rank
-has entered the same module in backward.
+posted and checked at once (every rank meets there).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from ..comm.communicator import Communicator
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
-GATHER, USE, END = 0, 1, 2
+# IDLE: a rank whose backward has ended, while another's goes on.
+GATHER, USE, END, IDLE = 0, 1, 2, 3
 
 
 class ModulePathDivergenceError(RuntimeError):
-    """Ranks disagreed on which module to gather or run next (stage 3)."""
+    """Ranks disagreed in a way that cannot be reconciled (stage 3): a state_dict() on
+    some ranks only."""
 
 
 @dataclass
@@ -66,10 +71,19 @@ class OrderCheck:
         unit_name: Callable[[int], str | None],
         launch_gather: Callable[[int], None],
         before_raising: Callable[[], None] = lambda: None,
+        join_gather: Callable[[int, bool], None] | None = None,
     ):
         self.comm = comm
         self.unit_name = unit_name  # a unit's module name, None for an unknown index
         self.launch_gather = launch_gather  # issues a checked gather of a unit index
+        # Ranks whose paths differ: every rank takes part in the gathers any rank posted,
+        # keeping the unit (True: this rank asked for it) or not (`merge_rounds`). None:
+        # a differing tag raises.
+        self.join_gather = join_gather
+        # This pass (forward and backward) saw ranks whose paths differ: the gradient
+        # reductions wait for the end of backward, where every rank is at the same point.
+        self.diverged = False
+        self._ended: set[int] = set()  # ranks whose backward has ended, this pass
         # Before this rank raises a divergence: the collectives every rank agreed on and
         # this one issued are finished, so that a peer waiting for their data gets it and
         # reaches the differing tag itself (rather than finding this rank gone).
@@ -111,9 +125,16 @@ class OrderCheck:
         self._last_use = self._post(USE, index, phase)
 
     def end_of_backward(self) -> None:
-        """Close the pass: every rank's tags so far agree, or this raises."""
+        """Close the pass: every rank's tags so far agree (or, merging, every rank's
+        backward has ended: this rank posts IDLE tags, taking part in the others' gathers,
+        until the last one ends). Every rank returns at the same round."""
         self._last_use = self._post(END, -1, BACKWARD)
         self.check_through(self._last_use)
+        while len(self._ended) < self.comm.size:
+            self._last_use = self._post(IDLE, -1, BACKWARD)
+            self.check_through(self._last_use)
+        self._ended.clear()
+        self.diverged = False
 
     # ------------------------------------------------------------------ checking
     def gather_now(self, index: int, phase: int) -> None:
@@ -138,21 +159,41 @@ class OrderCheck:
         try:
             posted.work.wait()
             tags = posted.everyone.tolist()
-            if any(t != tags[0] for t in tags):
+            self._ended.update(rank for rank, (kind, _, _) in enumerate(tags) if kind == END)
+            if all(t == tags[0] for t in tags):
+                if posted.kind == GATHER:
+                    self._announced.discard(posted.index)
+                    self.launch_gather(posted.index)
+            elif self.join_gather is None or any(phase == STATE_DICT for _, _, phase in tags):
                 self.before_raising()
                 raise self._divergence(posted.seq, tags)
-            if posted.kind == GATHER:
-                self._announced.discard(posted.index)
-                self.launch_gather(posted.index)
+            else:
+                self._merge(posted, tags)
         except BaseException:
             self.forget()  # the engine cannot go on (a peer is gone, or paths differ)
             raise
+
+    def _merge(self, posted: _Posted, tags: list[list[int]]) -> None:
+        """A round whose tags differ: every rank issues the gathers it names, in rank
+        order, each once. This rank keeps a unit it asked for (its own tag, or one
+        announced for later); it takes part in the others' gathers and drops the data."""
+        self.diverged = True
+        named: list[int] = []
+        for kind, index, _ in tags:
+            if kind == GATHER and index not in named:
+                named.append(index)
+        for index in named:
+            mine = (posted.kind == GATHER and posted.index == index) or index in self._announced
+            self._announced.discard(index)
+            self.join_gather(index, mine)
 
     def forget(self) -> None:
         """Drop the tags in flight without waiting (a peer is gone, or the process ends
         after an error)."""
         self._posted.clear()
         self._announced.clear()
+        self._ended.clear()
+        self.diverged = False
 
     # ------------------------------------------------------------------ the error
     def _divergence(self, seq: int, tags: list[list[int]]) -> ModulePathDivergenceError:
@@ -177,7 +218,7 @@ class OrderCheck:
         )
 
     def _describe(self, kind: int, index: int, phase: int) -> str:
-        if kind == END:
+        if kind in (END, IDLE):
             return "the end of backward"
         where = f"{_PHASE_NAMES.get(phase, '?')} of {self._module(index)}"
         return f"{where} (its parameter gather)" if kind == GATHER else where

@@ -107,12 +107,15 @@ class Turns:
     def __contains__(self, entry: Entry) -> bool:
         return entry in self._position
 
-    def offer(self, entry: Entry, item: object) -> list[tuple[Entry, object]]:
+    def offer(self, entry: Entry, item: object, hold: bool = False) -> list[tuple[Entry, object]]:
         """`entry` is ready (with `item`): the entries whose turn has come, in order (an
-        entry whose turn passed already, ready a second time, goes out at once)."""
+        entry whose turn passed already, ready a second time, goes out at once). With
+        `hold`, none: every entry waits for `rest`."""
         if self._position[entry] < self._next:
             return [(entry, item)]
         self._ready[entry] = item
+        if hold:
+            return []
         due = []
         while self._next < len(self.entries) and self.entries[self._next] in self._ready:
             head = self.entries[self._next]

@@ -56,6 +56,7 @@ class UnitSchedule:
             exchange=lambda value: groups.world.comm.control_all_gather_json(
                 value, units[0].device
             ),
+            hold_reductions=lambda: self.gather is not None and self.gather.paths_diverged,
         )
         self.publisher = (
             ParameterPublisher(
