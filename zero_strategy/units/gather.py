@@ -55,6 +55,7 @@ class GatherManager:
         on_backward_start: Callable[[], None],
         on_memory: Callable[[], None] = lambda: None,
         finish_reductions: Callable[[], None] = lambda: None,
+        release_reductions: Callable[[int], None] = lambda position: None,
     ):
         self.units = units
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
@@ -68,8 +69,11 @@ class GatherManager:
                 lambda i: self._launch_gather(units[i]),
                 lambda: self._finish_agreed(finish_reductions),
                 join_gather=self._join_gather,
+                release=release_reductions,
             )
         )
+        # Units whose module a training forward entered since the last backward ended.
+        self._entered: set[int] = set()
         # Gathers this rank takes part in for other ranks only (their paths differ):
         # (unit, work, buffer), dropped as they complete.
         self._for_others: list[tuple[FlatUnit, object, torch.Tensor]] = []
@@ -160,6 +164,8 @@ class GatherManager:
             phase = BACKWARD if in_backward() else FORWARD
             if training or in_backward():  # what gradient reductions will follow
                 self._post_use(unit, phase)
+            if training:
+                self._entered.add(unit.layout.index)
             if not in_backward():
                 self._track_order(unit, record=training)
             self.ensure(unit, phase)
@@ -268,6 +274,21 @@ class GatherManager:
             self.order_check.end_of_backward()
             self._drop_gathers_for_others(wait=True)
 
+    def not_run(self) -> set[int]:
+        """The units (but the root) no training forward of this pass entered: no parameter
+        of theirs can get a gradient (a unit is gathered only for its module's forward)."""
+        return {
+            u.layout.index
+            for u in self.units[1:]
+            if not u.persistent  # (always whole)
+        } - self._entered
+
+    def reach(self, position: int) -> None:
+        """A pass whose paths differ: this rank has every gradient before `position` of the
+        reduction order (`order_check.reach`)."""
+        if self.order_check is not None:
+            self.order_check.reach(position)
+
     @property
     def paths_diverged(self) -> bool:
         """This pass saw ranks whose paths differ (the reductions wait for its end)."""
@@ -322,6 +343,7 @@ class GatherManager:
             self._reuse_distance = self._reuse_distances(self.order)
         self._recording = []
         self._cursor = 0
+        self._entered.clear()
         self._backward_left.clear()
         self._grads_in.clear()
 

@@ -132,14 +132,23 @@ class GradReducer:
         on_grads_landed: Callable[[FlatUnit], None] = lambda unit: None,
         exchange: Callable[[list], list] | None = None,
         hold_reductions: Callable[[], bool] = lambda: False,
+        not_run: Callable[[], set[int]] = set,
+        reach: Callable[[int], None] = lambda position: None,
     ):
         """`exchange` gives every data-parallel rank's copy of a JSON-able value: the
         ranks agree once on the order their reductions go out in (`reduction_order`)."""
         self.units = units
-        # Stage 3, ranks whose paths differ in this pass: every reduction not yet sent
-        # waits for the end of backward, where every rank is at the same point of its
-        # gathers (reductions and gathers share the group, so they must interleave alike).
+        # Stage 3, ranks whose paths differ in this pass: no reduction goes out at its
+        # turn here (reductions and gathers share the group, so they must interleave
+        # alike on every rank).
         self.hold_reductions = hold_reductions
+        # Instead this rank tells how far in the order it could send (`reach`), and
+        # the reductions every rank could send go out as the ranks read the same round
+        # (`release_through`); the units it did not run need no waiting (`not_run`).
+        self.not_run = not_run
+        self.reach = reach
+        self._reported = 0  # the furthest position told, this backward
+        self._releasing = False  # inside release_through: the paths are known already
         # Stages 2-3: a unit's reduced gradient is all in its fp32 shard (which is then in
         # memory, even when offloaded): the engine notes its norm before it leaves.
         self.on_grads_landed = on_grads_landed
@@ -239,6 +248,11 @@ class GradReducer:
         reduced one by one, each its own turn; a unit reduced whole goes out at the turn
         of its last parameter in the order."""
         turns = self.order.turns(lambda entry: self._paired(self.units[entry[0]]))
+        skipped = self.not_run()
+        for entry in turns.entries if skipped else ():
+            if entry[0] in skipped:
+                turns.will_miss(entry)
+        self._reported = 0
         self._last_entry = {}
         for unit_index, slot_index in turns.entries:
             if not self._would_reduce_directly(self.units[unit_index]):
@@ -308,12 +322,34 @@ class GradReducer:
                 self._launch_slot(unit, slot_index, grad)
             return
         entry = (unit.layout.index, slot_index)
-        self.before_reduction()  # (stage 3: the paths so far compared)
-        due = self._turns.offer(entry, grad, hold=self.hold_reductions())
+        self._check_paths()  # (stage 3: the paths so far compared)
+        hold = self.hold_reductions()
+        due = self._turns.offer(entry, grad, hold=hold)
         if entry not in (e for e, _ in due):
             self.waited_turns += 1
         for turn, item in due:
             self._send_turn(turn, item)
+        if hold:
+            reachable = self._turns.reachable()
+            if reachable > self._reported:
+                self._reported = reachable
+                self.reach(reachable)  # may release reductions, this one among them
+
+    def release_through(self, position: int) -> None:
+        """Stage 3, a pass whose paths differ: every rank, reading the same round, sends
+        the reductions before `position` (each has every one of them, or none to give)."""
+        if self._turns is None:
+            return
+        self._releasing = True
+        try:
+            for turn, item in self._turns.release(position):
+                self._send_turn(turn, item)
+        finally:
+            self._releasing = False
+
+    def _check_paths(self) -> None:
+        if not self._releasing:
+            self.before_reduction()
 
     def _send_turn(self, entry: Entry, item: object) -> None:
         """An entry's turn: its parameter's gradient reduced on its own (zeros if this
@@ -331,6 +367,8 @@ class GradReducer:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        if self._turns is not None:  # (stage 3: the others may release them meanwhile)
+            self._turns.miss_the_rest()
         self.before_backward_end()
         self._local_sums = not self.sync
         if self.sync:
@@ -381,7 +419,7 @@ class GradReducer:
         group, each rank getting the sum of the part inside its shard; or, for replicated
         copies, all-reduced over them all (the full sum at once). This rank keeps the part
         inside its shard when it lands."""
-        self.before_reduction()
+        self._check_paths()
         self._direct[unit.layout.index].add(slot_index)
         group = unit.group
         # Autograd's own tensor is divided and reduced in place only when nothing else
@@ -433,7 +471,7 @@ class GradReducer:
                 self._launch_slot(unit, slot_index, none)
 
     def _launch(self, unit: FlatUnit) -> None:
-        self.before_reduction()
+        self._check_paths()
         self._launched.add(unit.layout.index)
         if unit.layout.numel == 0:
             return

@@ -13,9 +13,15 @@ k, read by every rank in order:
   keeping the units it asked for and dropping the data of the others.
 - USE (unit, phase): this rank's training forward or its backward entered the unit's
   module. A gradient reduction waits until the uses before it came back; once a round of
-  this pass has differed (`diverged`), every reduction waits for the end of backward
-  (reductions share the group with the gathers, so they must interleave alike). An
+  this pass has differed (`diverged`), reductions go out only as REDUCE rounds release
+  them (reductions share the group with the gathers, so they must interleave alike). An
   evaluation forward posts none.
+- REDUCE (position), only in a pass whose paths differ: this rank has every gradient of
+  the reduction order before `position` (or knows it will have none: a unit it did not
+  run). Once every rank's REDUCE tags have reached a position, the reductions before it
+  go out, on every rank while it reads that same round (`release`): so they interleave
+  alike with the gathers, and a rank that skipped a module does not hold the rest of
+  backward's gradients until its end.
 - END, then IDLE: the end of a backward. A rank whose backward has ended posts IDLE tags,
   taking part in the others' gathers, until every rank has posted END; every rank leaves
   in the same round. With agreeing paths that is END's own round.
@@ -43,8 +49,9 @@ from ..comm.communicator import Communicator
 
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
-# IDLE: a rank whose backward has ended, while another's goes on.
-GATHER, USE, END, IDLE = 0, 1, 2, 3
+# IDLE: a rank whose backward has ended, while another's goes on. REDUCE: how far in the
+# reduction order this rank could send (posted only in a pass whose paths differ).
+GATHER, USE, END, IDLE, REDUCE = 0, 1, 2, 3, 4
 
 
 class ModulePathDivergenceError(RuntimeError):
@@ -72,6 +79,7 @@ class OrderCheck:
         launch_gather: Callable[[int], None],
         before_raising: Callable[[], None] = lambda: None,
         join_gather: Callable[[int, bool], None] | None = None,
+        release: Callable[[int], None] = lambda position: None,
     ):
         self.comm = comm
         self.unit_name = unit_name  # a unit's module name, None for an unknown index
@@ -84,6 +92,10 @@ class OrderCheck:
         # reductions wait for the end of backward, where every rank is at the same point.
         self.diverged = False
         self._ended: set[int] = set()  # ranks whose backward has ended, this pass
+        # The reductions before a position every rank has reached go out (`reach`).
+        self.release = release
+        self._reached: dict[int, int] = {}  # rank -> its latest REDUCE position
+        self._released = 0
         # Before this rank raises a divergence: the collectives every rank agreed on and
         # this one issued are finished, so that a peer waiting for their data gets it and
         # reaches the differing tag itself (rather than finding this rank gone).
@@ -124,6 +136,11 @@ class OrderCheck:
     def use(self, index: int, phase: int) -> None:
         self._last_use = self._post(USE, index, phase)
 
+    def reach(self, position: int) -> None:
+        """This rank has (or will never have) every gradient before `position` of this
+        backward's reduction order (a pass whose paths differ)."""
+        self._post(REDUCE, position, BACKWARD)
+
     def end_of_backward(self) -> None:
         """Close the pass: every rank's tags so far agree (or, merging, every rank's
         backward has ended: this rank posts IDLE tags, taking part in the others' gathers,
@@ -133,7 +150,12 @@ class OrderCheck:
         while len(self._ended) < self.comm.size:
             self._last_use = self._post(IDLE, -1, BACKWARD)
             self.check_through(self._last_use)
+        self._new_pass()
+
+    def _new_pass(self) -> None:
         self._ended.clear()
+        self._reached.clear()
+        self._released = 0
         self.diverged = False
 
     # ------------------------------------------------------------------ checking
@@ -169,6 +191,8 @@ class OrderCheck:
                 raise self._divergence(posted.seq, tags)
             else:
                 self._merge(posted, tags)
+            if self.diverged:
+                self._release_reached(tags)
         except BaseException:
             self.forget()  # the engine cannot go on (a peer is gone, or paths differ)
             raise
@@ -187,13 +211,26 @@ class OrderCheck:
             self._announced.discard(index)
             self.join_gather(index, mine)
 
+    def _release_reached(self, tags: list[list[int]]) -> None:
+        """After a round of a pass whose paths differ: the reductions before the position
+        every rank has reached go out (a rank whose backward ended has reached them all)."""
+        for rank, (kind, index, _) in enumerate(tags):
+            if kind == REDUCE:
+                self._reached[rank] = max(self._reached.get(rank, 0), index)
+        everyone = min(
+            float("inf") if rank in self._ended else self._reached.get(rank, 0)
+            for rank in range(len(tags))
+        )
+        if everyone > self._released:
+            self._released = everyone
+            self.release(everyone)
+
     def forget(self) -> None:
         """Drop the tags in flight without waiting (a peer is gone, or the process ends
         after an error)."""
         self._posted.clear()
         self._announced.clear()
-        self._ended.clear()
-        self.diverged = False
+        self._new_pass()
 
     # ------------------------------------------------------------------ the error
     def _divergence(self, seq: int, tags: list[list[int]]) -> ModulePathDivergenceError:
@@ -220,6 +257,8 @@ class OrderCheck:
     def _describe(self, kind: int, index: int, phase: int) -> str:
         if kind in (END, IDLE):
             return "the end of backward"
+        if kind == REDUCE:
+            return "its gradient reductions"
         where = f"{_PHASE_NAMES.get(phase, '?')} of {self._module(index)}"
         return f"{where} (its parameter gather)" if kind == GATHER else where
 

@@ -103,6 +103,7 @@ class Turns:
         self._position = {entry: i for i, entry in enumerate(entries)}
         self._next = 0
         self._ready: dict[Entry, object] = {}
+        self._reach = 0  # the ready entries from _next on end before this position
 
     def __contains__(self, entry: Entry) -> bool:
         return entry in self._position
@@ -110,18 +111,41 @@ class Turns:
     def offer(self, entry: Entry, item: object, hold: bool = False) -> list[tuple[Entry, object]]:
         """`entry` is ready (with `item`): the entries whose turn has come, in order (an
         entry whose turn passed already, ready a second time, goes out at once). With
-        `hold`, none: every entry waits for `rest`."""
+        `hold`, none: every entry waits for `release` or `rest`."""
         if self._position[entry] < self._next:
             return [(entry, item)]
         self._ready[entry] = item
-        if hold:
-            return []
+        return [] if hold else self.release(len(self.entries))
+
+    def will_miss(self, entry: Entry) -> None:
+        """This rank will have no gradient for `entry` in this backward (its unit was not
+        run): its turn needs no waiting."""
+        if self._position[entry] >= self._next:
+            self._ready.setdefault(entry, MISSING)
+
+    def miss_the_rest(self) -> None:
+        """This rank's backward is over: every entry not ready now will get no gradient
+        here (what others release, this rank sends as `MISSING`)."""
+        for entry in self.entries[self._next :]:
+            self._ready.setdefault(entry, MISSING)
+
+    def release(self, until: int) -> list[tuple[Entry, object]]:
+        """The ready entries whose turn has come, in order, up to position `until`."""
         due = []
-        while self._next < len(self.entries) and self.entries[self._next] in self._ready:
+        end = min(until, len(self.entries))
+        while self._next < end and self.entries[self._next] in self._ready:
             head = self.entries[self._next]
             due.append((head, self._ready.pop(head)))
             self._next += 1
         return due
+
+    def reachable(self) -> int:
+        """How far this rank could send in order now: the position of its first entry not
+        yet ready."""
+        self._reach = max(self._reach, self._next)
+        while self._reach < len(self.entries) and self.entries[self._reach] in self._ready:
+            self._reach += 1
+        return self._reach
 
     def rest(self) -> list[tuple[Entry, object]]:
         """The end of backward: every entry not yet sent, in order, with its item or

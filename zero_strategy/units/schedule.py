@@ -57,6 +57,8 @@ class UnitSchedule:
                 value, units[0].device
             ),
             hold_reductions=lambda: self.gather is not None and self.gather.paths_diverged,
+            not_run=lambda: self.gather.not_run() if self.gather is not None else set(),
+            reach=lambda position: self.gather is not None and self.gather.reach(position),
         )
         self.publisher = (
             ParameterPublisher(
@@ -80,6 +82,7 @@ class UnitSchedule:
                 on_backward_start=self.reducer.backward_started,
                 on_memory=on_memory,
                 finish_reductions=self.reducer.finish_sent,
+                release_reductions=self.reducer.release_through,
             )
 
     @property
