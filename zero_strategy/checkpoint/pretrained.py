@@ -75,7 +75,7 @@ def load_pretrained(
                         f"{source}: file {tensors.shape(source)} vs model {tuple(place.shape)}"
                     )
                     continue
-                lo, hi = max(unit.opt_start, slot.offset), min(unit.opt_end, slot.end)
+                lo, hi = unit.mine_of(slot)
                 if lo < hi and slot.tensor_sharded:  # this position's block of the tensor
                     block = _tensor_block(tensors, source, slot.tensor, unit.master_dtype)
                     values = block[lo - slot.offset : hi - slot.offset]

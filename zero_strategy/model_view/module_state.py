@@ -149,7 +149,7 @@ def write_back(unit: FlatUnit, slot: ParamSlot, source: torch.Tensor) -> None:
     """The slot was just loaded from `source`: copy this rank's part into its fp32 master
     (and at stage 3 its compute-dtype shard). A source that is not the parameter's values
     one for one (a module that converts on load) is read back from the loaded parameter."""
-    lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
+    lo, hi = unit.mine_of(slot)
     if lo >= hi or unit.master is None:
         return
     source = local_tensor(source)  # a DTensor's values on this rank: its local shard

@@ -37,8 +37,9 @@ def no_gradient_parts(views: Sequence[OptimizerView]) -> dict[int, Ranges]:
         for slot in unit.layout.slots:
             if not slot.trainable:
                 continue
-            lo = max(slot.offset - unit.opt_start, view.lo)
-            hi = min(slot.end - unit.opt_start, view.hi)
+            mine_lo, mine_hi = unit.mine_of(slot)
+            lo = max(mine_lo - unit.opt_start, view.lo)
+            hi = min(mine_hi - unit.opt_start, view.hi)
             if lo < hi:
                 parts.append((view, lo, hi))
     marked = got_no_gradient([v.unit.grad_opt[lo:hi] for v, lo, hi in parts])

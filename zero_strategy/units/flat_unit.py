@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..comm.topology import ShardGroup
-from ..layout.partition import UnitLayout
+from ..layout.partition import ParamSlot, UnitLayout
 from ..tensor_parallel import (
     is_dtensor,
     local_tensor,
@@ -437,6 +437,11 @@ class FlatUnit:
     @property
     def gathered(self) -> bool:
         return self.full is not None
+
+    def mine_of(self, slot: ParamSlot) -> tuple[int, int]:
+        """[lo, hi) of `slot` inside this rank's slice, in the unit's flat coordinates
+        (lo >= hi: none of it is here)."""
+        return max(slot.offset, self.opt_start), min(slot.end, self.opt_end)
 
     def gather_target(self) -> torch.Tensor:
         """The buffer to all-gather into. It is always the same storage, grown back to

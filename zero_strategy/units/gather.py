@@ -291,7 +291,8 @@ class GatherManager:
 
     @property
     def paths_diverged(self) -> bool:
-        """This pass saw ranks whose paths differ (the reductions wait for its end)."""
+        """This pass saw ranks whose paths differ (the reductions wait for REDUCE rounds
+        to release them)."""
         return self.order_check is not None and self.order_check.diverged
 
     def _join_gather(self, index: int, keep: bool) -> None:

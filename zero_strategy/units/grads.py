@@ -560,7 +560,7 @@ class GradReducer:
         its fp32 slice."""
         unit = job.unit
         slot = unit.layout.slots[job.slot]
-        lo, hi = max(slot.offset, unit.opt_start), min(slot.end, unit.opt_end)
+        lo, hi = unit.mine_of(slot)
         idx = unit.layout.index
         offloaded = unit.grad_home is not None
         if offloaded and idx not in self._landing:

@@ -8,7 +8,8 @@ negative zero, and a rank with no gradient for a parameter sends negative zeros.
 addition keeps -0 only when every term is -0 (-0 + x = x for every x, +0 included;
 scaling by a positive factor keeps the sign), so after the reduction an element is -0
 exactly when no rank gave it a gradient, and a parameter whose part here is -0 in every
-element is one that no rank used. The optimizer hides its gradient for the step.
+element is one that no rank used. The optimizer puts it back after the step
+(`optim/held_back`).
 
 The limit: a parameter that was used, and whose gradient is exactly -0 in every element
 of this rank's part, counts as unused (it would have taken a step with a zero gradient).

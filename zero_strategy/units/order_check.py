@@ -89,7 +89,7 @@ class OrderCheck:
         # a differing tag raises.
         self.join_gather = join_gather
         # This pass (forward and backward) saw ranks whose paths differ: the gradient
-        # reductions wait for the end of backward, where every rank is at the same point.
+        # reductions go out only as REDUCE rounds release them (`reach`).
         self.diverged = False
         self._ended: set[int] = set()  # ranks whose backward has ended, this pass
         # The reductions before a position every rank has reached go out (`reach`).
@@ -250,8 +250,7 @@ class OrderCheck:
             + "\nEvery rank must call the same wrapped modules in the same order. Make the "
             "control flow identical on all ranks (e.g. run every branch, or decide the branch "
             "on rank 0 and broadcast it), or put the divergent modules inside one unit "
-            "(ZeroConfig.unit_module_classes) so they are gathered together (a branch inside "
-            "one unit trains), or use stage 2, where divergent paths train." + hint
+            "(ZeroConfig.unit_module_classes) so they are gathered together." + hint
         )
 
     def _describe(self, kind: int, index: int, phase: int) -> str:

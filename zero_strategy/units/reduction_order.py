@@ -12,8 +12,8 @@ when it is ready, but when its turn comes in one order that every rank holds ali
   exchange, once (`merge_orders`).
 
 A gradient ready before its turn waits until every entry before it has gone out; at the
-end of a synchronised backward every entry not yet sent goes out in order, as zeros where
-this rank produced no gradient. When every rank takes the path of the agreed order, each
+end of a synchronised backward every entry not yet sent goes out in order, as negative
+zeros where this rank produced no gradient (`no_gradient`). When every rank takes the path of the agreed order, each
 turn comes as its gradient is produced: nothing waits and nothing extra is sent. DDP does
 the same with its buckets (launched in bucket order, rebuilt once from the first
 iteration's order as rank 0 saw it).
@@ -104,9 +104,6 @@ class Turns:
         self._next = 0
         self._ready: dict[Entry, object] = {}
         self._reach = 0  # the ready entries from _next on end before this position
-
-    def __contains__(self, entry: Entry) -> bool:
-        return entry in self._position
 
     def offer(self, entry: Entry, item: object, hold: bool = False) -> list[tuple[Entry, object]]:
         """`entry` is ready (with `item`): the entries whose turn has come, in order (an
