@@ -11,6 +11,7 @@ from .comm.communicator import PeerLostError
 from .config import ZeroConfig, ZeroConfigError
 from .deepspeed_config import from_deepspeed_config
 from .engine import ZeroEngine
+from .integrations.adapters import trainable_state_dict
 from .layout.shard_spec import ShardSpec
 from .optim.shard_views import UnsupportedOptimizerError
 from .units.gather import ModulePathDivergenceError
@@ -26,6 +27,7 @@ __all__ = [
     "ZeroEngine",
     "from_deepspeed_config",
     "init_on_meta",
+    "trainable_state_dict",
 ]
 
 __version__ = "0.1.0"

@@ -595,13 +595,17 @@ class ZeroEngine:
         self._publish_parameters()
         self.wait_for_parameters()
 
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, rank0_only: bool = True, trainable_only: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
         buffers) in CPU memory, gathered one unit at a time, so the device never holds
-        more than one unit of it; empty on other ranks when `rank0_only`."""
+        more than one unit of it; empty on other ranks when `rank0_only`. With
+        `trainable_only`, only what the optimizer trains (a LoRA adapter, for PEFT's
+        `save_pretrained(state_dict=...)`), gathering nothing of a frozen base."""
         self.wait_for_parameters()
         self.optim.settle_writes()
-        return self._door.full_state_dict(rank0_only)
+        return self._door.full_state_dict(rank0_only, trainable_only)
 
     # ================================================================ lifecycle
     def close(self, wait: bool = True) -> None:

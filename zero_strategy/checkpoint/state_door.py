@@ -120,19 +120,26 @@ class StateDoor:
         return load_pretrained(self.units, self.module, path, strict, self.stored)
 
     # ---------------------------------------------------------------- whole values
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, rank0_only: bool = True, trainable_only: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model (parameters from the masters, plus persistent
         buffers) in CPU memory, gathered one unit at a time; empty on other ranks when
-        `rank0_only`. Collective."""
+        `rank0_only`. With `trainable_only`, the parameters the optimizer trains alone (a
+        LoRA adapter): only their units are gathered. Collective."""
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.global_rank == 0
         for unit in self.units:
             if not unit.layout.numel and not any(s.tensor_sharded for s in unit.layout.slots):
                 continue  # (a block may be empty here and not at another position)
+            if trainable_only and not unit.layout.trainable:
+                continue
             for copy_index, full in self._full_copies(unit):
-                self._add_unit(out, unit, copy_index, full, keep)
+                self._add_unit(out, unit, copy_index, full, keep, trainable_only)
         if not keep:
             return {}
+        if trainable_only:
+            return out
         for name, buf in persistent_buffers(self.module):
             out[name] = buf.detach().to("cpu", copy=True)
         return out
@@ -144,10 +151,13 @@ class StateDoor:
         copy_index: int,
         full: torch.Tensor,
         keep: bool,
+        trainable_only: bool = False,
     ) -> None:
         """One copy of one unit's parameters into `out` (tensor-parallel blocks are
         assembled on every rank: a collective)."""
         for slot in unit.layout.slots:
+            if trainable_only and not slot.trainable:
+                continue  # (the same on every rank: its tensor-parallel assembly too)
             if slot.tensor_sharded:  # every position's block (collective)
                 value = full_tensor(
                     full[slot.offset : slot.end].view(slot.shape), slot.tensor, self.groups.tensor

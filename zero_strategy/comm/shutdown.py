@@ -30,6 +30,11 @@ def close_at_exit(engine: Closable) -> None:
     _live.add(engine)
 
 
+def live_engines() -> list:
+    """The engines not yet garbage collected (for finding the one sharding a module)."""
+    return list(_live)
+
+
 @atexit.register
 def _close_live() -> None:
     failed = hasattr(sys, "last_value")  # set when an uncaught error ended the script

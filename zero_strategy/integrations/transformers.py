@@ -31,6 +31,7 @@ from .accelerate import (
     ZeroPlugin,
     engine_checkpoint_in,
 )
+from .adapters import trainable_state_dict
 
 
 class ZeroTrainer(Trainer):
@@ -79,10 +80,15 @@ class ZeroTrainer(Trainer):
         return getattr(self.accelerator, "engine", None)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Consolidate on every rank (collective), write from the main process."""
+        """Consolidate on every rank (collective), write from the main process. A PEFT
+        model saves its adapter, so only the trainable units are gathered."""
         if self.zero_engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.accelerator.get_state_dict(self.model)
+        if _is_peft_model(self.model):
+            everywhere = bool(self.args.save_on_each_node)
+            state_dict = trainable_state_dict(self.model, rank0_only=not everywhere)
+        else:
+            state_dict = self.accelerator.get_state_dict(self.model)
         self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -113,3 +119,11 @@ class ZeroTrainer(Trainer):
         if self.zero_engine is None or not os.path.exists(saved):
             return super()._load_best_model()
         self.zero_engine.load_checkpoint(saved, load_optimizer_states=False)
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)

@@ -24,6 +24,7 @@ from ..tensor_parallel import TensorPlacement, local_tensor, placement_of
 from .shard_spec import ShardSpec, owner_of, within
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
+FROZEN_PART = " (frozen)"  # the name of a module's second unit: its frozen parameters
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,23 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
     return slots
 
 
+def _is_trainable(p: _Param, group_of: dict[int, int]) -> bool:
+    return group_of.get(id(p.param), FROZEN_GROUP) != FROZEN_GROUP
+
+
+def split_by_trainability(
+    members: Sequence[_Param], group_of: dict[int, int]
+) -> list[list[_Param]]:
+    """A unit's parameters as the units they make: one list, or, where trainable and
+    frozen parameters mix (LoRA on a frozen block), the trainable ones and the frozen
+    ones apart. Each is sharded evenly on its own, so each rank holds 1/N of the
+    trainable elements, their gradients and optimizer state; in one flat buffer, sorted
+    trainable first, they would all sit in the first rank's slice."""
+    trainable = [p for p in members if _is_trainable(p, group_of)]
+    frozen = [p for p in members if not _is_trainable(p, group_of)]
+    return [trainable, frozen] if trainable and frozen else [list(members)]
+
+
 def _bucket_numel(p: _Param) -> int:
     """What a parameter counts against a bucket: its local size, or with tensor
     parallelism its largest block's (position 0's), so that every position cuts its
@@ -192,17 +210,27 @@ def bucket_layouts(
     sharded: bool = True,
 ) -> list[UnitLayout]:
     """Stages 0-2: buckets in reverse registration order, roughly the order of backward;
-    a bucket holds parameters of one spec. Unsharded (stage 0) buckets have one "shard"."""
+    a bucket holds parameters of one spec. Unsharded (stage 0) buckets have one "shard".
+
+    Trainable parameters fill their buckets first and frozen ones theirs after, never
+    mixed: each rank's slice of a trainable bucket is then 1/N of its trainable elements
+    (a LoRA adapter's few elements would otherwise all fall in the first rank's slice of
+    a bucket led by them), and frozen buckets hold no gradient buffer."""
     buckets: list[tuple[ShardSpec, list[_Param]]] = []
     filled = 0
-    for p in reversed(params):
-        spec = spec_of(p)
-        numel = _bucket_numel(p)
-        if not buckets or buckets[-1][0] != spec or filled + numel > bucket_size:
-            buckets.append((spec, []))
-            filled = 0
-        buckets[-1][1].append(p)
-        filled += numel
+    for trainable in (True, False):
+        starting = True
+        for p in reversed(params):
+            if _is_trainable(p, group_of) != trainable:
+                continue
+            spec = spec_of(p)
+            numel = _bucket_numel(p)
+            if starting or buckets[-1][0] != spec or filled + numel > bucket_size:
+                buckets.append((spec, []))
+                filled = 0
+                starting = False
+            buckets[-1][1].append(p)
+            filled += numel
     return [
         UnitLayout(
             index=i,
@@ -302,7 +330,9 @@ def module_layouts(
     spec_of_unit: Callable[[str], ShardSpec],
 ) -> list[UnitLayout]:
     """Stage 3: one unit per chosen module (units may nest: a module holds the parameters
-    of no unit inside it), plus the root unit (index 0) for the rest.
+    of no unit inside it), plus the root unit (index 0) for the rest. A module whose
+    parameters are partly frozen makes two units, trainable then frozen, gathered
+    together by its hooks (`split_by_trainability`).
 
     A parameter reachable under several names (tied weights) belongs to the deepest unit
     that contains all of its owners, so that it is gathered wherever it is used.
@@ -330,14 +360,18 @@ def module_layouts(
         if not members[path] and path:
             continue
         spec = spec_of_unit(path)
-        layouts.append(
-            UnitLayout(
-                index=len(layouts),
-                name=path or "<root>",
-                slots=_make_slots(members[path], group_of),
-                world_size=spec.size,
-                spec=spec,
-                module_path=path,
+        # The root (index 0, gathered from the first use to the end of backward) stays
+        # whole; its frozen modules are units of their own (frozen_leftover_modules).
+        parts = split_by_trainability(members[path], group_of) if path else [members[path]]
+        for i, part in enumerate(parts):
+            layouts.append(
+                UnitLayout(
+                    index=len(layouts),
+                    name=(path or "<root>") + (FROZEN_PART if i else ""),
+                    slots=_make_slots(part, group_of),
+                    world_size=spec.size,
+                    spec=spec,
+                    module_path=path,
+                )
             )
-        )
     return layouts

@@ -51,13 +51,16 @@ class ModuleStateHooks:
         self._held: dict[int, list[FlatUnit]] = {}  # module id -> units it gathered
         self._loading: dict[int, dict[str, torch.Tensor]] = {}  # module id -> its entries
         self.handles = []
-        unit_modules = {
-            unit.layout.module_path: unit for unit in units if unit.layout.module_path is not None
-        }
+        # A module's units (two where its parameters are partly frozen), gathered first.
+        unit_modules: dict[str, list[FlatUnit]] = {}
+        for unit in units:
+            if unit.layout.module_path is not None:
+                unit_modules.setdefault(unit.layout.module_path, []).append(unit)
         for name, module in model.named_modules():
             own = self._own_units(module)
             if name in unit_modules:
-                own = [unit_modules[name], *(u for u in own if u is not unit_modules[name])]
+                first = unit_modules[name]
+                own = [*first, *(u for u in own if all(u is not f for f in first))]
             if not own:
                 continue
             self.handles += [
