@@ -57,7 +57,7 @@ class ZeroEngine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         config: ZeroConfig | dict | None = None,
         *,
         device: torch.device | str | None = None,
@@ -71,7 +71,9 @@ class ZeroEngine:
         expert-data-parallel groups whatever it says.
 
         Several optimizers over disjoint parameter sets (a GAN's) are each sharded, and
-        step on their own: `step(optimizer)`, `optimizer.zero_grad()`.
+        step on their own: `step(optimizer)`, `optimizer.zero_grad()`. With None, a model
+        that is only run (a frozen reference model, a teacher) is sharded all the same,
+        holding no gradient or optimizer state for its frozen parameters.
 
         Tensor parallelism: apply torch's plan (`parallelize_module`) on the tensor
         dimension of a 2-D (data, tensor) `device_mesh` and pass that mesh, or set
@@ -581,11 +583,15 @@ class ZeroEngine:
         self._memory.resync()  # the load may have created the optimizer state
         return loaded.client_state
 
-    def load_pretrained(self, path: str | os.PathLike, strict: bool = True) -> dict[str, int]:
+    def load_pretrained(
+        self, path: str | os.PathLike, strict: bool = True, into: str | None = None
+    ) -> dict[str, int]:
         """Load safetensors weights (a file, or Hugging Face shards with their index),
-        each rank reading only its own ranges; the optimizer state is left as it is."""
+        each rank reading only its own ranges; the optimizer state is left as it is.
+        `into`: the submodule they are the weights of (default: the model, or the
+        outermost Transformers model inside it)."""
         self.wait_for_parameters()
-        read = self._door.load_pretrained(path, strict)
+        read = self._door.load_pretrained(path, strict, into)
         self.refresh_from_masters()
         return read
 

@@ -89,16 +89,22 @@ class Prepared:
     device: torch.device
     module: nn.Module  # the model, out of a compiled wrapper (`compiled.py`)
     runner: Callable[..., Any]  # what a forward calls: the wrapper, or the module
+    # No optimizer given: a model that is only run (a DPO reference model, a teacher),
+    # sharded all the same; a stand-in owns its parameters and never steps.
+    evaluation_only: bool = False
 
 
 def prepare(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     config: ZeroConfig | dict | None,
     device: torch.device | str | None,
 ) -> Prepared:
     """Check what the user handed over, before anything is communicated."""
     cfg = coerce_config(config)
+    evaluation_only = optimizer is None
+    if evaluation_only and isinstance(model, nn.Module):
+        optimizer = torch.optim.SGD(list(model.parameters()), lr=0.0)
     optimizers = optimizer_list(optimizer, cfg)
     for opt in optimizers:
         check_optimizer(opt, cfg.allow_untested_optimizer)
@@ -114,7 +120,7 @@ def prepare(
             "train. Pass the model that holds the trainable parameters."
         )
     device = _resolve_device(params, device)
-    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner)
+    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner, evaluation_only)
 
 
 def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
@@ -245,7 +251,7 @@ def place_experts(
     params = prepared.params
     group_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
     for p in params:
-        if not p.param.requires_grad:
+        if not p.param.requires_grad or prepared.evaluation_only:
             group_of.pop(id(p.param), None)
     layers = expert_layers(model)
     placed = placed_modules(model, placement, groups.world_size)
@@ -254,7 +260,8 @@ def place_experts(
     # waiting in the next collective until the timeout.
     _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared)
     _warn_unoptimized(params, group_of)
-    _check_sizes(params, group_of)
+    if not prepared.evaluation_only:
+        _check_sizes(params, group_of)
     for layer in layers.values():  # before materialising: binding picks the experts
         if layer.ep_size > 1:
             partition = expert_parallel_partition(layer.ep_size, groups.world_size)
@@ -434,8 +441,10 @@ def shard_optimizers(
     # reads the same everywhere.
     for gi, group in enumerate(optimizer_set.param_groups):
         if gi not in by_group and group["params"]:
-            first = next(u for u in units for s in u.layout.slots if s.group_index == gi)
-            by_group[gi] = [(first, 0, 0)]
+            holders = (u for u in units for s in u.layout.slots if s.group_index == gi)
+            first = next(holders, None)
+            if first is not None:  # (none: an evaluation-only engine's stand-in)
+                by_group[gi] = [(first, 0, 0)]
     for k, opt in enumerate(optimizer_set.optimizers):
         offset = optimizer_set.group_offsets[k]
         repoint_optimizer(

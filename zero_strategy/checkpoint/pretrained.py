@@ -40,21 +40,53 @@ def _locate(path: Path) -> dict[str, Path]:
     )
 
 
+def pretrained_files(name_or_path: str | os.PathLike) -> Path:
+    """A local file or directory as it is; otherwise a Hugging Face Hub model name, of
+    which the config and safetensors files are downloaded (never pickled weights)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"])
+        )
+    except Exception as e:
+        raise FileNotFoundError(
+            f"{name_or_path} is neither a local path nor a Hub model that could be fetched "
+            f"({type(e).__name__}: {e}). Pass a directory holding config.json and safetensors "
+            "weights."
+        ) from e
+
+
 def load_pretrained(
     units: list[FlatUnit],
     module: nn.Module,
     path: str | os.PathLike,
     strict: bool = True,
     stored: Callable[[FlatUnit, str, tuple[int, ...]], Stored] | None = None,
+    into: str | None = None,
 ) -> dict[str, int]:
     """Fill the units' fp32 master shards (and the module's buffers) from safetensors;
     returns how many elements this rank read from the files (exactly its own ranges). With
     `strict`, names missing from the files or left unused raise. The caller refreshes its
     compute copies after. `stored` says where a parameter sits in the files (by default
-    under its own name and shape: experts pass their global names or batched rows)."""
+    under its own name and shape: experts pass their global names or batched rows).
+
+    `into` names the submodule the files are the weights of (a LightningModule's
+    `model`): the files' names are relative to it, and the rest of the module is left
+    alone. By default: the module itself, or if it is not a Transformers model, the
+    outermost one inside it (a LightningModule's, a PEFT model's base). Inside a PEFT
+    model, a wrapped layer's `base_layer` reads the base's own name, and its adapter
+    weights are not expected in the files."""
     stored = stored or (lambda unit, name, shape: Stored(name, tuple(shape)))
-    files = _Files(_locate(Path(path)))
-    tensors = _by_model_names(module, files)
+    files = _Files(_locate(pretrained_files(path)))
+    into = _weights_owner(module, files.keys()) if into is None else into
+    target = module.get_submodule(into) if into else module
+    prefix = f"{into}." if into else ""
+    adapters = _adapter_owners(target)
+    tensors = _by_model_names(target, files)
     available = set(tensors.keys())
     wanted: set[str] = set()
     missing: list[str] = []
@@ -63,7 +95,14 @@ def load_pretrained(
     with OneResident(modified=True) as in_memory:  # offloaded shards: unit by unit
         for unit in units:
             for slot in unit.layout.slots:
-                places = [stored(unit, n, slot.shape) for n in (slot.name, *slot.aliases)]
+                places = [
+                    _relative(stored(unit, n, slot.shape), prefix)
+                    for n in (slot.name, *slot.aliases)
+                    if n.startswith(prefix)
+                ]
+                places = [p for p in places if not _in_adapter(p.name, adapters)]
+                if not places:
+                    continue  # outside `into`, or a PEFT adapter's own weight
                 place = next((p for p in places if p.name in available), None)
                 if place is None:
                     missing.append(places[0].name)
@@ -86,7 +125,7 @@ def load_pretrained(
                     values = tensors.read_range(source, at + lo, at + hi)
                     in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                     read += hi - lo
-    buffers = dict(module.named_buffers())
+    buffers = dict(target.named_buffers())
     unexpected = sorted(available - wanted - set(buffers))
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(
@@ -103,6 +142,42 @@ def load_pretrained(
             buf.data.copy_(tensors.read(name))
     files.close()
     return {"elements_read": read}
+
+
+def _weights_owner(module: nn.Module, keys: list[str]) -> str:
+    """The module itself if the files name its parameters or it holds no Transformers
+    model, else the path of the outermost Transformers model inside it."""
+    own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    if own & set(keys):
+        return ""
+    for path, candidate in module.named_modules():
+        if hasattr(candidate, "base_model_prefix") and hasattr(candidate, "config"):
+            return path
+    return ""
+
+
+BASE_LAYER = "base_layer"  # where PEFT's wrapped layers keep the base model's module
+
+
+def _relative(place: Stored, prefix: str) -> Stored:
+    """A parameter's place in the files, by its name relative to the loaded submodule,
+    and by the base model's name inside a PEFT-wrapped layer."""
+    name = place.name[len(prefix) :].replace(f".{BASE_LAYER}.", ".")
+    return Stored(name, place.shape, place.offset)
+
+
+def _adapter_owners(module: nn.Module) -> list[str]:
+    """The modules of PEFT-wrapped layers (those holding a `base_layer`), whose other
+    parameters are the adapter's, as names after `_relative`."""
+    return [path for path, m in module.named_modules() if path and hasattr(m, BASE_LAYER)]
+
+
+def _in_adapter(name: str, owners: list[str]) -> bool:
+    base = ("weight", "bias")
+    return any(
+        name.startswith(f"{owner}.") and name.removeprefix(f"{owner}.") not in base
+        for owner in owners
+    )
 
 
 def _tensor_block(

@@ -115,9 +115,11 @@ class StateDoor:
         the optimizer state); the caller refreshes the compute copies."""
         return load(self._sharded_state(), path, load_optimizer_states)
 
-    def load_pretrained(self, path: str | os.PathLike, strict: bool) -> dict[str, int]:
+    def load_pretrained(
+        self, path: str | os.PathLike, strict: bool, into: str | None = None
+    ) -> dict[str, int]:
         """Safetensors weights into the masters, each rank reading its own ranges."""
-        return load_pretrained(self.units, self.module, path, strict, self.stored)
+        return load_pretrained(self.units, self.module, path, strict, self.stored, into)
 
     # ---------------------------------------------------------------- whole values
     def full_state_dict(

@@ -83,6 +83,9 @@ class ZeroPlugin:
     # "full": save_state writes the model and optimizer state as one file (CHECKPOINT_FILE,
     # {"model", "optimizer"} as FSDP's full state dicts hold them) instead of a directory.
     state_dict_type: str = "sharded"
+    # Safetensors weights (a file, a directory, a Hub-style sharded set) read into the
+    # model as prepare() shards it: each rank reads only its own ranges.
+    pretrained: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         check_state_dict_type(self.state_dict_type, "ZeroPlugin")
@@ -216,6 +219,7 @@ class ZeroAccelerator(Accelerator):
             names=("dp_shard", "tp"),
         )
         self.engine: ZeroEngine | None = None
+        self._run_only: list[ZeroEngine] = []  # frozen models sharded for evaluation
         self._unpaired_models: list[nn.Module] = []
         # Trainable models prepared without an optimizer: replicated, averaged as by DDP.
         self._replicas = ReplicatedModels()
@@ -234,9 +238,23 @@ class ZeroAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
         replaced: dict[int, Any] = {}
         models = [a for a in args if isinstance(a, nn.Module)]
+        trained = {
+            id(p)
+            for a in args
+            if isinstance(a, torch.optim.Optimizer)
+            for group in a.param_groups
+            for p in group["params"]
+        }
         for model in models:  # prepared before, e.g. again after free_memory()
             engine = self._engine_of(model)
-            if engine is not None:
+            if engine in self._run_only and any(id(p) in trained for p in model.parameters()):
+                # Sharded for evaluation first (a Trainer's evaluate() before train()):
+                # handed back whole, and sharded again with its optimizer below.
+                self._run_only.remove(engine)
+                engine.release_module()
+                attach(self._raw(model), None)
+                engine = None
+            if engine is not None and engine not in self._run_only:
                 self._adopt(engine)
         fresh = [m for m in models if self._engine_of(m) is None]
         optimizers = [
@@ -323,18 +341,39 @@ class ZeroAccelerator(Accelerator):
             model, optimizer, self.zero_config, device=self.device, device_mesh=self.device_mesh
         )
         attach(model, self.engine)
+        if self.zero_plugin.pretrained is not None:
+            self.engine.load_pretrained(self.zero_plugin.pretrained)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
         wrapped = ZeroOptimizer(optimizer, self.engine)
         mark_prepared(wrapped)  # prepare() keeps it, and lists it as Accelerate's own
         return prepared, wrapped
 
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ):
+        """A model prepared for evaluation only (TRL's DPO reference model, a
+        distillation teacher) is sharded at stage 3 as the trained one is: each rank holds
+        1/N of its parameters, gathered block by block as it runs, and no gradient or
+        optimizer state. Anything else as Accelerate's."""
+        if not (evaluation_mode and self.zero_config.stage == 3):
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        if self._engine_of(model) is None:
+            place_buffers(model, self.device)
+            engine = ZeroEngine(
+                model, None, self.zero_config, device=self.device, device_mesh=self.device_mesh
+            )
+            attach(model, engine)
+            self._run_only.append(engine)
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+
     def end_training(self) -> None:
         """As Accelerate's (trackers finished, the default group destroyed), with the
-        engine's work finished and its groups destroyed first, so that the process exits
+        engines' work finished and their groups destroyed first, so that the process exits
         cleanly."""
-        if self.engine is not None:
-            self.engine.close()
+        for engine in [self.engine, *self._run_only]:
+            if engine is not None:
+                engine.close()
         super().end_training()
 
     def free_memory(self, *objects: Any):

@@ -9,6 +9,7 @@ saved beside them, loadable with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Mapping
 from copy import deepcopy
 from pathlib import Path
@@ -69,11 +70,14 @@ class ZeroFabricStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         start_method: str = "popen",
         state_dict_type: str = "sharded",
+        pretrained: str | os.PathLike | None = None,
         **zero_options: Any,
     ):
         self._zero_base = zero_config_from(stage, config, zero_options)
         # "full": fabric.save writes one file, as FSDPStrategy(state_dict_type="full").
         self.state_dict_type = check_state_dict_type(state_dict_type, "ZeroFabricStrategy")
+        # Safetensors weights read into the model when it is sharded (each rank its ranges).
+        self.pretrained = pretrained
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -150,7 +154,12 @@ class ZeroFabricStrategy(DDPStrategy):
             )
         self.engine = ZeroEngine(module, list(optimizers), self._config(), device=self.root_device)
         self._for_evaluation = False
+        self._load_pretrained()
         return module, optimizers, scheduler
+
+    def _load_pretrained(self) -> None:
+        if self.pretrained is not None:
+            self.engine.load_pretrained(self.pretrained)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The model first and its optimizer later, the order Fabric recommends for FSDP:
@@ -224,6 +233,7 @@ class ZeroFabricStrategy(DDPStrategy):
         )
         self._for_evaluation = for_evaluation
         self._pending.remove(module)
+        self._load_pretrained()
 
     def _shard_for_evaluation(self, state: Any) -> None:
         """A model set up without an optimizer, saved or loaded: shard it with a stand-in

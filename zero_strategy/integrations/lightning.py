@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -124,9 +125,13 @@ def make_strategy(root: str):
             process_group_backend: str | None = None,
             start_method: str = "popen",
             state_dict_type: str = "sharded",
+            pretrained: str | os.PathLike | None = None,
             **zero_options: Any,
         ):
             self._zero_base = zero_config_from(stage, config, zero_options)  # validates early
+            # Safetensors weights (a file, a directory, a Hub-style sharded set) read into
+            # the sharded model once fit() first shards it: each rank reads its ranges.
+            self.pretrained = pretrained
             # "full": each checkpoint one file, as FSDPStrategy(state_dict_type="full").
             self.state_dict_type = check_state_dict_type(state_dict_type, "ZeroStrategy")
             super().__init__(
@@ -236,6 +241,8 @@ def make_strategy(root: str):
             )
             attach(model, self.engine)
             self.model = model
+            if self.pretrained is not None and existing is None:
+                self.engine.load_pretrained(self.pretrained)
 
         def model_to_device(self) -> None:
             """Buffers only: the engine copies each unit's parameters onto the device as it

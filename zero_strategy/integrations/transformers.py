@@ -17,6 +17,7 @@ state in `zero_model/` beside the model file, and resuming restores it exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import transformers.trainer as hf_trainer
 from transformers import Trainer
 
+from ..builder.meta_init import init_on_meta
+from ..checkpoint.pretrained import pretrained_files
 from .accelerate import (
     CHECKPOINT_DIR,
     CHECKPOINT_FILE,
@@ -32,6 +35,7 @@ from .accelerate import (
     engine_checkpoint_in,
 )
 from .adapters import trainable_state_dict
+from .devices import place_buffers
 
 
 class ZeroTrainer(Trainer):
@@ -40,7 +44,20 @@ class ZeroTrainer(Trainer):
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any):
         self.zero_plugin = zero_plugin or ZeroPlugin()
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, str | os.PathLike):  # built on meta, loaded by shards
+            model, path = model_on_meta(model)
+            self.zero_plugin = dataclasses.replace(self.zero_plugin, pretrained=path)
+            args, kwargs = (
+                ((model, *args[1:]), kwargs) if args else (args, {**kwargs, "model": model})
+            )
         super().__init__(*args, **kwargs)
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Buffers only: the engine puts each unit's shard on the device as it shards the
+        model, so the whole model never sits on one device (and a model built on the meta
+        device has nothing to move)."""
+        place_buffers(model, device)
 
     def create_accelerator_and_postprocess(self) -> None:
         if self.args.deepspeed or self.args.fsdp:
@@ -121,9 +138,46 @@ class ZeroTrainer(Trainer):
         self.zero_engine.load_checkpoint(saved, load_optimizer_states=False)
 
 
+@functools.cache
+def with_zero(trainer_class: type[Trainer]) -> type[Trainer]:
+    """`trainer_class` on ZeRO: TRL's `SFTTrainer`, `DPOTrainer`, `GRPOTrainer`, or any
+    `transformers.Trainer` subclass, with `ZeroTrainer` first in its bases, so that its
+    Accelerator, saving and loading come first and the trainer's own loss and data
+    handling are kept. One line:
+
+        trainer = with_zero(SFTTrainer)(model=..., args=..., train_dataset=...)
+
+    The same class as `class ZeroSFTTrainer(ZeroTrainer, SFTTrainer): pass`."""
+    if issubclass(trainer_class, ZeroTrainer):
+        return trainer_class
+    return type(f"Zero{trainer_class.__name__}", (ZeroTrainer, trainer_class), {})
+
+
 def _is_peft_model(model) -> bool:
     try:
         from peft import PeftModel
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def model_on_meta(name_or_path: str | os.PathLike):
+    """(model, weights path): the architecture a Hugging Face checkpoint names (its
+    config's `architectures`), built on the meta device, and where its safetensors are,
+    for the engine to load each rank's ranges once it has sharded the model. A Hub name
+    downloads the config and safetensors files only."""
+    import transformers
+
+    path = pretrained_files(name_or_path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    names = getattr(config, "architectures", None) or []
+    classes = [getattr(transformers, name, None) for name in names]
+    if not classes or classes[0] is None:
+        raise ValueError(
+            f"The config at {path} names no Transformers architecture ({names}); build the "
+            "model yourself on the meta device (zero_strategy.init_on_meta()) and pass "
+            "ZeroPlugin(pretrained=path)."
+        )
+    with init_on_meta():
+        model = classes[0]._from_config(config)
+    return model, path
