@@ -194,3 +194,67 @@ def test_peft_save_pretrained_writes_the_whole_adapter(stage, tmp_path):
         assert all(t.numel() > 0 for t in saved.values())
         loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / way)
         torch.testing.assert_close(_logits_of(loaded), expected, rtol=1e-5, atol=1e-5, msg=way)
+
+
+def _meta_built(rank, world, stage, path):
+    """The PEFT model built on the meta device and its base loaded by shards; then the
+    adapter values of `lora_model()` written in, and trained as `_train` does."""
+    with zero_strategy.init_on_meta():
+        base = base_model()
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+    model = peft.get_peft_model(base, config)
+    optimizer = _optimizer(model)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+    engine.load_pretrained(path)  # into the PEFT model's base, by the base's names
+    with torch.no_grad():
+        start = engine(input_ids=batch(99)).logits
+        zero_b = all(
+            bool((v == 0).all()) for n, v in engine.full_state_dict(False).items() if "lora_B" in n
+        )
+    model.load_state_dict(adapter_state(lora_model().state_dict().items()), strict=False)
+    rows = ROWS // world
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step)[rank * rows : (rank + 1) * rows]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        mean = torch.tensor(loss.item())
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    state = adapter_state(engine.full_state_dict(rank0_only=False).items())
+    engine.close()
+    return start, zero_b, losses, state
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_peft_model_built_on_meta_loads_its_base_by_shards_and_trains(stage, tmp_path):
+    """PEFT's own init on the meta-built adapters (B at zero: the model starts as its
+    base), the base read by shards through PEFT's `base_layer` names, then the same
+    training as one process."""
+    base_model().save_pretrained(tmp_path, max_shard_size="100KB")
+    start, zero_b, losses, state = run_world(_meta_built, 2, stage, str(tmp_path))[0]
+    assert zero_b
+    with torch.no_grad():
+        torch.testing.assert_close(start, base_model()(input_ids=batch(99)).logits)
+    ref_losses, ref_state = one_process(None)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _meta_with_init(rank, world, init):
+    with zero_strategy.init_on_meta():
+        base = base_model()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=TARGETS))
+    model.peft_config["default"].init_lora_weights = init  # one that reads the base
+    ZeroEngine(model, _optimizer(model), ZeroConfig(stage=3))
+
+
+def test_a_meta_built_adapter_whose_init_reads_the_base_is_refused_naming_the_way_out():
+    results = run_world(_meta_with_init, 2, "olora", expect_errors=True)
+    for status, payload in results:
+        assert status == "error"
+        assert "init_lora_weights='olora', which reads the base weights" in payload
+        assert "Build this PEFT model on real memory" in payload

@@ -74,6 +74,7 @@ def run_init(
         for path, module in model.named_modules()
         if callable(getattr(module, "zero_initialise", None))
     }
+    adapters = adapter_layers(model)
     done: set[str] = set()
     for path, module in modules:
         owner = next((o for o in owners if within(path, o)), None)
@@ -81,6 +82,12 @@ def run_init(
             if owner not in done:
                 owners[owner].zero_initialise()
                 done.add(owner)
+            continue
+        layer = next((a for a in adapters if within(path, a) and not _in_base(path, a)), None)
+        if layer is not None:
+            if layer not in done:  # PEFT's own init: LoRA's B at zero, A random
+                reset_adapters(model, layer, adapters[layer])
+                done.add(layer)
             continue
         hf_init = max(
             ((p, f) for p, f in hf_inits.items() if within(path, p)),
@@ -100,6 +107,42 @@ def run_init(
                 "param_init_fn=fn to ZeroEngine, where fn(module) initialises the parameters "
                 "a module owns directly."
             )
+
+
+def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """PEFT's LoRA layers (they hold a `base_layer` and initialise their adapters with
+    `reset_lora_parameters`), by path."""
+    return {
+        path: m
+        for path, m in model.named_modules()
+        if callable(getattr(m, "reset_lora_parameters", None)) and hasattr(m, "base_layer")
+    }
+
+
+def _in_base(path: str, layer: str) -> bool:
+    return within(path, f"{layer}.base_layer" if layer else "base_layer")
+
+
+def reset_adapters(model: nn.Module, path: str, layer: nn.Module) -> None:
+    """Initialise a meta-built LoRA layer's adapters as PEFT does, with the
+    `init_lora_weights` of the PEFT config that made them (the nearest `peft_config`
+    above the layer). Inits that read the base weights (PiSSA, OLoRA, ...) cannot run on
+    a base that is loaded later: refused with the way out."""
+    names = [*getattr(layer, "lora_A", {}), *getattr(layer, "lora_embedding_A", {})]
+    configs: dict = {}
+    for owner_path, owner in model.named_modules():
+        if within(path, owner_path) and isinstance(getattr(owner, "peft_config", None), dict):
+            configs = owner.peft_config  # the deepest holder wins: later ones are deeper
+    for name in dict.fromkeys(names):
+        init = getattr(configs.get(name), "init_lora_weights", True)
+        if init not in (True, False, "gaussian"):
+            raise ValueError(
+                f"LoRA adapter '{name}' of '{path}' was built on the meta device with "
+                f"init_lora_weights={init!r}, which reads the base weights; they are loaded "
+                "only after sharding. Build this PEFT model on real memory, or initialise "
+                "with init_lora_weights=True or 'gaussian'."
+            )
+        layer.reset_lora_parameters(name, init)
 
 
 def detach_meta_buffers(

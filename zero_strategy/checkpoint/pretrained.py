@@ -150,8 +150,13 @@ def _weights_owner(module: nn.Module, keys: list[str]) -> str:
     own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     if own & set(keys):
         return ""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return ""
     for path, candidate in module.named_modules():
-        if hasattr(candidate, "base_model_prefix") and hasattr(candidate, "config"):
+        # (by class: a PEFT model forwards unknown attributes to the model it wraps)
+        if isinstance(candidate, PreTrainedModel):
             return path
     return ""
 
