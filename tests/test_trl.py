@@ -132,3 +132,36 @@ def test_dpo_trainer_with_zero_trains_as_trl_on_ddp_and_shards_the_reference(tmp
         report, numel = reference["report"], reference["numel"]
         assert report["gradients"] == 0 and report["optimizer_state"] == 0
         assert 4 * numel / 2 <= report["parameters"] <= 4 * (numel / 2 + 2 * 8)
+
+
+def _length_reward(completions, **kwargs) -> list[float]:
+    return [float(len(c.split())) for c in completions]
+
+
+def _grpo(rank, world, out, zero):
+    from zero_strategy.integrations.transformers import with_zero
+
+    _env()
+    data = datasets.Dataset.from_dict({"prompt": _words(16, 4)})
+    common = {**_common(out), "per_device_train_batch_size": 4}
+    args = trl.GRPOConfig(**common, num_generations=4, max_completion_length=6)
+    cls = with_zero(trl.GRPOTrainer) if zero else trl.GRPOTrainer
+    trainer = cls(
+        model=_model(),
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=_tokenizer(),
+    )
+    trainer.train()
+    return _losses(trainer), [e.get("reward") for e in trainer.state.log_history if "reward" in e]
+
+
+def test_grpo_trainer_with_zero_trains_as_trl_on_ddp(tmp_path):
+    """Generation inside the training step (stage 3 gathers each block as generate runs
+    it), rewards, and the policy loss: as TRL's GRPO on DDP."""
+    stock = run_world(_grpo, 2, str(tmp_path / "ddp"), False)[0]
+    ours = run_world(_grpo, 2, str(tmp_path / "zero"), True)[0]
+    assert len(ours[0]) == STEPS
+    assert ours[1] == pytest.approx(stock[1], rel=1e-5)  # the same completions sampled
+    assert ours[0] == pytest.approx(stock[0], rel=1e-4, abs=1e-6)
