@@ -181,6 +181,15 @@ def test_lora_on_a_frozen_base_matches_the_stock_trainer(tmp_path):
             assert loss == pytest.approx(want_loss, rel=1e-5)
             assert norm == pytest.approx(want_norm, rel=1e-5)
     assert "adapter_model.safetensors" in ours[0][1]  # written by the main process
+    # save_model gathers the adapter's units alone (trainable_state_dict): the same
+    # tensors as the stock Trainer's file, none of them empty.
+    from safetensors.torch import load_file
+
+    mine = load_file(tmp_path / "zero" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "ddp" / "adapter_model.safetensors")
+    assert mine.keys() == theirs.keys() and all(t.numel() > 0 for t in mine.values())
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_torch_compile_trains_as_the_eager_zero_trainer(tmp_path):

@@ -228,7 +228,9 @@ class ZeroEngine:
             ]
         handles += [
             model.register_forward_pre_hook(EngineHook(lambda *_: self.before_forward())),
-            model.register_forward_hook(EngineHook(lambda *_: self.after_forward())),
+            model.register_forward_hook(
+                EngineHook(lambda _module, _args, output: self.after_forward(output))
+            ),
         ]
         return handles
 
@@ -314,13 +316,16 @@ class ZeroEngine:
         self.before_forward()
         self.schedule.begin_step()
 
-    def after_forward(self) -> None:
+    def after_forward(self, output: Any = None) -> None:
         """As DDP: a forward followed by a synchronised backward may have changed buffers
         (BatchNorm statistics); the next forward, of any kind, starts from rank 0's.
-        Evaluation and no_sync() forwards leave them as they are."""
+        Evaluation and no_sync() forwards leave them as they are. The backward through
+        `output` (the forward's, or the framework's step's) is watched from its start."""
         if not in_backward():
             self._buffers.after_forward(torch.is_grad_enabled() and self.reducer.sync)
             self._backward_pending = torch.is_grad_enabled()
+            if torch.is_grad_enabled():
+                self.reducer.watch_outputs(output)
 
     def _zero_if_cleared_elsewhere(self) -> None:
         """Honour a zero_grad() that did not come through the engine: optimizer params

@@ -279,10 +279,12 @@ def make_strategy(root: str):
             if self.engine is None:
                 return getattr(super(), name)(*args, **kwargs)
             self.engine.begin_step()
+            output = None
             try:
-                return getattr(super(), name)(*args, **kwargs)
+                output = getattr(super(), name)(*args, **kwargs)
+                return output
             finally:
-                self.engine.after_forward()
+                self.engine.after_forward(output)
 
         def training_step(self, *args, **kwargs):
             return self._around_forward("training_step", *args, **kwargs)

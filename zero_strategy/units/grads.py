@@ -28,15 +28,18 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 from ..private_api import (
     clear_post_accumulate_grad_hooks,
     post_accumulate_grad_hooks,
     queue_backward_callback,
     storage_use_count,
+    tree_flatten,
 )
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 from .flat_unit import FlatUnit
@@ -228,6 +231,18 @@ class GradReducer:
             self._dtensor_hooks[i] = (p, position, slot_index, at, weakref.ref(local_tensor(p)))
 
     # ---------------------------------------------------------------- hooks
+    def watch_outputs(self, output: Any) -> None:
+        """Start a backward's bookkeeping when the first gradient reaches the model's
+        outputs. That hook runs in the backward the user started, so the end-of-backward
+        callback is queued on it; the first parameter's hook may run inside a nested
+        backward (reentrant activation checkpointing recomputes a block and runs its
+        backward inside the outer one), whose end is not the end of backward."""
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda _grads: self.backward_started(), mode="any")
+
     def backward_started(self) -> None:
         """Queue the end-of-backward callback once per backward pass, and start its walk
         through the reduction order."""
