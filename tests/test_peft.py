@@ -110,8 +110,8 @@ def two_ranks(stage: int, checkpointing: str | None):
     return run_world(_train, 2, stage, checkpointing)
 
 
-RUNS = [(0, None), (1, None), (1, "reentrant"), (2, "reentrant"), (2, "non-reentrant")]
-RUNS += [(3, None), (3, "reentrant"), (3, "non-reentrant")]
+# Every stage without recomputation and with each of Hugging Face's two checkpointing modes.
+RUNS = [(stage, mode) for stage in (0, 1, 2, 3) for mode in (None, "reentrant", "non-reentrant")]
 
 
 @pytest.mark.parametrize("stage,checkpointing", RUNS)
