@@ -463,7 +463,7 @@ def shard_optimizers(
             hi,
             opt_param,
             gi,
-            unit.grad_opt[lo:hi] if unit.grad_opt is not None else None,
+            unit.grad_opt_untouched[lo:hi] if unit.grad_opt_untouched is not None else None,
         )
         for gi, segs in by_group.items()
         for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])

@@ -58,7 +58,7 @@ def _add_model_state(
     for unit in units:
         ledger.add("master_params", unit.master)
     for unit in units:
-        ledger.add("gradients", unit.grad_opt)
+        ledger.add("gradients", unit.grad_opt_untouched)
         if stage < 2:
             ledger.add("gradients", unit.grad_full)
     for state in states:

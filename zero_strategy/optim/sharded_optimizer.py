@@ -263,6 +263,8 @@ class ShardedOptimizer:
         own norm). Returns (stepped, compute copies written): stepped is False when the
         step was skipped for an fp16 overflow."""
         chosen, groups = self.chosen(optimizer)
+        for unit in self.units:  # a step with no backward before it reads no-gradient
+            unit.prepare_grads()
         norm, overflow = self.unscale_and_measure(groups)
         if overflow:
             self.scaler.update(True)

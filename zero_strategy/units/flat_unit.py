@@ -96,7 +96,8 @@ class FlatUnit:
         self.shard: torch.Tensor | None = None  # stage 3: compute dtype, shard_numel
         self.master: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self._grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
-        self.grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
+        self._grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
+        self._grads_untouched = False  # its memory taken, not yet written (`grad_opt`)
         self._persistent = stage < 3  # stage 3: the scheduler's residency rule
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
@@ -199,8 +200,11 @@ class FlatUnit:
             self._grad_full = no_gradient(lay.padded_numel, self.compute_dtype, self.device)
             if not apart:
                 self.grad_opt = self.grad_full[self.opt_start : self.opt_end]
-        if self.grad_opt is None and lay.trainable:
-            self.grad_opt = self._on_host(None)
+        if self._grad_opt is None and lay.trainable:
+            # Taken, not written: a host rank's pages stay unused until training fills
+            # them (a freshly built engine, pretrained weights loading into it).
+            self._grad_opt = self._on_host(None, fill=False)
+            self._grads_untouched = True
         if self.grad_full is not None:
             self.attach_param_grads()
 
@@ -224,16 +228,45 @@ class FlatUnit:
             self._copied_back = torch.cuda.Event()
             self._copied_back.record(torch.cuda.current_stream(self.device))
 
-    def _on_host(self, values: torch.Tensor | None) -> torch.Tensor:
+    def _on_host(self, values: torch.Tensor | None, fill: bool = True) -> torch.Tensor:
         """A tensor of the optimizer's side (master dtype, this rank's slice, on `host`):
-        a copy of `values`, or zeros."""
+        a copy of `values`, or the no-gradient mark (or, without `fill`, unwritten)."""
         out = torch.empty(
             self.opt_end - self.opt_start,
             dtype=self.master_dtype,
             device=self.host,
             pin_memory=self.pin,
         )
-        return fill_no_gradient(out) if values is None else out.copy_(values)
+        if values is not None:
+            return out.copy_(values)
+        return fill_no_gradient(out) if fill else out
+
+    # ------------------------------------------------------------------ gradient shard
+    @property
+    def grad_opt(self) -> torch.Tensor | None:
+        """The fp32 gradient shard. It is written (the no-gradient mark) at its first
+        use, not when the unit is built: until then its host pages are not touched, so
+        a freshly built engine (and pretrained weights loading into it) holds none."""
+        if self._grads_untouched:
+            self.prepare_grads()
+        return self._grad_opt
+
+    @grad_opt.setter
+    def grad_opt(self, value: torch.Tensor | None) -> None:
+        self._grad_opt = value
+        self._grads_untouched = False
+
+    @property
+    def grad_opt_untouched(self) -> torch.Tensor | None:
+        """The gradient shard as it is, unwritten or not: to make views of it (the
+        optimizer's) and to count its bytes, neither of which reads it."""
+        return self._grad_opt
+
+    def prepare_grads(self) -> None:
+        """Write the gradient shard's first values, if nothing has yet."""
+        if self._grads_untouched:
+            self._grads_untouched = False
+            fill_no_gradient(self._grad_opt)
 
     @property
     def locals(self) -> list[torch.Tensor]:

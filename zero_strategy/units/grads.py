@@ -248,6 +248,8 @@ class GradReducer:
         through the reduction order."""
         if not self._callback_queued:
             self._callback_queued = True
+            for unit in self.units:  # (the first backward writes them first)
+                unit.prepare_grads()
             queue_backward_callback(self._finish_backward)
             self._turns = self._start_turns() if self.sync else None
             if self.sync:
