@@ -802,6 +802,51 @@ def test_root_parameters_used_directly_in_a_step_are_whole_as_under_ddp():
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)
 
 
+def _weights_pinned_in_the_step(rank, world, strategy):
+    """A training_step that pins weights by `.data` assignment before the module runs
+    (Lightning's own spike-detection tests write `self.layer.weight.data = ones` so): a
+    block's weight (a unit of its own at stage 3) and a head the root unit holds. Under
+    DDP the module computes with the pinned values and the step updates from them."""
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+
+    class PinsWeights(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 3)])
+            self.head = torch.nn.Linear(3, 1, bias=False)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                self.blocks[0].weight.data = torch.eye(3)
+                if batch_idx % 2:
+                    self.head.weight.data = torch.ones_like(self.head.weight.data)
+            loss = self.head(torch.tanh(self.blocks[0](batch[0]))).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = PinsWeights()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * world, 3, generator=g))
+    trainer = quiet_trainer(world, strategy, max_steps=4)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    return module.losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weights_pinned_by_data_in_a_training_step_are_computed_with_as_under_ddp(stage):
+    ddp = run_world(_weights_pinned_in_the_step, 2, "ddp")
+    ours = run_world(_weights_pinned_in_the_step, 2, f"zero{stage}")
+    for got, want in zip(ours, ddp):
+        assert len(got) == len(want) == 4
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)
+
+
 def _read_at_epoch_end(rank, world, strategy, pruning):
     """A callback reading the parameters at each epoch's end (a user's weight statistics),
     or Lightning's ModelPruning (masks computed there)."""

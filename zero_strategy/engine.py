@@ -159,6 +159,12 @@ class ZeroEngine:
         side = steps.optimizer_side(prepared, self.units, homes, self.groups, self._memory.sample)
         self._store_finalizer = weakref.finalize(self, side.state_store.closer())
         self.fused_step = side.fused[0]
+        self._replaced = ReplacedDataWatch(
+            self.units,
+            self.stage,
+            cfg.compute_torch_dtype,
+            finish_publishing=lambda: self.schedule.finish_publishing(),
+        )
         self.schedule = UnitSchedule(
             model,
             self.units,
@@ -168,9 +174,7 @@ class ZeroEngine:
             self._memory.sample,
             side.norm.note_landed,
             self._on_backward_end,
-        )
-        self._replaced = ReplacedDataWatch(
-            self.units, self.stage, cfg.compute_torch_dtype, self.schedule.finish_publishing
+            written=self._replaced,
         )
         # 8. The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
         # masters between steps, stage 3's parameter shards between uses, and the
@@ -227,7 +231,11 @@ class ZeroEngine:
                 if any(id(p) in owners for p in module.parameters(recurse=False))
             ]
         handles += [
-            model.register_forward_pre_hook(EngineHook(lambda *_: self.before_forward())),
+            # First of the root's pre-hooks: values written since the last use are
+            # adopted before stage 3's first gather of the forward (and its prefetch).
+            model.register_forward_pre_hook(
+                EngineHook(lambda *_: self.before_forward()), prepend=True
+            ),
             model.register_forward_hook(
                 EngineHook(lambda _module, _args, output: self.after_forward(output))
             ),

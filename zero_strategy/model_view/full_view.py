@@ -115,18 +115,24 @@ def write_back_unit(unit: FlatUnit) -> None:
     """This rank's slice of the (gathered) full values into its fp32 master and, at
     stage 3, its compute-dtype shard. In reduced precision only the elements that differ
     from the master's rounding are written, so reading alone never rounds a master."""
-    view = unit.full[unit.opt_start : unit.opt_end]
+    write_back_part(unit, unit.opt_start, unit.full[unit.opt_start : unit.opt_end])
+
+
+def write_back_part(unit: FlatUnit, lo: int, values: torch.Tensor) -> None:
+    """`values` (the compute dtype) for flat elements [lo, lo + len) of this rank's
+    slice into its master and stage-3 shard, as `write_back_unit` writes them."""
+    local = slice(lo - unit.opt_start, lo - unit.opt_start + values.numel())
     with unit.master_resident(modified=True):  # offloaded: read, updated, written
-        master = unit.master
-        if view.data_ptr() != master.data_ptr():
-            if view.dtype == master.dtype:
-                master.copy_(view)
+        master = unit.master[local]
+        if values.data_ptr() != master.data_ptr():
+            if values.dtype == master.dtype:
+                master.copy_(values)
             else:  # (the master may be in host memory: the comparison is made there)
-                here = view.to(master.device)
-                changed = here != master.to(view.dtype)
+                here = values.to(master.device)
+                changed = here != master.to(values.dtype)
                 master[changed] = here[changed].to(master.dtype)
-        if unit.shard is not None and unit.shard.data_ptr() != master.data_ptr():
-            unit.shard.copy_(view)
+        if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
+            unit.shard[local].copy_(values)
 
 
 class FullGrads:

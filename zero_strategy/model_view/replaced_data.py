@@ -1,20 +1,23 @@
-"""Parameters whose `.data` was replaced outside the engine, at stages 0-2.
+"""Parameters whose `.data` was replaced outside the engine.
 
 `param.data = tensor` is how some code writes weights: Lightning's ModelPruning resets
-the surviving weights to their initial values that way (the lottery ticket), and
-`torch.nn.utils.prune.remove` makes a pruning permanent with it. At stages 0-2 a
-parameter is a view of its unit's flat buffer, which each step refreshes from the fp32
-master. A replaced `.data` is a view no longer: the module would go on computing with the
-written values while the step's updates land in a buffer nothing reads. Under DDP the
-written values are the parameter, and training goes on from them.
+the surviving weights to their initial values that way (the lottery ticket),
+`torch.nn.utils.prune.remove` makes a pruning permanent with it, and a training step may
+pin a weight by hand. Under DDP the written values are the parameter, and training goes
+on from them. Here a parameter shows its unit's memory (stages 0-2: a view of the flat
+buffer, which each step refreshes from the fp32 master; stage 3: a view of the gather
+buffer, or a placeholder between uses). A replaced `.data` is a view no longer: the
+module would compute with the written values while the step's updates land in a buffer
+nothing reads, or (stage 3) the next gather would silently put the old values back.
 
-Before each forward, and wherever the weights are read or written outside forward (a
-step, a checkpoint, a state dict: `wait_for_parameters`), the engine finds such
-parameters (a pointer comparison per parameter) and adopts what was written: the values
-go into the flat buffer and into this rank's slice of the master, and the parameter is a
-view again.
-Stage 3 is not covered: there a parameter outside forward is an empty placeholder, and
-writes to the full weights go through `engine.gathered_parameters()`.
+So the written values are adopted: they go into this rank's slice of the master (and its
+stage-3 shard), into the full buffer where the unit is whole, and the parameter shows the
+unit's memory again. The engine looks before each forward and wherever the weights are
+read or written outside forward (a step, a checkpoint, a state dict:
+`wait_for_parameters`); at stage 3 the gather schedule also looks at each unit just before
+a gather points its parameters anew and before a free (`adopt_unit`), so a write made in
+a training step before the module runs, or while it is gathered, is what it computes
+with. Every rank adopts its own slice: no collective, as the write itself had none.
 """
 
 from __future__ import annotations
@@ -24,65 +27,75 @@ from collections.abc import Callable
 
 import torch
 
-from ..tensor_parallel import local_tensor
 from ..units.flat_unit import FlatUnit
-from .full_view import write_back_unit
+from .full_view import write_back_part, write_back_unit
 
 
-def replaced_slots(unit: FlatUnit) -> tuple[list[int], list[int]]:
-    """The indices of `unit`'s parameters whose memory is no longer the flat buffer's:
-    (written values: a tensor of the same device and dtype, to adopt; values of another
-    dtype on the same device, which are not adopted). A parameter moved to another device
+def replaced_slots(
+    unit: FlatUnit, replaced: dict[int, torch.Tensor] | None = None
+) -> tuple[list[int], list[int]]:
+    """The indices of `unit`'s parameters whose memory is no longer the unit's: (written
+    values: a tensor of the same device and dtype, to adopt; values of another dtype on
+    the same device, which are not adopted). A parameter moved to another device
     (`model.cpu()` for inference after training) is left as the user made it."""
-    full = unit.full
-    if full is None:
+    if unit.stage < 3 and unit.full is None:
         return [], []
-    base, size = full.data_ptr(), full.element_size()
     written, converted = [], []
-    for i, (slot, local) in enumerate(zip(unit.layout.slots, unit.locals)):
-        if (
-            slot.end == slot.offset
-            or local.data_ptr() == base + slot.offset * size
-            or local.device != full.device
-        ):
+    for index, local in (unit.replaced() if replaced is None else replaced).items():
+        if local.device != unit.device:
             continue
-        (written if local.dtype == full.dtype else converted).append(i)
+        (written if local.dtype == unit.compute_dtype else converted).append(index)
     return written, converted
 
 
-def converted_warning(names: list[str], dtype: torch.dtype) -> str:
+def converted_warning(names: list[str], dtype: torch.dtype, stage: int) -> str:
     """The warning for parameters whose `.data` now holds another dtype than the engine's
     (`model.half()`, or values assigned in fp32 to a bf16 model)."""
+    fate = (
+        "are ignored: at stage 3 the parameters show the engine's values again at their next gather"
+        if stage >= 3
+        else "are left as they are, and the optimizer's steps no longer reach them"
+    )
     return (
         f"The .data of parameter(s) {names} was replaced by tensors of another dtype than "
-        f"the ZeRO engine's {dtype}: they are left as they are, and the optimizer's steps "
-        "no longer reach them. To change the weights and keep training, assign values of "
-        f"dtype {dtype} (or write them in place, or inside engine.gathered_parameters())."
+        f"the ZeRO engine's {dtype}: they {fate}. To change the weights and keep "
+        f"training, assign values of dtype {dtype} (or write them in place, or inside "
+        "engine.gathered_parameters())."
     )
 
 
 @torch.no_grad()
-def adopt_replaced(unit: FlatUnit, indices: list[int]) -> None:
-    """Take the written values of `unit`'s parameters at `indices` into the flat buffer
-    and this rank's master slice, and point the parameters back at the buffer."""
-    for i in indices:
-        slot, param = unit.layout.slots[i], unit.params[i]
-        local = local_tensor(param)
-        if tuple(local.shape) != tuple(slot.shape):
+def adopt_replaced(unit: FlatUnit, written: dict[int, torch.Tensor]) -> None:
+    """Take the values written to `unit`'s parameters (index -> tensor) into this rank's
+    master slice (and stage-3 shard) and, where the unit is whole, its full buffer; the
+    parameters show the unit's memory again."""
+    for index, values in written.items():
+        slot = unit.layout.slots[index]
+        if tuple(values.shape) != tuple(slot.shape):
             raise ValueError(
                 f"The .data of parameter {slot.name!r} was replaced by a tensor of shape "
-                f"{tuple(local.shape)}, but it has shape {tuple(slot.shape)} in the ZeRO "
+                f"{tuple(values.shape)}, but it has shape {tuple(slot.shape)} in the ZeRO "
                 "engine. Assign a tensor of the same shape, or write in place "
                 "(param.data.copy_(values))."
             )
-        unit.full[slot.offset : slot.end].copy_(local.detach().reshape(-1))
-        unit.point_param_at(i)
-    write_back_unit(unit)
+        flat = values.detach().reshape(-1)
+        if unit.full is not None:
+            unit.full[slot.offset : slot.end].copy_(flat)
+            unit.point_param_at(index)
+            continue
+        lo, hi = unit.mine_of(slot)  # stage 3, freed: this rank's part goes to its slice
+        if lo < hi:
+            write_back_part(unit, lo, flat[lo - slot.offset : hi - slot.offset])
+        if not unit.gathering:  # (in flight: its gather is stale there; taken again after)
+            unit.show_freed(index)
+    if unit.full is not None:
+        write_back_unit(unit)
 
 
 class ReplacedDataWatch:
-    """The engine's look for replaced `.data` (stages 0-2), before each forward and in
-    every `wait_for_parameters`: written values adopted, another dtype named once."""
+    """The engine's look for replaced `.data`, before each forward and in every
+    `wait_for_parameters` (and at stage 3 around each gather and free: `adopt_unit`):
+    written values adopted, another dtype named once."""
 
     def __init__(
         self,
@@ -92,15 +105,37 @@ class ReplacedDataWatch:
         finish_publishing: Callable[[], None],
     ):
         self.units = units
-        self.active = stage < 3
+        self.stage = stage
         self.compute_dtype = compute_dtype
         self.finish_publishing = finish_publishing  # a post-step gather into the buffers
         self._named: set[str] = set()  # replaced by another dtype, warned once
 
     def look(self) -> None:
-        if not self.active:
-            return
         found = [(unit, replaced_slots(unit)) for unit in self.units]
+        self._name_converted(found)
+        written = [(unit, slots) for unit, (slots, _) in found if slots]
+        if not written:
+            return
+        self.finish_publishing()  # a post-step gather into the same buffers first
+        for unit, slots in written:
+            adopt_replaced(unit, {i: unit.locals[i].detach() for i in slots})
+
+    def taken(self, unit: FlatUnit) -> dict[int, torch.Tensor]:
+        """Stage 3, before a gather points `unit`'s parameters anew: what was written to
+        them (a dtype conversion named, and dropped)."""
+        replaced = unit.replaced()
+        written, converted = replaced_slots(unit, replaced)
+        self._name_converted([(unit, (written, converted))])
+        return {i: replaced[i] for i in written}
+
+    def adopt_unit(self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None) -> None:
+        """Stage 3: adopt what was written to `unit`'s parameters (`written`, taken before
+        a gather pointed them anew; by default what they hold now, before a free)."""
+        written = self.taken(unit) if written is None else written
+        if written:
+            adopt_replaced(unit, written)
+
+    def _name_converted(self, found) -> None:
         converted = [
             unit.layout.slots[i].name
             for unit, (_, other) in found
@@ -109,10 +144,13 @@ class ReplacedDataWatch:
         ]
         if converted:
             self._named.update(converted)
-            warnings.warn(converted_warning(converted, self.compute_dtype), stacklevel=4)
-        written = [(unit, slots) for unit, (slots, _) in found if slots]
-        if not written:
-            return
-        self.finish_publishing()  # a post-step gather into the same buffers first
-        for unit, slots in written:
-            adopt_replaced(unit, slots)
+            warnings.warn(
+                converted_warning(converted, self.compute_dtype, self.stage), stacklevel=5
+            )
+        if self.stage >= 3:
+            for unit, (_, other) in found:
+                for index in other:  # ignored: shown as the engine holds them
+                    if unit.full is not None:
+                        unit.point_param_at(index)
+                    else:
+                        unit.show_freed(index)

@@ -327,6 +327,41 @@ class FlatUnit:
             slot = self.layout.slots[index]
             copy.copy_(self.full[slot.offset : slot.end].view(slot.shape))
 
+    def replaced(self) -> dict[int, torch.Tensor]:
+        """Parameters whose `.data` code outside the engine replaced since the unit last
+        pointed them (its build, a gather, a free): index -> the tensor holding their
+        values now (`param.data = values`: a lottery-ticket reset, a weight pinned by
+        hand). A zero-size parameter has nothing to replace."""
+        found = {}
+        for index, (slot, local) in enumerate(zip(self.layout.slots, self.locals)):
+            if slot.end != slot.offset and local.data_ptr() != self._shown_at(index):
+                found[index] = local.detach()  # the written memory, not the parameter
+        return found
+
+    def _shown_at(self, index: int) -> int:
+        """The address parameter `index` shows its values at: its slice of the full
+        buffer, its own copy (a DTensor at stage 3), or the freed placeholder."""
+        if self.full is None:
+            return self._placeholders[index].data_ptr()
+        copy = self._copies.get(index)
+        if copy is not None and self.stage >= 3:
+            return copy.data_ptr()
+        offset = self.layout.slots[index].offset
+        return self.full.data_ptr() + offset * self.full.element_size()
+
+    @property
+    def gathering(self) -> bool:
+        """Stage 3: a gather into the buffer is in flight (its memory taken, the
+        parameters not yet pointed at it)."""
+        return (
+            self.full is None and self._buf is not None and self._buf.untyped_storage().nbytes() > 0
+        )
+
+    def show_freed(self, index: int) -> None:
+        """Stage 3, not gathered: parameter `index` shows the freed placeholder again."""
+        local_tensor(self.params[index]).data = self._placeholders[index]
+        match_local_dtype(self.params[index])
+
     def _free_storage_views(self) -> None:
         """Stage 3: a freed parameter keeps its own shape, numel, dtype and device (what
         summaries, `.grad` assignment and shape checks read) over one shared NaN element:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -43,6 +44,25 @@ from .storage_pool import StoragePool
 READ_AHEAD = 3
 
 
+class WrittenValues(Protocol):
+    """What code outside the engine wrote to a unit's parameters (`param.data = values`),
+    taken before a gather points them anew and adopted once it is whole, or adopted just
+    before a free (`model_view/replaced_data.py`)."""
+
+    def taken(self, unit: FlatUnit) -> dict[int, torch.Tensor]: ...
+    def adopt_unit(
+        self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None
+    ) -> None: ...
+
+
+class _NothingWritten:
+    def taken(self, unit: FlatUnit) -> dict[int, torch.Tensor]:
+        return {}
+
+    def adopt_unit(self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None) -> None:
+        pass
+
+
 class GatherManager:
     def __init__(
         self,
@@ -56,8 +76,10 @@ class GatherManager:
         on_memory: Callable[[], None] = lambda: None,
         finish_reductions: Callable[[], None] = lambda: None,
         release_reductions: Callable[[int], None] = lambda position: None,
+        written: WrittenValues | None = None,
     ):
         self.units = units
+        self.written = _NothingWritten() if written is None else written
         self.on_memory = on_memory  # told after a gather's memory is taken or given back
         # The divergence check over the data-parallel ranks (None: off).
         self.order_check = (
@@ -206,6 +228,7 @@ class GatherManager:
 
     def _free(self, unit: FlatUnit) -> None:
         if unit.gathered:
+            self.written.adopt_unit(unit)  # written while whole: kept, as under DDP
             unit.free_full()
             self.on_memory()
 
@@ -440,7 +463,10 @@ class GatherManager:
         return started
 
     def _finish(self, unit: FlatUnit) -> None:
+        written = self.written.taken(unit)  # before the gather points the parameters anew
         unit.finish_gather(self.pending.pop(unit.layout.index))
+        if written:
+            self.written.adopt_unit(unit, written)
 
     def _finish_agreed(self, finish_reductions: Callable[[], None]) -> None:
         """A divergence was found: wait for the gathers (and, through the engine, the

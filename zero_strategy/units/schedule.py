@@ -23,7 +23,7 @@ from ..comm.topology import ProcessGroups
 from ..config import ZeroConfig
 from ..layout.partition import select_unit_modules
 from .flat_unit import FlatUnit
-from .gather import STATE_DICT, GatherManager
+from .gather import STATE_DICT, GatherManager, WrittenValues
 from .grads import GradReducer
 from .publish import ParameterPublisher
 
@@ -39,6 +39,7 @@ class UnitSchedule:
         on_memory: Callable[[], None],
         on_grads_landed: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
+        written: WrittenValues | None = None,
     ):
         self.units = units
         self._on_backward_end = on_backward_end  # the engine's: the gradients are in
@@ -83,6 +84,7 @@ class UnitSchedule:
                 on_memory=on_memory,
                 finish_reductions=self.reducer.finish_sent,
                 release_reductions=self.reducer.release_through,
+                written=written,
             )
 
     @property
