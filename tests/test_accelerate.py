@@ -168,6 +168,30 @@ def test_bf16_autocast_stays_close_to_fp32(ddp_run):
         )
 
 
+def _fp16_on_cpu(rank, world, kind):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _loop(rank, world, kind, 3, mixed_precision="fp16")
+    result["said"] = [str(w.message) for w in caught if "mixed_precision='fp16'" in str(w.message)]
+    return result
+
+
+def test_fp16_on_the_cpu_trains_in_fp32_as_accelerate_does_under_ddp():
+    """Accelerate runs mixed_precision="fp16" as fp32 on the CPU (no fp16 autocast or
+    scaler there): fp32 weights, fp32 inputs. The engine used to compute in fp16 weights,
+    and a Linear fed fp32 inputs failed ("mat1 and mat2 must have the same dtype")."""
+    ddp = run_world(_fp16_on_cpu, 2, "ddp")
+    ours = run_world(_fp16_on_cpu, 2, "zero")
+    for got, want in zip(ours, ddp):
+        assert want["said"] == [] and len(got["said"]) == 1
+        assert "mixed_precision='bf16'" in got["said"][0] and "compute_dtype" in got["said"][0]
+        for a, b in zip(got["losses"], want["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b)
+    assert all(v.dtype == torch.float32 for v in ours[0]["state"].values())
+
+
 def test_plugin_reads_file_then_environment_then_arguments(tmp_path, monkeypatch):
     from zero_strategy.integrations.accelerate import ZeroPlugin
 

@@ -209,7 +209,7 @@ class ZeroAccelerator(Accelerator):
             )
         require_cpu_or_cuda(self.device, "Accelerator")
         self.zero_plugin = zero_plugin or ZeroPlugin()
-        self.zero_config = self.zero_plugin.resolve(str(self.mixed_precision), deepspeed_env)
+        self.zero_config = self.zero_plugin.resolve(self._precision_as_run(), deepspeed_env)
         # Tensor parallelism: the (dp_shard, tp) mesh, named as Accelerate names its own;
         # apply the plan on accelerator.device_mesh["tp"] before building the optimizer.
         self.device_mesh = tensor_parallel_mesh(
@@ -394,6 +394,24 @@ class ZeroAccelerator(Accelerator):
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine | None:
         return engine_of(self._raw(model))
+
+    def _precision_as_run(self) -> str:
+        """The mixed precision Accelerate applies on this device. It runs "fp16" as fp32
+        where it has no fp16 autocast and scaler (the CPU): a DDP user's model keeps fp32
+        weights there and takes fp32 inputs. The engine follows, and says so, instead of
+        computing in fp16 weights that fp32 inputs cannot meet."""
+        precision = str(self.mixed_precision)
+        if precision == "fp16" and not self.native_amp:
+            warnings.warn(
+                f"Accelerator(mixed_precision='fp16') on {self.device.type}: Accelerate "
+                "applies no fp16 there (no autocast, no gradient scaler), and so the ZeRO "
+                "engine computes in fp32, as DDP does under Accelerate. For reduced "
+                "precision on the CPU use mixed_precision='bf16'; for fp16 weights with fp32 "
+                "masters pass ZeroPlugin(options={'compute_dtype': 'fp16'}).",
+                stacklevel=3,
+            )
+            return "no"
+        return precision
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's module, as Accelerate's; at stage 3 with its full parameters
