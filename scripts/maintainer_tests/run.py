@@ -387,7 +387,8 @@ def report(runs: dict[tuple[str, str], SuiteRun], baseline_note: dict, args) -> 
         "",
         f"Command: `{' ; '.join(dict.fromkeys(r.command for r in runs.values()))}`",
         "",
-        "Each ZeRO run is the same selection (scripts/maintainer_tests/selection.txt) with "
+        "Each ZeRO run is the same selection (found by rule, scripts/maintainer_tests/rule.py, "
+        "or with --select list the hand-made scripts/maintainer_tests/selection.txt) with "
         "every DDP strategy name, `DDPStrategy` instance and `Accelerator` resolved to "
         "zero-strategy's (scripts/maintainer_tests/swap_plugin.py). *passed w/o the "
         "strategy*: passed without ever building the strategy under test (a ZeRO strategy "
@@ -438,7 +439,7 @@ def one_line(message: str, limit: int = 240) -> str:
 
 def _results_file(suite: str, strategy: str, select: str) -> Path:
     """Saved results, one file per selection kind: a baseline compares like with like."""
-    tag = "" if select == "list" or suite != "lightning" else "-rule"
+    tag = "" if select == "list" else "-rule"
     return sources.CACHE / "results" / f"{suite}-{strategy}{tag}.json"
 
 
@@ -485,6 +486,41 @@ def _rule_entries(root: Path) -> tuple[list[Entry], str]:
     return entries, note
 
 
+def _accelerate_rule_entries(root: Path) -> tuple[list[Entry], str]:
+    """Accelerate's entries found by rule (rule.py): the tests that launch DDP in the test
+    process (debug_launcher) run as they are; the scripts that the multi-device tests
+    launch run under torchrun on 2 CPU processes (re-targeted: the tests themselves skip
+    without 2 accelerators)."""
+    import accelerate.test_utils
+
+    scripts_dir = Path(accelerate.test_utils.__file__).parent / "scripts"
+    found = rule.accelerate_ddp_tests(root, scripts_dir)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for f in found:
+        if f.kind == "in-process":
+            path, *_, name = f.node.split("::")
+            by_file[path].append(re.escape(name))
+    entries = [Entry("pytest", p, rf"^({'|'.join(n)})(\[|$)") for p, n in by_file.items()]
+    launched = [f for f in found if f.kind == "launched"]
+    scripts = list(dict.fromkeys(s for f in launched for s in f.scripts))
+    for script in scripts:
+        left_out = rule.SCRIPT_EXCLUDED.get(Path(script).name)
+        entries.append(Entry("script", script, rf"^(?!{left_out[0]}$)" if left_out else None))
+    unreachable = [f.node for f in launched if not f.scripts]
+    note = (
+        f"selected by rule (scripts/maintainer_tests/rule.py): {len(found)} tests, "
+        f"{len(found) - len(launched)} launching DDP in the test process (debug_launcher), "
+        f"{len(launched)} launching a multi-process command (gated on 2+ accelerators): "
+        f"{len(scripts)} scripts they run re-targeted to 2 CPU processes "
+        f"({', '.join(scripts)}); {len(unreachable)} launch their own test file or an "
+        f"example, which the runner cannot re-target ({', '.join(unreachable)})"
+    )
+    excluded = [f"{k}::{v[0]} ({v[1]})" for k, v in rule.SCRIPT_EXCLUDED.items()]
+    if excluded:
+        note += "; left out: " + "; ".join(excluded)
+    return entries, note
+
+
 def ensure_deps() -> None:
     missing = []
     for module, requirement in EXTRA_DEPS.items():
@@ -512,7 +548,7 @@ def main() -> None:
         "--select",
         default="rule",
         choices=["rule", "list"],
-        help="Lightning's tests: every DDP test found by rule (rule.py), or the list's",
+        help="every DDP test of Lightning and Accelerate found by rule (rule.py), or the list's",
     )
     parser.add_argument(
         "--report-only", action="store_true", help="rebuild the report from the saved results"
@@ -530,8 +566,9 @@ def main() -> None:
         notes[suite] = sources.source_note(entry)
         root = entry / "tests" if suite == "lightning" else entry
         entries = selection[suite]
-        if suite == "lightning" and args.select == "rule":
-            entries, found_note = _rule_entries(root)
+        if args.select == "rule":
+            by_rule = _rule_entries if suite == "lightning" else _accelerate_rule_entries
+            entries, found_note = by_rule(root)
             notes[suite] += f"; {found_note}"
         for strategy in args.strategies:
             if args.report_only:
