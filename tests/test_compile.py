@@ -233,29 +233,32 @@ def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-def _moe_modes(rank, world):
+def _moe_modes(rank, world, stage):
     from test_moe import MOE, moe_model
 
     out = {}
-    for mode in ("eager", "before", "blocks"):
+    for mode in MODES:
         _fresh_dynamo()
         # An MoE block breaks inside, at its routing (token counts the data decides) and
         # at its experts (a unit of their own, on their expert-data-parallel group):
         # blocks are compiled without fullgraph.
         model = _compiled_before(moe_model(2), mode, fullgraph=False, backend="aot_eager")
-        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
-        losses = _steps(engine, engine.backward, engine, rank, world, steps=3, cfg=MOE)
+        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+        run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
+        losses = _steps(run, engine.backward, engine, rank, world, steps=3, cfg=MOE)
         engine.close()
         out[mode] = (losses, _graphs_made())
     return out
 
 
-def test_moe_expert_parallel_compiles_at_stage_3():
-    """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole or per block,
-    trains with eager's losses (the routing's all-to-all runs between graphs)."""
-    results = run_world(_moe_modes, 2, timeout=600)[0]
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_moe_expert_parallel_compiles_in_every_mode(stage):
+    """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole before or
+    after the hand-over or per block, trains with eager's losses at every stage (the
+    routing's all-to-all runs between graphs)."""
+    results = run_world(_moe_modes, 2, stage, timeout=600)[0]
     eager, _ = results["eager"]
-    for mode in ("before", "blocks"):
+    for mode in MODES[1:]:
         losses, graphs = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-4), mode
@@ -309,14 +312,21 @@ def _hf_modes(rank, world, stage):
     return out
 
 
-def test_a_transformers_model_compiles_in_every_mode_at_stage_3():
-    """Transformers' GPT-2 at stage 3, compiled whole before the hand-over or per
+# The engine's hook breaks over the run (training and evaluation forwards of 2 blocks,
+# 3 steps), compiled whole: none at stage 0 (no module hooks); as many at stages 1-2 (the
+# publish waits) as at stage 3 (the gathers, frees and order checks), at the same hooks.
+HF_ENGINE_BREAKS = {0: 0, 1: 14, 2: 14, 3: 14}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_transformers_model_compiles_in_every_mode(stage):
+    """Transformers' GPT-2 at every stage, compiled whole before the hand-over or per
     block: eager's losses, no recompile after step 2, each block one graph, and compiled
-    whole it breaks only at the engine's hooks and Transformers' logger (the model is marked sharded for
-    `generate()`; with FSDP's pair of marks dynamo takes it as FSDP2's modules, instead of
-    breaking at it)."""
+    whole it breaks only at the engine's hooks (counted) and Transformers' logger (at
+    stage 3 the model is marked sharded for `generate()`; with FSDP's pair of marks
+    dynamo takes it as FSDP2's modules, instead of breaking at it)."""
     pytest.importorskip("transformers")
-    results = run_world(_hf_modes, 2, 3, timeout=900)[0]
+    results = run_world(_hf_modes, 2, stage, timeout=900)[0]
     eager, _ = results["eager"]
     for mode in HF_MODES[1:]:
         losses, breaks = results[mode]
@@ -326,7 +336,7 @@ def test_a_transformers_model_compiles_in_every_mode_at_stage_3():
             continue
         ours = sum(n for reason, n in breaks.items() if "_run_engine_hook" in reason)
         theirs = [reason for reason in breaks if "_run_engine_hook" not in reason]
-        assert ours == 14, breaks  # both forwards, training and evaluation, of 2 blocks
+        assert ours == HF_ENGINE_BREAKS[stage], breaks
         # Transformers' own: a logger warning inside its forward.
         assert all("logging.Logger" in reason for reason in theirs), theirs
 
