@@ -55,6 +55,8 @@ EXTRA_DEPS = {
     # the spawn launcher's): their CI runs them with this plugin; without it a flake
     # fails at once, under every strategy alike. A failed try is recorded as "rerun".
     "pytest_rerunfailures": "pytest-rerunfailures",
+    # Accelerate's test_distributed_data_loop (its StatefulDataLoader checks)
+    "torchdata": "torchdata",
 }
 STAGES = {"ddp": None, "zero1": 1, "zero2": 2, "zero3": 3}
 OUTCOMES = ("passed", "failed", "error", "skipped")
