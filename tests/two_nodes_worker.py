@@ -1,0 +1,63 @@
+"""One rank of a run across the two namespaces of scripts/two_nodes.py (under torchrun):
+the small GPT at a stage, with the shared test loop; the main rank writes its losses,
+full state and communication report to OUT.
+
+    python tests/two_nodes_worker.py OUT STAGE [STEPS]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # tests' helpers, and examples/ they use
+
+from training import _global_mean, local_batch, make_model, make_optimizer  # noqa: E402
+from zero_strategy import ZeroConfig, ZeroEngine  # noqa: E402
+
+ACCUM, CLIP = 2, 0.5
+
+
+def main() -> None:
+    out, stage = Path(sys.argv[1]), int(sys.argv[2])
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        model = make_model()
+        engine = ZeroEngine(
+            model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=CLIP)
+        )
+        losses = []
+        for step in range(steps):
+            total = 0.0
+            for micro in range(ACCUM):
+                x, y = local_batch(step, micro, rank, world)
+                with engine.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
+                    loss = engine(x, y) / ACCUM
+                    engine.backward(loss)
+                total += loss.item()
+            engine.step()
+            engine.zero_grad()
+            losses.append(_global_mean(total))  # the union of the ranks' batches
+        state = engine.full_state_dict()
+        report = engine.comm_report()
+        engine.close()
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.clone() for k, v in state.items()}, str(out / "state.safetensors"))
+            (out / "run.json").write_text(
+                json.dumps({"world": world, "losses": losses, "comm": report})
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
