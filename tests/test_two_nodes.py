@@ -1,6 +1,7 @@
 """Runs across two "nodes" (scripts/two_nodes.py: two network namespaces joined by a
 shaped veth, `torchrun --nnodes 2 --rdzv-backend c10d`) train as one process does on the
-union of their batches, at stages 1-3; and the harness leaves nothing behind."""
+union of their batches, at stages 1-3; their checkpoint reloads on one node; Lightning's
+num_nodes=2 trains as on one node; and the harness leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from training import rel_l2, train_reference
+from distributed import run_world
+from training import make_model, make_optimizer, rel_l2, train_reference
+from zero_strategy import ZeroConfig, ZeroEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -55,6 +59,19 @@ def test_two_nodes_train_as_one_process(tmp_path, reference, stage, per_node):
     assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert run["state"].keys() == ref_state.keys()
     assert rel_l2(run["state"], ref_state) < 1e-5
+    # The checkpoint the ranks of both nodes wrote loads on one node, in one process.
+    for reloaded in run_world(_reload, 1, str(tmp_path / "out" / "checkpoint"), stage):
+        assert reloaded.keys() == run["state"].keys()
+        assert all(torch.equal(reloaded[k], v) for k, v in run["state"].items())
+
+
+def _reload(rank, world, path, stage):
+    model = make_model(seed=3)  # another init: everything must come from the checkpoint
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine.load_checkpoint(path)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
 
 
 def test_a_failed_set_up_leaves_no_namespace():
@@ -66,3 +83,39 @@ def test_a_failed_set_up_leaves_no_namespace():
             pass
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in left for name in first.namespaces)
+
+
+LIGHTNING_FIT = str(ROOT / "tests" / "launched_fit.py")
+
+
+def _lightning_reports(out: Path, world: int) -> list[dict]:
+    files = sorted(out.glob("rank*.json"))
+    assert len(files) == world, [f.name for f in files]
+    return [json.loads(f.read_text()) for f in files]
+
+
+def test_lightning_num_nodes_2_across_the_link_trains_as_on_one_node(tmp_path):
+    """`Trainer(strategy="zero3", num_nodes=2, devices=1)` under torchrun on each node
+    gives the losses of `devices=2` on one node (torchrun, one machine)."""
+    pytest.importorskip("lightning")
+    one_node = tmp_path / "one_node"
+    one_node.mkdir()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        LIGHTNING_FIT, str(one_node), "--devices", "2",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    across = tmp_path / "across"
+    across.mkdir()
+    with two_nodes.TwoNodes(rate="1gbit", delay="0.5ms") as nodes:
+        argv = [LIGHTNING_FIT, str(across), "--devices", "1", "--num-nodes", "2"]
+        codes = nodes.run(argv, 1, timeout=300, logs=tmp_path)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("node*.log")))
+    assert codes == [0, 0], logs
+    reports = _lightning_reports(across, 2)
+    assert sorted(r["node_rank"] for r in reports) == [0, 1]
+    assert all(r["world_size"] == r["engine_world"] == 2 for r in reports)
+    want = next(r["losses"] for r in _lightning_reports(one_node, 2) if r["rank"] == 0)
+    got = next(r["losses"] for r in reports if r["rank"] == 0)
+    assert got == pytest.approx(want, rel=1e-6)

@@ -1,6 +1,7 @@
 """One rank of a run across the two namespaces of scripts/two_nodes.py (under torchrun):
-the small GPT at a stage, with the shared test loop; the main rank writes its losses,
-full state and communication report to OUT.
+the small GPT at a stage, with the shared test loop; a sharded checkpoint saved to
+OUT/checkpoint by every rank, and the main rank's losses, full state and communication
+report written to OUT.
 
     python tests/two_nodes_worker.py OUT STAGE [STEPS]
 """
@@ -46,6 +47,7 @@ def main() -> None:
             engine.step()
             engine.zero_grad()
             losses.append(_global_mean(total))  # the union of the ranks' batches
+        engine.save_checkpoint(out / "checkpoint")  # every rank writes its shards
         state = engine.full_state_dict()
         report = engine.comm_report()
         engine.close()
