@@ -295,3 +295,43 @@ def test_parameter_by_parameter_reduction_equals_the_unit_buffers(stage, use_no_
         assert direct[0] == buffered[0]
         for name, value in buffered[1].items():
             assert torch.equal(direct[1][name], value), name
+
+
+def _step_report(rank, world, stage, ranks_per_node):
+    import os
+
+    if ranks_per_node is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)  # as torchrun exports it
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+    engine.reset_comm_report()
+    for step in range(2):
+        engine.backward(engine(*local_batch(step, 0, rank, world)))
+        engine.step()
+        engine.zero_grad()
+    report = engine.comm_report()
+    engine.close()
+    return report
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_comm_report_splits_what_a_rank_receives_by_node(stage):
+    """With the launcher's LOCAL_WORLD_SIZE, each kind's bytes received from ranks of the
+    same node and of other nodes: 2 ranks on one node receive everything within it, 2 on
+    two nodes the same bytes across; a reduce-scatter or all-gather of B bytes brings B/2
+    from the other rank, an all-reduce B (its two halves)."""
+    one_node = run_world(_step_report, 2, stage, None)
+    two_nodes = run_world(_step_report, 2, stage, 1)
+    for same, apart in zip(one_node, two_nodes):
+        assert same.keys() == apart.keys()
+        for kind, counts in same.items():
+            assert apart[kind]["bytes"] == counts["bytes"], kind
+            assert counts["across_node_bytes"] == apart[kind]["within_node_bytes"] == 0, kind
+            assert apart[kind]["across_node_bytes"] == counts["within_node_bytes"] > 0, kind
+        for kind in ("reduce_scatter", "broadcast"):  # gloo's all-gather: broadcasts
+            if kind in apart:
+                assert apart[kind]["across_node_bytes"] == apart[kind]["bytes"] // 2, kind
+        if "all_reduce" in apart:
+            assert apart["all_reduce"]["across_node_bytes"] == apart["all_reduce"]["bytes"]

@@ -59,6 +59,14 @@ def test_two_nodes_train_as_one_process(tmp_path, reference, stage, per_node):
     assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert run["state"].keys() == ref_state.keys()
     assert rel_l2(run["state"], ref_state) < 1e-5
+    # Node 0's first rank received each gradient reduction's 1/n slices (an all-reduce's
+    # twice) from the other node's ranks, and from its own node's (torchrun's
+    # LOCAL_WORLD_SIZE says which are which).
+    kind = "reduce_scatter" if "reduce_scatter" in run["comm"] else "all_reduce"  # stage 1
+    reduced = run["comm"][kind]
+    share = reduced["bytes"] * (2 if kind == "all_reduce" else 1) // (2 * per_node)
+    assert reduced["across_node_bytes"] == share * per_node
+    assert reduced["within_node_bytes"] == share * (per_node - 1)
     # The checkpoint the ranks of both nodes wrote loads on one node, in one process.
     for reloaded in run_world(_reload, 1, str(tmp_path / "out" / "checkpoint"), stage):
         assert reloaded.keys() == run["state"].keys()

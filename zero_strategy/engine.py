@@ -557,8 +557,11 @@ class ZeroEngine:
         return self._memory.timeline()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
-        """Bytes and calls per collective kind since the last `reset_comm_report()`, summed
-        over every group this rank communicates in."""
+        """Per collective kind since the last `reset_comm_report()`, summed over every
+        group this rank communicates in: `bytes` (the full tensor each call is about),
+        `calls`, and what this rank received from ranks of its own node
+        (`within_node_bytes`) and of other nodes (`across_node_bytes`), nodes read from
+        the launcher's LOCAL_WORLD_SIZE (`comm/nodes.py`)."""
         return self.groups.comm_report()
 
     def reset_comm_report(self) -> None:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .nodes import nodes_of, ranks_per_node
+
 if TYPE_CHECKING:
     from .topology import CommGroup
 
@@ -160,6 +162,14 @@ class Communicator:
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        # Bytes this rank receives from ranks of other nodes, and of its own, in the
+        # direct-exchange form of each collective (what the gloo paths above do: a
+        # rank's slice to every other rank).
+        self.across: dict[str, int] = defaultdict(int)
+        self.within: dict[str, int] = defaultdict(int)
+        self._nodes = nodes_of(group.ranks, ranks_per_node())
+        self._node = self._nodes[group.rank]
+        self._elsewhere = sum(node != self._node for node in self._nodes)
 
     @property
     def size(self) -> int:
@@ -180,13 +190,39 @@ class Communicator:
         on its own: `reduce_part`)."""
         return self.reduce_scatter != "native" or not self.distributed
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+    def _count(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        copies: int = 1,
+        src: int | None = None,
+        rows_from: list[int] | None = None,
+    ) -> None:
+        """One call of `kind` about `tensor` (its full size). What this rank receives:
+        from a broadcast, all of it from `src`; otherwise 1/size of it from each other
+        rank, `copies` times (an all-reduce is a reduce-scatter and an all-gather: 2)."""
         # Closed at a teardown and used again (a save after fit, an evaluation), or the
         # default group was re-created: every rank reaches the same first collective, so
         # all re-create the groups together.
         self.refresh()
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        if rows_from is not None:  # an all-to-all: rows_from[r] rows from rank r
+            row = nbytes // max(tensor.shape[0], 1) if tensor.dim() else nbytes
+            for r, rows in enumerate(rows_from):
+                if r != self.group.rank:
+                    elsewhere = self._nodes[r] != self._node
+                    (self.across if elsewhere else self.within)[kind] += rows * row
+            return
+        if src is not None:
+            if src != self.group.rank:
+                elsewhere = self._nodes[src] != self._node
+                (self.across if elsewhere else self.within)[kind] += nbytes
+            return
+        share = copies * nbytes // self.group.size
+        self.across[kind] += share * self._elsewhere
+        self.within[kind] += share * (self.group.size - 1 - self._elsewhere)
 
     def _issue(
         self, kind: str, call: Callable[[], dist.Work | None], async_op: bool = False
@@ -200,11 +236,19 @@ class Communicator:
         return _GuardedWork(work, kind, self.group) if async_op else None
 
     def report(self) -> dict[str, dict[str, int]]:
-        return {k: {"bytes": self.bytes[k], "calls": self.calls[k]} for k in sorted(self.bytes)}
+        return {
+            k: {
+                "bytes": self.bytes[k],
+                "calls": self.calls[k],
+                "within_node_bytes": self.within[k],
+                "across_node_bytes": self.across[k],
+            }
+            for k in sorted(self.bytes)
+        }
 
     def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
+        for counts in (self.bytes, self.calls, self.within, self.across):
+            counts.clear()
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -289,7 +333,7 @@ class Communicator:
             self._count("reduce_scatter", part)
             return _DoneWork() if async_op else None
         if self.reduce_scatter == "all_reduce":
-            self._count("all_reduce", part)
+            self._count("all_reduce", part, copies=2)
             return self._issue(
                 "reduce_scatter (as all_reduce)",
                 lambda: dist.all_reduce(part, group=self.group.group, async_op=async_op),
@@ -331,7 +375,7 @@ class Communicator:
         return None
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
-        self._count("all_reduce", tensor)
+        self._count("all_reduce", tensor, copies=2)
         if not self.group.distributed:
             return _DoneWork() if async_op else None
         return self._issue(
@@ -347,7 +391,7 @@ class Communicator:
         returns the `output_splits[r]` rows each rank r sent here, in rank order (MoE token
         dispatch: uneven, and empty for a rank that sends or receives nothing)."""
         out = tensor.new_empty(sum(output_splits), *tensor.shape[1:])
-        self._count("all_to_all", tensor)
+        self._count("all_to_all", tensor, rows_from=output_splits)
         if not self.group.distributed:
             return out.copy_(tensor)
         self._issue(
@@ -360,14 +404,14 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> None:
         """`tensor` <- its value on the group's `src`-th rank (a position in the group)."""
-        self._count(kind, tensor)
+        self._count(kind, tensor, src=src)
         if self.group.distributed:
             self._issue(kind, lambda: dist.broadcast(tensor, group=self.group.group, group_src=src))
 
     # ----------------------------------------------------- small control messages
     def control_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Scalars (norms, overflow flags): counted apart from the payload collectives."""
-        self._count("control", tensor)
+        self._count("control", tensor, copies=2)
         if self.group.distributed:
             self._issue(
                 "all_reduce (control)",

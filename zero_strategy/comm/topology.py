@@ -254,13 +254,14 @@ class ProcessGroups:
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes and calls per collective kind since the last `reset_comm_report()`,
-        summed over every communicator."""
+        summed over every communicator; with the bytes this rank received from ranks of
+        its own node and of others (`comm/nodes.py`)."""
         total: dict[str, dict[str, int]] = {}
         for comm in self.communicators():
             for kind, counts in comm.report().items():
-                entry = total.setdefault(kind, {"bytes": 0, "calls": 0})
-                entry["bytes"] += counts["bytes"]
-                entry["calls"] += counts["calls"]
+                entry = total.setdefault(kind, dict.fromkeys(counts, 0))
+                for key, value in counts.items():
+                    entry[key] += value
         return dict(sorted(total.items()))
 
     def reset_comm_report(self) -> None:
