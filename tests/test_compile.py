@@ -233,17 +233,18 @@ def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-def _moe_modes(rank, world, stage):
+def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES):
     from test_moe import MOE, moe_model
 
     out = {}
-    for mode in MODES:
+    for mode in modes:
         _fresh_dynamo()
         # An MoE block breaks inside, at its routing (token counts the data decides) and
         # at its experts (a unit of their own, on their expert-data-parallel group):
         # blocks are compiled without fullgraph.
         model = _compiled_before(moe_model(2), mode, fullgraph=False, backend="aot_eager")
-        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
+        config = ZeroConfig(stage=stage, compute_dtype=compute_dtype)
+        engine = ZeroEngine(model, make_optimizer(model), config)
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
         losses = _steps(run, engine.backward, engine, rank, world, steps=3, cfg=MOE)
         engine.close()
@@ -262,6 +263,18 @@ def test_moe_expert_parallel_compiles_in_every_mode(stage):
         losses, graphs = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-4), mode
+
+
+def test_moe_expert_parallel_compiles_in_bf16_at_stage_3():
+    """The same in bf16 compute: compiled whole or per block, eager's losses within bf16's
+    reordering (as the dense model's bf16 run)."""
+    modes = ("eager", "before", "blocks")
+    results = run_world(_moe_modes, 2, 3, "bf16", modes, timeout=600)[0]
+    eager, _ = results["eager"]
+    for mode in modes[1:]:
+        losses, graphs = results[mode]
+        assert graphs > 0, mode
+        assert losses == pytest.approx(eager, rel=1e-2), mode
 
 
 HF_MODES = ("eager", "before", "blocks")
