@@ -1,4 +1,5 @@
-"""Close every live engine at interpreter exit.
+"""Close every live engine at interpreter exit (and, for the strategies, the default
+process group their framework left alive).
 
 A gloo job whose groups are torn down by the interpreter's own finalisation, with work
 objects still holding tensors and a peer already gone, can abort at exit ("terminate
@@ -35,9 +36,26 @@ def live_engines() -> list:
     return list(_live)
 
 
+_default_group_too = False
+
+
+def destroy_default_group_at_exit() -> None:
+    """Also destroy the default process group at exit, after the engines (a strategy
+    whose framework set it up and never tears it down: Lightning's and Fabric's spawned
+    and script-launched ranks end with it alive, and gloo can abort them then)."""
+    global _default_group_too
+    _default_group_too = True
+
+
 @atexit.register
 def _close_live() -> None:
     failed = hasattr(sys, "last_value")  # set when an uncaught error ended the script
     for engine in list(_live):
         with contextlib.suppress(Exception):
             engine.close(wait=not failed)
+    if _default_group_too:
+        import torch.distributed as dist  # loaded already: a group was set up
+
+        with contextlib.suppress(Exception):
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()

@@ -23,6 +23,7 @@ from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 from zero_strategy.checkpoint.consolidate import iter_tensors
 from zero_strategy.checkpoint.load import client_state_of
 from zero_strategy.checkpoint.safe_load import safe_torch_load
+from zero_strategy.comm.shutdown import destroy_default_group_at_exit
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state
@@ -100,6 +101,7 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         require_cpu_or_cuda(self.root_device, "Fabric")
         super().setup_environment()
+        destroy_default_group_at_exit()  # a gloo group alive at exit can abort
         self._device_mesh = tensor_parallel_mesh(
             self._zero_base.tensor_parallel_size, self.world_size, self.root_device
         )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
+from zero_strategy.comm.shutdown import destroy_default_group_at_exit
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
 
 from .client_state import client_state
@@ -164,6 +165,7 @@ def make_strategy(root: str):
         def setup_environment(self) -> None:
             require_cpu_or_cuda(self.root_device, "Trainer")
             super().setup_environment()
+            destroy_default_group_at_exit()  # a gloo group alive at exit can abort
             # Tensor parallelism: the mesh ModelParallelStrategy gives, under its names, so
             # that a configure_model() written for it applies its plan here unchanged.
             self._device_mesh = tensor_parallel_mesh(
