@@ -31,20 +31,22 @@ from ..units.flat_unit import FlatUnit
 from .full_view import write_back_part, write_back_unit
 
 
-def replaced_slots(
-    unit: FlatUnit, replaced: dict[int, torch.Tensor] | None = None
-) -> tuple[list[int], list[int]]:
-    """The indices of `unit`'s parameters whose memory is no longer the unit's: (written
-    values: a tensor of the same device and dtype, to adopt; values of another dtype on
-    the same device, which are not adopted). A parameter moved to another device
-    (`model.cpu()` for inference after training) is left as the user made it."""
+def replaced_slots(unit: FlatUnit) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """`unit`'s parameters whose memory is no longer the unit's: (written values, a
+    tensor of the same device and dtype to adopt, by index; the indices of values of
+    another dtype on the same device, which are not adopted). A parameter moved to
+    another device (`model.cpu()` for inference after training) is left as the user made
+    it."""
     if unit.stage < 3 and unit.full is None:
-        return [], []
-    written, converted = [], []
-    for index, local in (unit.replaced() if replaced is None else replaced).items():
-        if local.device != unit.device:
+        return {}, []
+    written, converted = {}, []
+    for index, values in unit.replaced().items():
+        if values.device != unit.device:
             continue
-        (written if local.dtype == unit.compute_dtype else converted).append(index)
+        if values.dtype == unit.compute_dtype:
+            written[index] = values
+        else:
+            converted.append(index)
     return written, converted
 
 
@@ -111,22 +113,21 @@ class ReplacedDataWatch:
         self._named: set[str] = set()  # replaced by another dtype, warned once
 
     def look(self) -> None:
-        found = [(unit, replaced_slots(unit)) for unit in self.units]
-        self._name_converted(found)
-        written = [(unit, slots) for unit, (slots, _) in found if slots]
+        found = [(unit, *replaced_slots(unit)) for unit in self.units]
+        self._name_converted([(unit, converted) for unit, _, converted in found])
+        written = [(unit, values) for unit, values, _ in found if values]
         if not written:
             return
         self.finish_publishing()  # a post-step gather into the same buffers first
-        for unit, slots in written:
-            adopt_replaced(unit, {i: unit.locals[i].detach() for i in slots})
+        for unit, values in written:
+            adopt_replaced(unit, values)
 
     def taken(self, unit: FlatUnit) -> dict[int, torch.Tensor]:
         """Stage 3, before a gather points `unit`'s parameters anew: what was written to
         them (a dtype conversion named, and dropped)."""
-        replaced = unit.replaced()
-        written, converted = replaced_slots(unit, replaced)
-        self._name_converted([(unit, (written, converted))])
-        return {i: replaced[i] for i in written}
+        written, converted = replaced_slots(unit)
+        self._name_converted([(unit, converted)])
+        return written
 
     def adopt_unit(self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None) -> None:
         """Stage 3: adopt what was written to `unit`'s parameters (`written`, taken before
@@ -135,11 +136,13 @@ class ReplacedDataWatch:
         if written:
             adopt_replaced(unit, written)
 
-    def _name_converted(self, found) -> None:
+    def _name_converted(self, found: list[tuple[FlatUnit, list[int]]]) -> None:
+        """Warn once per parameter whose `.data` now holds another dtype; at stage 3 the
+        engine's values are shown again (a gather would put them back anyway)."""
         converted = [
             unit.layout.slots[i].name
-            for unit, (_, other) in found
-            for i in other
+            for unit, indices in found
+            for i in indices
             if unit.layout.slots[i].name not in self._named
         ]
         if converted:
@@ -148,9 +151,6 @@ class ReplacedDataWatch:
                 converted_warning(converted, self.compute_dtype, self.stage), stacklevel=5
             )
         if self.stage >= 3:
-            for unit, (_, other) in found:
-                for index in other:  # ignored: shown as the engine holds them
-                    if unit.full is not None:
-                        unit.point_param_at(index)
-                    else:
-                        unit.show_freed(index)
+            for unit, indices in found:
+                for index in indices:
+                    unit.show_own(index)

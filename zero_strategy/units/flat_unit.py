@@ -362,14 +362,21 @@ class FlatUnit:
         local_tensor(self.params[index]).data = self._placeholders[index]
         match_local_dtype(self.params[index])
 
+    def show_own(self, index: int) -> None:
+        """Parameter `index` shows the unit's memory again: its slice of the full buffer
+        where the unit is whole, else (stage 3) the freed placeholder."""
+        if self.full is not None:
+            self.point_param_at(index)
+        else:
+            self.show_freed(index)
+
     def _free_storage_views(self) -> None:
         """Stage 3: a freed parameter keeps its own shape, numel, dtype and device (what
         summaries, `.grad` assignment and shape checks read) over one shared NaN element:
         any value read from it is NaN, never a plausible number, and a write raises
         (every element aliases one memory location)."""
-        for placeholder, p in zip(self._placeholders, self.params):
-            local_tensor(p).data = placeholder
-            match_local_dtype(p)
+        for index in range(len(self.params)):
+            self.show_freed(index)
         for copy in self._copies.values():
             copy.untyped_storage().resize_(0)
 
