@@ -163,7 +163,7 @@ class ZeroEngine:
             self.units,
             self.stage,
             cfg.compute_torch_dtype,
-            finish_publishing=lambda: self.schedule.finish_publishing(),
+            lambda: self._finish_parameter_gathers(),
         )
         self.schedule = UnitSchedule(
             model,
@@ -231,8 +231,7 @@ class ZeroEngine:
                 if any(id(p) in owners for p in module.parameters(recurse=False))
             ]
         handles += [
-            # First of the root's pre-hooks: values written since the last use are
-            # adopted before stage 3's first gather of the forward (and its prefetch).
+            # First of the root's pre-hooks: written values adopted before stage 3 gathers.
             model.register_forward_pre_hook(
                 EngineHook(lambda *_: self.before_forward()), prepend=True
             ),
@@ -557,11 +556,8 @@ class ZeroEngine:
         return self._memory.timeline()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
-        """Per collective kind since the last `reset_comm_report()`, summed over every
-        group this rank communicates in: `bytes` (the full tensor each call is about),
-        `calls`, and what this rank received from ranks of its own node
-        (`within_node_bytes`) and of other nodes (`across_node_bytes`), nodes read from
-        the launcher's LOCAL_WORLD_SIZE (`comm/nodes.py`)."""
+        """Bytes, calls and bytes received within/across nodes per collective kind since
+        the last `reset_comm_report()`, over this rank's groups (`comm/nodes.py`)."""
         return self.groups.comm_report()
 
     def reset_comm_report(self) -> None:
