@@ -102,6 +102,16 @@ class ZeroConfig:
     # All-gather implemented as one in-place broadcast per rank: about 3x faster on gloo.
     # None = on for gloo, off otherwise.
     all_gather_via_broadcast: bool | None = None
+    # For a slow link between nodes (ZeRO++, docs/multi_node.md). Stage 3: ranks per node
+    # (torchrun's --nproc-per-node); above 1, parameters are gathered across nodes, then
+    # within the node, and a unit's column of the across-node hop (its secondary
+    # partition, 1/this of the unit) is kept from forward to backward, whose gather then
+    # stays within the node; stages 2-3 reduce gradients within the node, then across.
+    secondary_partition_size: int = 1
+    # Stage 3: the across-node hop of parameter gathers carries block-wise int8 (qwZ).
+    quantized_weights: bool = False
+    # Stages 2-3: the across-node hop of gradient reductions carries block-wise int8 (qgZ).
+    quantized_gradients: bool = False
     # Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each training forward,
     # as DDP's default broadcast_buffers=True does.
     broadcast_buffers: bool = True
@@ -172,6 +182,19 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(name, "use a positive number of ranks that divides the world size.")
+        if (
+            not isinstance(self.secondary_partition_size, int)
+            or isinstance(self.secondary_partition_size, bool)
+            or self.secondary_partition_size <= 0
+        ):
+            fail("secondary_partition_size", "use the ranks per node, e.g. 8 (1 turns it off).")
+        if self.secondary_partition_size > 1 and self.stage < 2:
+            fail("secondary_partition_size", "it needs stage 3 (or 2 for the reductions).")
+        for name, lowest in (("quantized_weights", 3), ("quantized_gradients", 2)):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "use True or False.")
+            if getattr(self, name) and self.stage < lowest:
+                fail(name, f"it needs stage {lowest} or higher; use stage={lowest}.")
         for name in ("prefetch_depth", "persistence_threshold", "max_reuse_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -29,6 +29,9 @@ _ZERO_KEYS = {
     "overlap_comm": "overlap_comm",
     "stage3_max_reuse_distance": "max_reuse_distance",
     "max_reuse_distance": "max_reuse_distance",
+    "zero_hpz_partition_size": "secondary_partition_size",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_quantized_gradients": "quantized_gradients",
 }
 # Keys whose behaviour is built in or has no meaning here. The persistence threshold is
 # one of them: DeepSpeed applies it per parameter, ZeroConfig.persistence_threshold per

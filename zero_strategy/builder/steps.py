@@ -179,6 +179,9 @@ def process_groups(cfg: ZeroConfig, device: torch.device, device_mesh: Any) -> P
         cfg.all_gather_via_broadcast,
         cfg.tensor_parallel_size,
         device_mesh,
+        cfg.secondary_partition_size,
+        cfg.quantized_weights,
+        cfg.quantized_gradients,
     )
 
 

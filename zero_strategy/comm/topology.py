@@ -27,6 +27,7 @@ from ..layout.shard_spec import ShardSpec
 from ..tensor_parallel import MeshLayout
 from . import elastic_store
 from .communicator import Communicator
+from .two_level import TwoLevelExchange
 
 
 def backend_for(device: torch.device) -> str:
@@ -65,6 +66,9 @@ class ShardGroup:
     replicas: Communicator | None  # same position in every copy; None with one copy
     world: Communicator  # every data-parallel rank
     copy_index: int  # which copy this rank's group holds
+    # Stage 3's gathers and stage 2-3's reductions in two hops (node, then across nodes),
+    # or quantized: the whole world's units only (None: the shard group's own collectives).
+    exchange: TwoLevelExchange | None = None
 
     @property
     def rank(self) -> int:
@@ -112,6 +116,9 @@ class ProcessGroups:
         all_gather_via_broadcast: bool | None,
         tensor_parallel_size: int = 1,
         device_mesh=None,
+        secondary_partition_size: int = 1,
+        quantize_weights: bool = False,
+        quantize_gradients: bool = False,
     ):
         """With tensor parallelism (`tensor_parallel_size` contiguous ranks, or a 2-D
         `device_mesh`), the engine's world is this rank's data-parallel world: the ranks
@@ -166,16 +173,44 @@ class ProcessGroups:
             on_gloo if all_gather_via_broadcast is None else all_gather_via_broadcast
         )
         self._comms: dict[tuple[tuple[int, ...], ...], Communicator] = {}
+        self._own_groups: list[Communicator] = []  # the two-hop exchange's
         self._default = _default_group()  # the world our groups were made in
         world_spec = ShardSpec.world(self.world_size)
         world = self.communicator(world_spec.groups)
         self.world = ShardGroup(world_spec, world, None, world, 0)
         self._groups[world_spec] = self.world
+        if secondary_partition_size > 1 or quantize_weights or quantize_gradients:
+            self.world.exchange = self._two_level(
+                secondary_partition_size, quantize_weights, quantize_gradients
+            )
         # Tensor parallelism: the ranks at the other positions (the gradient norm spans
         # them), and every rank (agreement on what the whole model does).
         tp = self.mesh.tensor_size > 1
         self.tensor = self._communicator(self.mesh.tensor_partition()) if tp else None
         self.everyone = self._communicator(self.mesh.everyone()) if tp else world
+
+    def _two_level(
+        self, per_node: int, quantize_weights: bool, quantize_gradients: bool
+    ) -> TwoLevelExchange:
+        """The world's two-hop exchange over nodes of `per_node` consecutive ranks."""
+        if self.world_size % per_node:
+            raise ValueError(
+                f"secondary_partition_size={per_node} does not divide the data-parallel "
+                f"world of {self.world_size} ranks; set it to the ranks per node "
+                "(torchrun's --nproc-per-node), a divisor of the world size."
+            )
+        nodes = ShardSpec.contiguous(self.world_size, per_node)
+        hops = [
+            Communicator(
+                self._create(self.mesh.expand(partition)),
+                self._reduce_scatter,
+                self._ag_via_bcast,
+                self.refresh,
+            )
+            for partition in (nodes.groups, nodes.replica_groups())
+        ]
+        self._own_groups.extend(hops)  # groups of its own: nothing interleaves with its hops
+        return TwoLevelExchange(*hops, quantize_weights, quantize_gradients)
 
     # ------------------------------------------------------------------ groups
     def shard_group(self, spec: ShardSpec) -> ShardGroup:
@@ -250,7 +285,7 @@ class ProcessGroups:
     def communicators(self) -> list[Communicator]:
         """Every communicator, each once."""
         extra = [self._order_tags] if self._order_tags is not None else []
-        return [*self._comms.values(), *extra]
+        return [*self._comms.values(), *self._own_groups, *extra]
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes and calls per collective kind since the last `reset_comm_report()`,

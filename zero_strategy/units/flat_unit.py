@@ -26,6 +26,7 @@ from torch import nn
 
 from ..comm.topology import ShardGroup
 from ..layout.partition import ParamSlot, UnitLayout
+from ..private_api import in_backward
 from ..tensor_parallel import (
     is_dtensor,
     local_tensor,
@@ -104,6 +105,9 @@ class FlatUnit:
         nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
+        # Stage 3 with a two-hop exchange: this rank's column of the across-node hop, kept
+        # from a training forward to the unit's backward (`start_gather`).
+        self._secondary: torch.Tensor | None = None
         # Stage 3: DTensor parameters' copies of their values, by slot (`_own_copy`).
         self._copies: dict[int, torch.Tensor] = {}
         self._pool: StoragePool | None = None  # stage 3: recycles gather memory
@@ -539,13 +543,30 @@ class FlatUnit:
     # One act at every stage, asked for by the schedule: stage 3 gathers a unit into its
     # gather buffer for a use and frees it after; stages 1-2 keep it whole and gather the
     # updated shards back after each step.
-    def start_gather(self):
+    def start_gather(self, fresh: bool = False):
         """Stage 3: start the asynchronous all-gather of this unit into its gather buffer
-        (an offloaded shard is in memory until `finish_gather`); returns the work."""
+        (an offloaded shard is in memory until `finish_gather`); returns the work.
+
+        With a two-hop exchange, a column kept from this pass's forward spares the
+        across-node hop (unless `fresh`: every rank then does both hops, as when the
+        ranks' module paths differ), and a training forward keeps its column."""
         target = self.gather_target()
         self.bring_in()
         shard = self.gather_input(target)  # on the device (copied in, when on the host)
-        return self.group.comm.all_gather(target, shard, async_op=True)
+        exchange = self.group.exchange
+        if exchange is None:
+            return self.group.comm.all_gather(target, shard, async_op=True)
+        kept = None if fresh else self._secondary
+        work, column = exchange.start_gather(target, shard, kept)
+        keep = (
+            exchange.keeps_secondary and not fresh and torch.is_grad_enabled() and not in_backward()
+        )
+        self._secondary = column if keep else None
+        return work
+
+    def drop_secondary(self) -> None:
+        """The pass is over, or the shard changed: the kept column is stale."""
+        self._secondary = None
 
     def start_gather_for_others(self) -> tuple[object, torch.Tensor]:
         """Stage 3: take part in a gather that only other ranks asked for, into a buffer
@@ -554,6 +575,8 @@ class FlatUnit:
         target = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
         self.bring_in()
         shard = self.gather_input(target)
+        if self.group.exchange is not None:
+            return self.group.exchange.start_gather(target, shard)[0], target
         return self.group.comm.all_gather(target, shard, async_op=True), target
 
     def finish_gather(self, work) -> None:
@@ -594,9 +617,15 @@ class FlatUnit:
         self.full = None
 
     def gathered_bytes(self) -> int:
+        """Stage 3: bytes of the gathered parameters, and of a kept column."""
         if self._buf is None or self.stage < 3:
             return 0
-        return sum(storage.nbytes() for storage in self.gathered_storages())
+        kept = (
+            0
+            if self._secondary is None
+            else self._secondary.numel() * self._secondary.element_size()
+        )
+        return kept + sum(storage.nbytes() for storage in self.gathered_storages())
 
     def gathered_storages(self) -> list[torch.UntypedStorage]:
         """Stage 3: the gather buffer's memory and the DTensor parameters' own copies

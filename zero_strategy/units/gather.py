@@ -327,7 +327,7 @@ class GatherManager:
             return
         self._drop_gathers_for_others(wait=False)
         if keep and self._needs_gather(unit):
-            self._launch_gather(unit)
+            self._launch_gather(unit, fresh=True)
         else:
             self._for_others.append((unit, *unit.start_gather_for_others()))
             self.on_memory()
@@ -427,7 +427,7 @@ class GatherManager:
         else:
             self._launch_gather(unit)
 
-    def _launch_gather(self, unit: FlatUnit) -> None:
+    def _launch_gather(self, unit: FlatUnit, fresh: bool = False) -> None:
         idx = unit.layout.index
         if not self._needs_gather(unit):  # every rank issues it: the tags said so
             raise RuntimeError(
@@ -435,7 +435,7 @@ class GatherManager:
                 "but is gathered already"
             )
         self._live.add(idx)
-        self.pending[idx] = unit.start_gather()
+        self.pending[idx] = unit.start_gather(fresh)
         self.on_memory()
 
     def gathered_bytes(self) -> int:
@@ -497,6 +497,7 @@ class GatherManager:
     def _free_all(self) -> None:
         self._step_holds_root = False
         for unit in self.units:
+            unit.drop_secondary()  # the pass is over (or the shards change next)
             if not unit.persistent:
                 self._free(unit)
 

@@ -429,6 +429,7 @@ class GradReducer:
             and self.overlap
             and not self._local_sums
             and unit.group.comm.reduces_in_place
+            and unit.group.exchange is None  # two hops reduce whole units
         )
 
     def _launch_slot(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
@@ -505,14 +506,7 @@ class GradReducer:
             out = sent
             work = group.holders.all_reduce_sum(sent, async_op=True)
         else:
-            comm = group.comm
-            start, end = unit.layout.shard_range(unit.rank)
-            out = (
-                sent[start:end]
-                if comm.reduces_in_place
-                else (torch.empty(end - start, dtype=sent.dtype, device=sent.device))
-            )
-            work = comm.reduce_scatter_sum(sent, out, async_op=True)
+            out, work = _start_reduce_scatter(group, sent, *unit.layout.shard_range(unit.rank))
             buffer = unit.drop_grad_buffer()
             if sent is not buffer:
                 self.pool.give(buffer)
@@ -685,3 +679,17 @@ class GradReducer:
             elif unit.grad_full is not None:
                 fill_no_gradient(unit.grad_full)
                 unit.attach_param_grads()
+
+
+def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):
+    """Start summing a unit's whole gradient over its group; returns where this rank's
+    part [start, end) lands (a slice of `sent` when reduced in place) and the work."""
+    if group.exchange is not None:  # two hops: within the node, then across nodes
+        out = torch.empty(end - start, dtype=sent.dtype, device=sent.device)
+        return out, group.exchange.start_reduce_scatter(sent, out)
+    comm = group.comm
+    if comm.reduces_in_place:
+        out = sent[start:end]
+    else:
+        out = torch.empty(end - start, dtype=sent.dtype, device=sent.device)
+    return out, comm.reduce_scatter_sum(sent, out, async_op=True)
