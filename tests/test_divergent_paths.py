@@ -92,7 +92,7 @@ def _data(model: str, step: int, rank: int, micro: int = 0) -> tuple[torch.Tenso
 MODELS = {"vlm": VisionLanguage, "layerdrop": LayerDrop, "early_exit": EarlyExit}
 
 
-def _train(rank: int, world: int, stage: int, native: bool, micro: int):
+def _train(rank: int, world: int, stage: int, native: bool, micro: int, **extra):
     states = {}
     for name, cls in MODELS.items():
         torch.manual_seed(0)
@@ -101,6 +101,7 @@ def _train(rank: int, world: int, stage: int, native: bool, micro: int):
             stage=stage,
             reduce_scatter_via_all_reduce=False if native else None,
             collective_timeout=30.0,
+            **extra,
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         engine = ZeroEngine(model, optimizer, config)
@@ -168,6 +169,15 @@ def test_divergent_paths_step_as_one_process_on_two_ranks(stage, native, micro):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_divergent_paths_step_as_one_process_on_four_ranks(stage):
     _check(run_world(_train, 4, stage, False, 1, timeout=240), 4, 1)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_divergent_paths_with_two_hop_gathers(micro):
+    """Two "nodes" of 2 ranks (secondary_partition_size=2): the second hops go out in
+    the order their collectives started, wherever each rank waits, so the ranks' hops
+    pair up while their paths differ and columns are kept only where they agree."""
+    results = run_world(_train, 4, 3, False, micro, secondary_partition_size=2, timeout=240)
+    _check(results, 4, micro)
 
 
 def test_the_ranks_paths_do_differ():

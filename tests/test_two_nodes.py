@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from distributed import run_world
 from training import make_model, make_optimizer, rel_l2, train_reference
 from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.memory.across_nodes import LinkSetup, padded_unit_numels
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -35,12 +36,11 @@ def reference():
     return train_reference(STEPS, ACCUM, CLIP)
 
 
-def _across_two_nodes(tmp_path: Path, stage: int, per_node: int) -> dict:
+def _across_two_nodes(tmp_path: Path, stage: int, per_node: int, config=None) -> dict:
     out = tmp_path / "out"
+    argv = [WORKER, str(out), str(stage), str(STEPS), json.dumps(config or {})]
     with two_nodes.TwoNodes(rate="1gbit", delay="0.5ms") as nodes:
-        codes = nodes.run(
-            [WORKER, str(out), str(stage), str(STEPS)], per_node, timeout=300, logs=tmp_path
-        )
+        codes = nodes.run(argv, per_node, timeout=300, logs=tmp_path)
         namespaces = nodes.namespaces
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("node*.log")))
     assert codes == [0, 0], logs
@@ -71,6 +71,26 @@ def test_two_nodes_train_as_one_process(tmp_path, reference, stage, per_node):
     for reloaded in run_world(_reload, 1, str(tmp_path / "out" / "checkpoint"), stage):
         assert reloaded.keys() == run["state"].keys()
         assert all(torch.equal(reloaded[k], v) for k, v in run["state"].items())
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["hierarchical", "hierarchical+int8"])
+def test_two_hops_across_the_link(tmp_path, reference, compressed):
+    """secondary_partition_size=2 over 2 nodes x 2 ranks: as one process (exactly enough
+    without int8), and the bytes across the link are the planner's to the byte."""
+    config = {"secondary_partition_size": 2}
+    if compressed:
+        config.update(quantized_weights=True, quantized_gradients=True)
+    run = _across_two_nodes(tmp_path, 3, 2, config)
+    ref_losses, ref_state = reference
+    if not compressed:
+        assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        assert rel_l2(run["state"], ref_state) < 1e-5
+    else:
+        assert run["losses"] == pytest.approx(ref_losses, rel=1e-2)
+    across = sum(v["across_node_bytes"] for k, v in run["comm"].items() if k != "control")
+    link = LinkSetup(4, 2, **config)
+    step = link.step_bytes(padded_unit_numels(make_model(), 4))
+    assert across == ACCUM * step["gather"] + step["reduce"]  # the last step's
 
 
 def _reload(rank, world, path, stage):

@@ -3,7 +3,9 @@ the small GPT at a stage, with the shared test loop; a sharded checkpoint saved 
 OUT/checkpoint by every rank, and the main rank's losses, full state and communication
 report written to OUT.
 
-    python tests/two_nodes_worker.py OUT STAGE [STEPS]
+    python tests/two_nodes_worker.py OUT STAGE [STEPS [CONFIG_JSON]]
+
+The communication report is the last step's; CONFIG_JSON holds more ZeroConfig fields.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ ACCUM, CLIP = 2, 0.5
 def main() -> None:
     out, stage = Path(sys.argv[1]), int(sys.argv[2])
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         model = make_model()
         engine = ZeroEngine(
-            model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=CLIP)
+            model, make_optimizer(model), ZeroConfig(stage=stage, gradient_clipping=CLIP, **extra)
         )
         losses = []
         for step in range(steps):
+            if step == steps - 1:
+                engine.reset_comm_report()
             total = 0.0
             for micro in range(ACCUM):
                 x, y = local_batch(step, micro, rank, world)

@@ -125,6 +125,7 @@ class ProcessGroups:
         at its tensor-parallel position. `rank`, `world_size` and every spec count in it;
         each position's groups are made alike."""
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = device
         # Creation order: (group, partition, backend).
         self._made: list[tuple[CommGroup, tuple[tuple[int, ...], ...], str]] = []
         self._order_tags: Communicator | None = None
@@ -162,6 +163,12 @@ class ProcessGroups:
             )
         self.global_rank, self.global_world_size = global_rank, global_world
         self.rank, self.world_size = self.mesh.data_index, self.mesh.data_size
+        if self.world_size % secondary_partition_size:  # before any group is made
+            raise ValueError(
+                f"secondary_partition_size={secondary_partition_size} does not divide the "
+                f"data-parallel world of {self.world_size} ranks; set it to the ranks per "
+                "node (torchrun's --nproc-per-node), a divisor of the world size."
+            )
         on_gloo = self.backend == "gloo"
         # gloo's own reduce-scatter is slow: point-to-point sends move half the bytes of
         # an all-reduce, and are the default there.
@@ -193,12 +200,6 @@ class ProcessGroups:
         self, per_node: int, quantize_weights: bool, quantize_gradients: bool
     ) -> TwoLevelExchange:
         """The world's two-hop exchange over nodes of `per_node` consecutive ranks."""
-        if self.world_size % per_node:
-            raise ValueError(
-                f"secondary_partition_size={per_node} does not divide the data-parallel "
-                f"world of {self.world_size} ranks; set it to the ranks per node "
-                "(torchrun's --nproc-per-node), a divisor of the world size."
-            )
         nodes = ShardSpec.contiguous(self.world_size, per_node)
         hops = [
             Communicator(
@@ -210,7 +211,7 @@ class ProcessGroups:
             for partition in (nodes.groups, nodes.replica_groups())
         ]
         self._own_groups.extend(hops)  # groups of its own: nothing interleaves with its hops
-        return TwoLevelExchange(*hops, quantize_weights, quantize_gradients)
+        return TwoLevelExchange(*hops, quantize_weights, quantize_gradients, self.device)
 
     # ------------------------------------------------------------------ groups
     def shard_group(self, spec: ShardSpec) -> ShardGroup:

@@ -20,18 +20,18 @@ and every other reader see the usual layout).
 With L = 1 (no hierarchy, quantization only) the node hop is nothing and the column is
 the whole vector.
 
-Ordering. A second hop can only start once its first is done, so it is issued later:
-at the exchange's next call (a start or a wait of any of its collectives), for every
-collective started before, in the order they were started. Every rank starts the same
-collectives in the same order, so each group sees the same sequence of hops on every
-rank, wherever each rank happens to wait (ranks whose module paths differ wait at
-different places). The exchange's groups are its own: nothing else interleaves with
-them.
+Ordering. A second hop can only start once its first is done. Both run on one thread
+of the exchange's own, one collective after another, in the order the collectives were
+started: every rank starts the same collectives in the same order, so each group sees
+the same sequence of hops on every rank, whenever and wherever each rank waits (ranks
+whose module paths differ wait at different places, and may block meanwhile on other
+groups). The exchange's groups are its own: nothing else interleaves with them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import queue
+import threading
 from collections.abc import Callable
 
 import torch
@@ -39,51 +39,54 @@ import torch
 from .communicator import Communicator
 from .quantize import dequantize, packed_bytes, quantize
 
-_Issue = Callable[[], tuple[object | None, Callable[[], None] | None]]
 
+class _Job:
+    """One two-hop collective, run on the exchange's thread; wait() re-raises its error."""
 
-class _Hops:
-    """One two-hop collective: its first hop in flight; its second issued by the
-    exchange's pump; its result put in place at wait()."""
-
-    def __init__(
-        self,
-        exchange: TwoLevelExchange,
-        first,
-        second: _Issue | None = None,
-        finish: Callable[[], None] | None = None,
-    ) -> None:
-        self.exchange = exchange
-        self.first, self.second, self.finish = first, second, finish
-        self.then = None  # the second hop's work, once issued
-        self.done = False
-
-    def advance(self) -> None:
-        """The pump: the first hop done, the second issued."""
-        if self.first is not None:
-            self.first.wait()
-            self.first = None
-        if self.second is not None:
-            issue, self.second = self.second, None
-            self.then, self.finish = issue()
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
 
     def wait(self) -> bool:
-        if self.done:
-            return True
-        self.exchange.pump()
-        self.advance()
-        if self.then is not None:
-            self.then.wait()
-            self.then = None
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            finish()
-        self.done = True
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
         return True
 
     def is_completed(self) -> bool:
-        """Only once waited: a poll must not decide when a rank issues its second hop."""
-        return self.done
+        return self.finished.is_set()
+
+
+class _Line:
+    """A thread that runs jobs one at a time, in the order they were submitted. A daemon:
+    a job stuck on a lost peer (until the group's timeout) never holds the process's
+    exit."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, run: Callable[[], None]) -> _Job:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="zero-two-hop", daemon=True)
+            self._thread.start()
+        job = _Job(run)
+        self._jobs.put(job)
+        return job
+
+    def _serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            try:
+                with torch.no_grad():
+                    job.run()
+            except BaseException as error:  # raised again by the waiting rank's wait()
+                job.error = error
+            job.finished.set()
 
 
 class TwoLevelExchange:
@@ -95,26 +98,17 @@ class TwoLevelExchange:
         across: Communicator,
         quantize_weights: bool,
         quantize_gradients: bool,
+        device: torch.device,
     ) -> None:
         self.node, self.across = node, across  # L ranks of this node; N at place l
         self.quantize_weights = quantize_weights
         self.quantize_gradients = quantize_gradients
-        self._waiting: deque[_Hops] = deque()  # second hops not issued yet, oldest first
+        self._line = _Line(device)
 
     @property
     def keeps_secondary(self) -> bool:
         """Whether a forward's column is worth keeping for backward (L > 1)."""
         return self.node.size > 1
-
-    def pump(self) -> None:
-        """Issue the second hop of every collective started so far, in order."""
-        while self._waiting:
-            self._waiting.popleft().advance()
-
-    def _start(self, hops: _Hops) -> _Hops:
-        if hops.second is not None:
-            self._waiting.append(hops)
-        return hops
 
     def _shape(self, full: torch.Tensor) -> tuple[int, int, int]:
         nodes, per_node = self.across.size, self.node.size
@@ -123,73 +117,60 @@ class TwoLevelExchange:
     # ------------------------------------------------------------------ gather
     def start_gather(
         self, target: torch.Tensor, shard: torch.Tensor, column: torch.Tensor | None = None
-    ) -> tuple[_Hops, torch.Tensor]:
+    ) -> tuple[_Job, torch.Tensor]:
         """Start gathering every rank's `shard` into `target` (the whole vector); from a
         kept `column` the across-node hop is skipped. Returns the work and the column."""
-        self.pump()
         nodes, per_node, chunk = self._shape(target)
         if column is not None:
-            work, reorder = self._spread(column, target)
-            return self._start(_Hops(self, work, finish=reorder)), column
+            return self._line.submit(lambda: self._spread(column, target)), column
         if per_node == 1:  # the column is the whole vector
             column = target
         else:
             column = torch.empty(nodes * chunk, dtype=target.dtype, device=target.device)
-        if not self.quantize_weights:
-            first = self.across.all_gather(column, shard, async_op=True)
-            unpack = None
-        else:
-            packed = quantize(shard.view(1, chunk))
-            arrived = packed.new_empty(nodes * packed.shape[1])
-            first = self.across.all_gather(arrived, packed.view(-1), async_op=True)
 
-            def unpack() -> None:
+        def run() -> None:
+            if self.quantize_weights:
+                packed = quantize(shard.view(1, chunk))
+                arrived = packed.new_empty(nodes * packed.shape[1])
+                self.across.all_gather(arrived, packed.view(-1))
                 rows = arrived.view(nodes, packed_bytes(chunk))
                 column.view(nodes, chunk).copy_(dequantize(rows, chunk, column.dtype))
+            else:
+                self.across.all_gather(column, shard)
+            if per_node > 1:
+                self._spread(column, target)
 
-        def second():
-            if unpack is not None:
-                unpack()
-            return self._spread(column, target)
+        return self._line.submit(run), column
 
-        if per_node == 1:
-            return self._start(_Hops(self, first, finish=unpack)), column
-        return self._start(_Hops(self, first, second)), column
-
-    def _spread(self, column: torch.Tensor, target: torch.Tensor):
-        """Within the node: start gathering every rank's column; returns the work and
-        what lays them out as the whole vector once it is done."""
+    def _spread(self, column: torch.Tensor, target: torch.Tensor) -> None:
+        """Within the node: every rank's column, laid out as the whole vector."""
         nodes, per_node, chunk = self._shape(target)
         stacked = torch.empty(per_node * nodes * chunk, dtype=column.dtype, device=column.device)
-        work = self.node.all_gather(stacked, column, async_op=True)
-
-        def reorder() -> None:
-            target.view(nodes, per_node, chunk).copy_(
-                stacked.view(per_node, nodes, chunk).transpose(0, 1)
-            )
-
-        return work, reorder
+        self.node.all_gather(stacked, column)
+        target.view(nodes, per_node, chunk).copy_(
+            stacked.view(per_node, nodes, chunk).transpose(0, 1)
+        )
 
     # ------------------------------------------------------------------ reduce
-    def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> _Hops:
+    def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> _Job:
         """Start summing `full` over the world; `out` gets this rank's chunk of the sum
         once the returned work's wait() returns. `full` is overwritten."""
-        self.pump()
         nodes, per_node, chunk = self._shape(full)
-        if per_node == 1:
-            work, finish = self._reduce_across(full, out)
-            return self._start(_Hops(self, work, finish=finish))
-        reordered = full.view(nodes, per_node, chunk).transpose(0, 1).contiguous().view(-1)
-        place = self.node.rank
-        if self.node.reduces_in_place:
-            column = reordered[place * nodes * chunk : (place + 1) * nodes * chunk]
-        else:
-            column = torch.empty(nodes * chunk, dtype=full.dtype, device=full.device)
-        first = self.node.reduce_scatter_sum(reordered, column, async_op=True)
-        return self._start(_Hops(self, first, lambda: self._reduce_across(column, out)))
 
-    def _reduce_across(self, column: torch.Tensor, out: torch.Tensor):
-        """Start the across-node hop of a reduction: (work, what puts the sum in `out`)."""
+        def run() -> None:
+            column = full
+            if per_node > 1:
+                reordered = full.view(nodes, per_node, chunk).transpose(0, 1).contiguous()
+                column = reordered.view(per_node, nodes * chunk)[self.node.rank]
+                if not self.node.reduces_in_place:
+                    column = torch.empty_like(column)
+                self.node.reduce_scatter_sum(reordered.view(-1), column)
+            self._reduce_across(column, out)
+
+        return self._line.submit(run)
+
+    def _reduce_across(self, column: torch.Tensor, out: torch.Tensor) -> None:
+        """The across-node hop of a reduction: this rank's chunk of the sum into `out`."""
         nodes, chunk, me = self.across.size, out.numel(), self.across.rank
         if self.quantize_gradients:
             rows = column.view(nodes, chunk)
@@ -197,9 +178,9 @@ class TwoLevelExchange:
             parts = dequantize(arrived, chunk, torch.float32)
             parts[me] = rows[me]  # this rank's own part, exactly
             out.copy_(parts.sum(dim=0))
-            return None, None
-        if not self.across.reduces_in_place:
-            return self.across.reduce_scatter_sum(column, out, async_op=True), None
-        mine = column[me * chunk : (me + 1) * chunk]
-        work = self.across.reduce_scatter_sum(column, mine, async_op=True)
-        return work, lambda: out.copy_(mine)
+        elif self.across.reduces_in_place:
+            mine = column[me * chunk : (me + 1) * chunk]
+            self.across.reduce_scatter_sum(column, mine)
+            out.copy_(mine)
+        else:
+            self.across.reduce_scatter_sum(column, out)
