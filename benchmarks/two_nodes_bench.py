@@ -26,7 +26,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import two_nodes  # noqa: E402
 
 WORKER = str(ROOT / "benchmarks" / "two_nodes_worker.py")
-ROWS = ["zero3", "zero3-hier", "zero3-hier-int8", "zero3-int8", "fsdp2-hsdp", "ds3-zeropp"]
+ROWS = [
+    "zero3",
+    "zero3-hier",
+    "zero3-hier-int8",
+    "zero3-int8",
+    "fsdp2-hsdp",
+    "ds3-hpz",
+    "ds3-zeropp",
+]
 
 
 def gbit(rate: str) -> float:

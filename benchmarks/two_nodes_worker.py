@@ -4,7 +4,8 @@ two network namespaces of `scripts/two_nodes.py`; writes a JSON file of figures.
 Rows: zero3 (plain stage 3), zero3-hier (secondary_partition_size = ranks per node),
 zero3-hier-int8 (and int8 weights and gradients over the link), zero3-int8 (int8
 without the hierarchy), fsdp2-hsdp (FSDP2 on a (replicate, shard) mesh: sharded within
-the node, replicated across), ds3-zeropp (DeepSpeed ZeRO-3 with ZeRO++'s three parts).
+the node, replicated across), ds3-zeropp (DeepSpeed ZeRO-3 with ZeRO++'s three parts;
+DeepSpeed 0.19.8 refuses its quantizer on the CPU) and ds3-hpz (ZeRO++'s hpZ alone).
 Every row trains the same GPT on the same batches with AdamW and clipping at 1.0.
 
 Bytes over the link are read from the node's end of the veth (what the kernel sent and
@@ -84,18 +85,16 @@ def build(row: str, model: torch.nn.Module, per_node: int):
         runner = fully_shard(model, mesh=mesh)
         step, _ = plain_torch_step_and_state(model)
         return runner, lambda loss: loss.backward(), step, None
-    if row == "ds3-zeropp":
+    if row in ("ds3-zeropp", "ds3-hpz"):
         import deepspeed
 
+        zero = {"stage": 3, "zero_hpz_partition_size": per_node}
+        if row == "ds3-zeropp":  # its quantizer ops are CUDA-only: refused on the CPU
+            zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
         config = {
             "train_micro_batch_size_per_gpu": 4,
             "gradient_clipping": CLIP,
-            "zero_optimization": {
-                "stage": 3,
-                "zero_hpz_partition_size": per_node,
-                "zero_quantized_weights": True,
-                "zero_quantized_gradients": True,
-            },
+            "zero_optimization": zero,
         }
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
