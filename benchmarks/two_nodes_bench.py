@@ -54,7 +54,7 @@ def run_row(row: str, rate: str, args: argparse.Namespace) -> dict:
             shaping = "; ".join(nodes.shaping)
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
         if codes != [0, 0] or len(ranks) != 2 * args.per_node:
-            logs = "".join(p.read_text()[-1500:] for p in sorted(Path(tmp).glob("node*.log")))
+            logs = "".join(p.read_text() for p in sorted(Path(tmp).glob("node*.log")))
             error = next((line for line in logs.splitlines()[::-1] if "Error" in line), logs[-300:])
             return {"row": row, "rate": rate, "failed": error.strip()[:300], "codes": codes}
     first = ranks[0]

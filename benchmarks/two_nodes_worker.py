@@ -126,6 +126,7 @@ def main() -> None:
         cfg = SIZES[args.size]
         torch.manual_seed(0)
         model = GPT(cfg)
+        params = sum(p.numel() for p in model.parameters())  # before any sharding
         forward, backward, step, counted = build(args.row, model, per_node)
         g = torch.Generator().manual_seed(rank)
         times, wire, engine_bytes, losses = [], [], [], []
@@ -154,7 +155,7 @@ def main() -> None:
             "rank": rank,
             "world": world,
             "per_node": per_node,
-            "params": sum(p.numel() for p in model.parameters()),
+            "params": params,
             "link": os.environ.get("ZERO_NODE_LINK", ""),
             "step_times": times,
             "median_step_s": statistics.median(times),

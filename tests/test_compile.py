@@ -385,7 +385,7 @@ def _tensor_parallel_compiled(rank, world, runs):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
     out = {}
-    for stage, mode in runs:
+    for stage, mode, *dtype in runs:
         _fresh_dynamo()
         model = apply_llama_plan(llama(), mesh["tensor"])
         if mode == "before":
@@ -393,7 +393,8 @@ def _tensor_parallel_compiled(rank, world, runs):
         if mode == "blocks":
             for layer in model.model.layers:
                 layer.compile(fullgraph=True, backend="aot_eager")
-        engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage), device_mesh=mesh)
+        config = ZeroConfig(stage=stage, compute_dtype=dtype[0] if dtype else "fp32")
+        engine = ZeroEngine(model, make_optimizer(model), config, device_mesh=mesh)
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
         losses = []
         for step, ids in enumerate(batches(3, 4)):
@@ -434,6 +435,19 @@ def test_tensor_parallelism_compiles_in_each_mode():
             if mode != "eager":
                 assert graphs > 0, (stage, mode)
                 assert losses == pytest.approx(out[stage, "eager"][0], rel=1e-4), (stage, mode)
+
+
+def test_tensor_parallelism_compiles_in_bf16():
+    """The same at stage 3 in bf16 compute (fp32 masters): blocks compiled whole, and the
+    model compiled before the hand-over, with eager's losses within bf16's reordering (as
+    the dense and MoE bf16 runs)."""
+    pytest.importorskip("transformers")
+    runs = [(3, "eager", "bf16"), (3, "blocks", "bf16"), (3, "before", "bf16")]
+    for out in run_world(_tensor_parallel_compiled, 4, runs, timeout=900):
+        for (stage, mode), (losses, graphs) in out.items():
+            if mode != "eager":
+                assert graphs > 0, mode
+                assert losses == pytest.approx(out[stage, "eager"][0], rel=1e-2), mode
 
 
 _DTENSOR_AT_AN_OFFSET = """

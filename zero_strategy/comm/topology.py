@@ -341,6 +341,8 @@ class ProcessGroups:
         """Destroy the groups this object created; the next collective on any of them
         re-creates them all (`reopen`). Local (no collective) and idempotent, so it is safe
         at teardown and from a finalizer. Callers first finish their own work in flight."""
+        if self.world.exchange is not None:
+            self.world.exchange.close()
         live = [g for g, _, _ in self._made if g.group is not None]
         if not live:
             return

@@ -65,22 +65,31 @@ class _Line:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def submit(self, run: Callable[[], None]) -> _Job:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._serve, name="zero-two-hop", daemon=True)
             self._thread.start()
         job = _Job(run)
         self._jobs.put(job)
         return job
 
+    def stop(self) -> None:
+        """Let the thread end once the jobs before it are done (a later job starts it
+        again)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
     def _serve(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
             job = self._jobs.get()
+            if job is None:
+                return
             try:
                 with torch.no_grad():
                     job.run()
@@ -110,6 +119,16 @@ class TwoLevelExchange:
         """Whether a forward's column is worth keeping for backward (L > 1)."""
         return self.node.size > 1
 
+    def close(self) -> None:
+        """The engine's groups are closing: the thread ends after the jobs in flight."""
+        self._line.stop()
+
+    def _submit(self, run: Callable[[], None]) -> _Job:
+        # Groups closed since their last use are re-created here, on the caller's thread,
+        # where every other collective re-creates them: never two threads at once.
+        self.node.refresh()
+        return self._line.submit(run)
+
     def _shape(self, full: torch.Tensor) -> tuple[int, int, int]:
         nodes, per_node = self.across.size, self.node.size
         return nodes, per_node, full.numel() // (nodes * per_node)
@@ -122,7 +141,7 @@ class TwoLevelExchange:
         kept `column` the across-node hop is skipped. Returns the work and the column."""
         nodes, per_node, chunk = self._shape(target)
         if column is not None:
-            return self._line.submit(lambda: self._spread(column, target)), column
+            return self._submit(lambda: self._spread(column, target)), column
         if per_node == 1:  # the column is the whole vector
             column = target
         else:
@@ -140,7 +159,7 @@ class TwoLevelExchange:
             if per_node > 1:
                 self._spread(column, target)
 
-        return self._line.submit(run), column
+        return self._submit(run), column
 
     def _spread(self, column: torch.Tensor, target: torch.Tensor) -> None:
         """Within the node: every rank's column, laid out as the whole vector."""
@@ -167,7 +186,7 @@ class TwoLevelExchange:
                 self.node.reduce_scatter_sum(reordered.view(-1), column)
             self._reduce_across(column, out)
 
-        return self._line.submit(run)
+        return self._submit(run)
 
     def _reduce_across(self, column: torch.Tensor, out: torch.Tensor) -> None:
         """The across-node hop of a reduction: this rank's chunk of the sum into `out`."""
