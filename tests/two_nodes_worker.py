@@ -52,9 +52,9 @@ def main() -> None:
             engine.step()
             engine.zero_grad()
             losses.append(_global_mean(total))  # the union of the ranks' batches
+        report = engine.comm_report()  # the last step's, before the save's collectives
         engine.save_checkpoint(out / "checkpoint")  # every rank writes its shards
         state = engine.full_state_dict()
-        report = engine.comm_report()
         engine.close()
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
