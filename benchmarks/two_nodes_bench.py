@@ -3,6 +3,7 @@ hierarchical + int8, and the peers (FSDP2 HSDP, DeepSpeed ZeRO++), at each link 
 
     python benchmarks/two_nodes_bench.py                       # 82M GPT, 1 and 10 Gbit/s
     python benchmarks/two_nodes_bench.py --rates 1gbit --size small --steps 2
+    python benchmarks/two_nodes_bench.py --from-json a.json b.json   # one report of both
 
 Each row runs under `scripts/two_nodes.py` (two network namespaces joined by a veth
 pair shaped by tc; needs root), 2 nodes x `--per-node` ranks, one thread per rank. Writes
@@ -55,7 +56,12 @@ def run_row(row: str, rate: str, args: argparse.Namespace) -> dict:
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
         if codes != [0, 0] or len(ranks) != 2 * args.per_node:
             logs = "".join(p.read_text() for p in sorted(Path(tmp).glob("node*.log")))
-            error = next((line for line in logs.splitlines()[::-1] if "Error" in line), logs[-300:])
+            causes = [  # the ranks' own errors, not the launcher's
+                line.split("]:", 1)[-1]
+                for line in logs.splitlines()
+                if line.startswith("[rank") and "Error: " in line
+            ]
+            error = causes[-1] if causes else logs[-300:]
             return {"row": row, "rate": rate, "failed": error.strip()[:300], "codes": codes}
     first = ranks[0]
     node_bytes = [r["node_link_bytes_per_step"] for r in ranks if r["node_link_bytes_per_step"]]
@@ -157,13 +163,19 @@ def main() -> None:
     parser.add_argument("--delay", default=None, help="one-way delay (needs sch_netem)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--from-json", nargs="+", type=Path, help="report earlier runs' results together"
+    )
     args = parser.parse_args()
-    why = two_nodes.unavailable()
-    if why:
-        raise SystemExit(f"no two nodes here: {why}")
     stamp = datetime.date.today().isoformat()
     results = []
-    for rate in args.rates:
+    if args.from_json:
+        for path in args.from_json:
+            results += json.loads(path.read_text())
+        args.rates = sorted(dict.fromkeys(r["rate"] for r in results), key=gbit)
+    elif why := two_nodes.unavailable():
+        raise SystemExit(f"no two nodes here: {why}")
+    for rate in [] if args.from_json else args.rates:
         for row in args.rows:
             result = run_row(row, rate, args)
             print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
