@@ -47,7 +47,9 @@ def _learnable_batch(step, micro, rank, world):
     return rows[:, :-1], rows[:, 1:]
 
 
-def _train(rank, world, stage, steps, config, lr=None, evaluate=True, batch=local_batch):
+def _train(
+    rank, world, stage, steps, config, lr=None, evaluate=True, batch=local_batch, accum=ACCUM
+):
     """The shared test loop, with an evaluation forward after every step (it must
     neither keep nor use a column)."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun would say for 2 nodes x 2
@@ -62,10 +64,10 @@ def _train(rank, world, stage, steps, config, lr=None, evaluate=True, batch=loca
         if step == steps - 1:
             engine.reset_comm_report()
         total = 0.0
-        for micro in range(ACCUM):
+        for micro in range(accum):
             x, y = batch(step, micro, rank, world)
-            with engine.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
-                loss = engine(x, y) / ACCUM
+            with engine.no_sync() if micro < accum - 1 else torch.enable_grad():
+                loss = engine(x, y) / accum
                 engine.backward(loss)
             total += loss.item()
         if step == steps - 1:
@@ -132,11 +134,13 @@ def test_the_planner_counts_a_whole_step():
 def test_int8_training_stays_within_one_percent_of_uncompressed():
     """500 steps of the small GPT, int8 over the hop of 2 single-rank nodes, against the
     same run uncompressed: the loss after them (the mean of the last 100 steps, each on
-    batches not seen before) within 1%. Measured: 0.7% (2.5162 against 2.5342); the
-    int8 weights alone 0.3%, the int8 gradients 0.1%."""
+    batches not seen before) within 1%. Measured: 0.4% (2.7050 against 2.7154); the
+    int8 weights alone 0.4%, the int8 gradients alone 0.9%."""
     steps = 500
     runs = [
-        run_world(_train, 2, 3, steps, c, evaluate=False, batch=_learnable_batch, timeout=400)
+        run_world(
+            _train, 2, 3, steps, c, evaluate=False, batch=_learnable_batch, accum=1, timeout=400
+        )
         for c in ({}, COMPRESSED)
     ]
     plain, int8 = runs[0][0][0], runs[1][0][0]
