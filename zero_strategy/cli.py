@@ -52,9 +52,10 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from .memory import planner
 
-    root, sharded = 0, None
+    root, sharded, model = 0, None, None
     if args.hf_config:
-        params, root, sharded = _params_of_hf_config(args.hf_config)
+        model = _model_of_hf_config(args.hf_config)
+        params, root, sharded = _params_of(model)
     elif args.params:
         params = planner.parse_count(args.params)
     else:
@@ -88,6 +89,9 @@ def _estimate(args: argparse.Namespace) -> int:
         )
         for s in stages
     ]
+    for p in plans:
+        if p.stage == 3 and args.nodes > 1:
+            p.across_node = _across_nodes(args, model, params, root)
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], indent=1))
     else:
@@ -98,17 +102,39 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _params_of_hf_config(path: str) -> tuple[int, int, int]:
-    """(parameters, the root unit's, those a standard tensor-parallel plan splits)."""
+def _model_of_hf_config(path: str):
+    """The model a Hugging Face config.json describes, built on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .memory.planner import count_params, tensor_shardable_params
-
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _params_of(model) -> tuple[int, int, int]:
+    """(parameters, the root unit's, those a standard tensor-parallel plan splits)."""
+    from .memory.planner import count_params, tensor_shardable_params
+
     return (*count_params(model), tensor_shardable_params(model))
+
+
+def _across_nodes(args: argparse.Namespace, model, params: int, root: int) -> dict[str, float]:
+    """Stage 3's bytes per step and rank from other nodes: from the model's padded units
+    (exact), or from the counts alone (the root, and the rest as one unit)."""
+    from .memory.across_nodes import LinkSetup, padded_unit_numels
+
+    world = args.world_size * args.nodes
+    link = LinkSetup(
+        world,
+        args.world_size,
+        args.secondary_partition_size,
+        args.quantized_weights,
+        args.quantized_gradients,
+        args.dtype,
+    )
+    units = padded_unit_numels(model, world) if model is not None else [root, params - root]
+    return dict(link.step_bytes(units))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +228,15 @@ def _add_estimate(sub) -> None:
         help="parameters the tensor-parallel plan splits (default with --hf-config: every "
         "nn.Linear weight in the blocks; with --params: all but the root's)",
     )
+    e.add_argument(
+        "--secondary-partition-size",
+        type=int,
+        default=1,
+        help="stage 3 on --nodes > 1: the across-node bytes with this hierarchy (the ranks "
+        "per node; docs/multi_node.md)",
+    )
+    e.add_argument("--quantized-weights", action="store_true", help="int8 over the link")
+    e.add_argument("--quantized-gradients", action="store_true", help="int8 over the link")
     e.add_argument("--device-memory", type=float, help="GB per device, to check the fit")
     e.add_argument(
         "--offload",

@@ -49,6 +49,9 @@ class Plan:
     device_memory: float | None = None
     host_memory: dict[str, float] = field(default_factory=dict)  # offloaded, per rank
     disk: dict[str, float] = field(default_factory=dict)  # offloaded to files, per rank
+    # Stage 3 on several nodes: bytes a rank receives from other nodes per step, by hop
+    # ("gather", "reduce"; memory/across_nodes.py).
+    across_node: dict[str, float] = field(default_factory=dict)
 
     @property
     def model_state(self) -> float:
@@ -351,6 +354,9 @@ def format_table(p: Plan) -> str:
         rows.append(f"  fits in {p.device_memory / GB:.0f} GB: {'yes' if p.fits else 'NO'}")
     rows.append("communication per step:")
     rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.comm.items()] or ["  none (one rank)"]
+    if p.across_node:
+        rows.append("received from other nodes per step and rank:")
+        rows += [f"  {k:<18} {v / GB:10.3f} GB" for k, v in p.across_node.items()]
     return "\n".join(rows)
 
 
