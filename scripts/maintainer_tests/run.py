@@ -273,6 +273,8 @@ def run_pytest_suite(
     work = Path(tempfile.mkdtemp(prefix=f"{suite}-{strategy}-", dir=args.work))
     log = work / "output.log"
     env = _environment(strategy, suite, work)
+    if getattr(args, "cuda_on_cpu", False):
+        env["ZERO_SWAP_CUDA_ON_CPU"] = "1"  # swap_plugin re-targets the CUDA-gated tests
     start = time.monotonic()
     plain = [e for e in entries if e.kind == "pytest"]
     env["ZERO_SWAP_FILTERS"] = json.dumps({e.target: e.pattern for e in plain if e.pattern})
@@ -465,7 +467,7 @@ def one_line(message: str, limit: int = 240) -> str:
 
 def _results_file(suite: str, strategy: str, select: str) -> Path:
     """Saved results, one file per selection kind: a baseline compares like with like."""
-    tag = "" if select == "list" else "-rule"
+    tag = {"list": "", "rule": "-rule"}.get(select, f"-{select}")
     return sources.CACHE / "results" / f"{suite}-{strategy}{tag}.json"
 
 
@@ -487,9 +489,12 @@ def _load(suite: str, strategy: str, select: str) -> SuiteRun | None:
     return run
 
 
-def _rule_entries(root: Path) -> tuple[list[Entry], str]:
-    """Lightning's entries found by rule (rule.py), and a line that counts them."""
+def _rule_entries(root: Path, cuda_only: bool = False) -> tuple[list[Entry], str]:
+    """Lightning's entries found by rule (rule.py), and a line that counts them; with
+    `cuda_only`, those gated on 2+ CUDA devices alone."""
     found = rule.lightning_ddp_tests(root)
+    if cuda_only:
+        found = [f for f in found if f.cuda_gated]
     entries = [Entry("standalone", f.node) for f in found if f.standalone]
     # The others by file, each with a filter of its test names: a node id in a module that
     # cannot be imported (a missing optional dependency) would end the whole pytest run,
@@ -507,7 +512,11 @@ def _rule_entries(root: Path) -> tuple[list[Entry], str]:
     note = (
         f"selected by rule (scripts/maintainer_tests/rule.py): {len(found)} test functions in "
         f"{files} files, {standalone} of them standalone, {gated} gated on 2+ CUDA devices "
-        "(they skip on CPU)"
+        + (
+            "(only those, re-targeted to the CPU: --cuda-on-cpu)"
+            if cuda_only
+            else "(they skip on CPU)"
+        )
     )
     return entries, note
 
@@ -579,7 +588,14 @@ def main() -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="rebuild the report from the saved results"
     )
+    parser.add_argument(
+        "--cuda-on-cpu",
+        action="store_true",
+        help="only Lightning's tests gated on 2+ CUDA devices, re-targeted to the CPU "
+        "(swap_plugin.py); their results are kept apart from the full run's",
+    )
     args = parser.parse_args()
+    select = "rule-cuda" if args.cuda_on_cpu else args.select  # results kept apart
     suites = ["lightning", "accelerate"] if args.suite == "all" else [args.suite]
     args.work = Path(tempfile.mkdtemp(prefix="maintainer-tests-"))
     selection = read_selection(args.selection)
@@ -593,22 +609,24 @@ def main() -> None:
         root = entry / "tests" if suite == "lightning" else entry
         entries = selection[suite]
         if args.select == "rule":
-            by_rule = _rule_entries if suite == "lightning" else _accelerate_rule_entries
-            entries, found_note = by_rule(root)
+            if suite == "lightning":
+                entries, found_note = _rule_entries(root, cuda_only=args.cuda_on_cpu)
+            else:
+                entries, found_note = _accelerate_rule_entries(root)
             notes[suite] += f"; {found_note}"
         for strategy in args.strategies:
             if args.report_only:
-                if saved := _load(suite, strategy, args.select):
+                if saved := _load(suite, strategy, select):
                     runs[(suite, strategy)] = saved
                 continue
             print(f"[{suite}] {strategy} ...", flush=True)
             run = run_pytest_suite(suite, strategy, entries, root, root, args)
             if keep:
-                _save(run, args.select)
+                _save(run, select)
             runs[(suite, strategy)] = run
             c = run.counts()
             print(f"[{suite}] {strategy}: {c} in {run.wall:.0f}s ({run.notes[-1]})", flush=True)
-        if "ddp" not in args.strategies and keep and (base := _load(suite, "ddp", args.select)):
+        if "ddp" not in args.strategies and keep and (base := _load(suite, "ddp", select)):
             runs = {(suite, "ddp"): base, **runs}
     text = report(runs, notes, args)
     date = datetime.date.today().isoformat()

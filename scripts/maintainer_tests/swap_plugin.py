@@ -18,6 +18,13 @@ imported:
   `ZeroAccelerator`, whose stage comes from `ZERO_STRATEGY_STAGE` (set here from
   `ZERO_SWAP_STAGE`).
 
+With `ZERO_SWAP_CUDA_ON_CPU=1` (the runner's `--cuda-on-cpu`), Lightning's tests gated on
+CUDA devices are re-targeted to the CPU, as far as that goes: `RunIf(min_cuda_gpus=N)`
+no longer skips, and a Trainer's or Fabric's `accelerator="gpu"`/`"cuda"` (or a
+`CUDAAccelerator`) becomes the CPU, with a device list as that many processes. What a
+test does with CUDA itself (`.cuda()`, CUDA memory, fp16 autocast) fails under every
+strategy alike; the report compares each ZeRO stage with ddp re-targeted the same way.
+
 Whatever the stage, each construction of a DDP-family strategy or an Accelerator is
 appended to `$ZERO_SWAP_MARKS` (a file) with the running test's id
 (`$PYTEST_CURRENT_TEST`, or `$ZERO_SWAP_TEST_ID` set by accelerate_shim.py), so the report can tell
@@ -167,7 +174,54 @@ def _install_accelerate(stage: int | None) -> None:
     accelerate.accelerator.Accelerator = ZeroAccelerator
 
 
+def _without_cuda_gate(reasons: Any) -> Any:
+    @functools.wraps(reasons)
+    def cpu_reasons(*args: Any, min_cuda_gpus: int = 0, **kwargs: Any):
+        return reasons(*args, **kwargs)
+
+    return cpu_reasons
+
+
+def _cpu_devices(devices: Any) -> Any:
+    """A CUDA device list as a number of CPU processes."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    return devices
+
+
+def _to_cpu(connector: type) -> None:
+    from lightning.fabric.accelerators import CUDAAccelerator
+
+    init = connector.__init__
+
+    @functools.wraps(init)
+    def cpu_init(self, *args: Any, **kwargs: Any) -> None:
+        accelerator = kwargs.get("accelerator", "auto")
+        if isinstance(accelerator, CUDAAccelerator) or accelerator in ("gpu", "cuda"):
+            kwargs["accelerator"] = "cpu"
+            kwargs["devices"] = _cpu_devices(kwargs.get("devices", "auto"))
+        init(self, *args, **kwargs)
+
+    connector.__init__ = cpu_init
+
+
+def _retarget_cuda() -> None:
+    import lightning.fabric.utilities.testing as fabric_testing
+    import lightning.pytorch.utilities.testing as pl_testing
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    for module in (fabric_testing, pl_testing):
+        module._runif_reasons = _without_cuda_gate(module._runif_reasons)
+    _to_cpu(_AcceleratorConnector)
+    _to_cpu(_Connector)
+
+
 def install(suite: str, stage: int | None = STAGE) -> None:
+    if suite in ("lightning", "all") and os.environ.get("ZERO_SWAP_CUDA_ON_CPU") == "1":
+        _retarget_cuda()
     if suite in ("lightning", "all"):
         _install_lightning(stage)
     if suite in ("accelerate", "all"):
