@@ -234,3 +234,16 @@ def test_an_older_torch_fails_at_import_naming_the_version():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0 and "pip install 'torch>=2.13'" in proc.stderr
+
+
+def test_a_client_state_that_does_not_read_back_is_named_even_without_a_message(monkeypatch):
+    """A safe load that fails with a bare exception (EOFError(): an empty buffer, as when
+    torch.save is mocked) is reported by its type, not hidden by an IndexError."""
+    from zero_strategy.checkpoint import save_agreement
+
+    def bare_failure(*args, **kwargs):
+        raise EOFError
+
+    monkeypatch.setattr(save_agreement.torch, "load", bare_failure)
+    with pytest.raises(ValueError, match=r"safe load \(weights_only=True\) refuses: EOFError\."):
+        save_agreement.client_state_bytes({"epoch": 1})

@@ -90,9 +90,9 @@ def client_state_bytes(client_state: dict | None) -> bytes | None:
     try:
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:
+        cause = (str(e).splitlines() or [type(e).__name__])[0]  # EOFError() says nothing
         raise ValueError(
             f"the client state holds objects that a safe load (weights_only=True) refuses: "
-            f"{str(e).splitlines()[0]}. Keep only tensors, numbers, strings, lists and dicts "
-            "in it"
+            f"{cause}. Keep only tensors, numbers, strings, lists and dicts in it"
         ) from e
     return buffer.getvalue()
