@@ -202,12 +202,7 @@ class ProcessGroups:
         """The world's two-hop exchange over nodes of `per_node` consecutive ranks."""
         nodes = ShardSpec.contiguous(self.world_size, per_node)
         hops = [
-            Communicator(
-                self._create(self.mesh.expand(partition)),
-                self._reduce_scatter,
-                self._ag_via_bcast,
-                self.refresh,
-            )
+            self._new_communicator(self.mesh.expand(partition))
             for partition in (nodes.groups, nodes.replica_groups())
         ]
         self._own_groups.extend(hops)  # groups of its own: nothing interleaves with its hops
@@ -232,13 +227,14 @@ class ProcessGroups:
     def _communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
         """The communicator of this rank's group in `partition` (global ranks)."""
         if partition not in self._comms:
-            self._comms[partition] = Communicator(
-                self._create(partition),
-                self._reduce_scatter,
-                self._ag_via_bcast,
-                self.refresh,
-            )
+            self._comms[partition] = self._new_communicator(partition)
         return self._comms[partition]
+
+    def _new_communicator(self, partition: tuple[tuple[int, ...], ...]) -> Communicator:
+        """A communicator over a new group of this rank in `partition` (global ranks)."""
+        return Communicator(
+            self._create(partition), self._reduce_scatter, self._ag_via_bcast, self.refresh
+        )
 
     def _create(
         self, partition: tuple[tuple[int, ...], ...], backend: str | None = None

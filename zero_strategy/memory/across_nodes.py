@@ -17,8 +17,7 @@ from torch import nn
 
 from ..comm.quantize import packed_bytes
 from ..layout.shard_spec import ShardSpec
-
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from .planner import _DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -46,26 +45,18 @@ class LinkSetup:
         return node, across
 
     def unit_bytes(self, padded_numel: int, gathers: int, rank: int = 0) -> dict[str, int]:
-        """Across-node bytes of one unit: `gathers` gathers and one gradient reduction."""
-        chunk = padded_numel // self.world_size
-        gather_bytes = _DTYPE_BYTES[self.compute_dtype]
-        reduce_bytes = _DTYPE_BYTES[self.reduce_dtype or self.compute_dtype]
-        plain = not (
-            self.secondary_partition_size > 1 or self.quantized_weights or self.quantized_gradients
-        )
-        if plain:
-            others = self._elsewhere(tuple(range(self.world_size)), rank)
-            return {
-                "gather": gathers * others * chunk * gather_bytes,
-                "reduce": others * chunk * reduce_bytes,
-            }
+        """Across-node bytes of one unit: `gathers` gathers and one gradient reduction.
+        Without a hierarchy the across-node hop is the whole world's flat collective."""
         node, across = self._groups(rank)
-        others = self._elsewhere(across, rank) + self._elsewhere(node, rank)
         if self._elsewhere(node, rank):
             raise ValueError(
                 f"secondary_partition_size={self.secondary_partition_size} spans nodes of "
                 f"{self.ranks_per_node} ranks; use a divisor of the ranks per node."
             )
+        others = self._elsewhere(across, rank)
+        chunk = padded_numel // self.world_size
+        gather_bytes = _DTYPE_BYTES[self.compute_dtype]
+        reduce_bytes = _DTYPE_BYTES[self.reduce_dtype or self.compute_dtype]
         sent = packed_bytes(chunk) if self.quantized_weights else chunk * gather_bytes
         reduced = packed_bytes(chunk) if self.quantized_gradients else chunk * reduce_bytes
         across_hops = 1 if self.secondary_partition_size > 1 else gathers
