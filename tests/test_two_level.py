@@ -182,6 +182,9 @@ def test_bad_settings_name_the_fix():
 
 
 def _bad_partition(rank, world):
+    # Every rank is past the rendezvous first: a rank that raises and exits while another
+    # still connects would fail that one with a connection error instead of this one.
+    torch.distributed.barrier()
     model = make_model()
     ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, secondary_partition_size=4))
 
