@@ -28,7 +28,13 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from engine_worker import CLIP, LR, SIZES, plain_torch_step_and_state  # noqa: E402
+from engine_worker import (  # noqa: E402
+    CLIP,
+    LR,
+    SIZES,
+    init_ranks,
+    plain_torch_step_and_state,
+)
 
 from examples.gpt import GPT  # noqa: E402
 
@@ -112,14 +118,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.row.startswith("ds"):
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_ranks(args.row), dist.get_world_size()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     first_of_node = int(os.environ["LOCAL_RANK"]) == 0
     try:
