@@ -28,7 +28,7 @@ from zero_strategy.tensor_parallel import tensor_parallel_mesh
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
-from .lightning_averaging import averaging_classes, refuse_stock_averaging
+from .lightning_averaging import adopt_stock_averaging, averaging_classes
 from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
 from .pairing import stand_in_optimizer
 from .private_api import (
@@ -209,7 +209,7 @@ def make_strategy(root: str):
             kinds += tuple(averaging_classes(root).values())
             averaging = [c for c in trainer.callbacks if isinstance(c, kinds)]
             if shards_parameters(self.engine_config, self.world_size, self.root_device):
-                refuse_stock_averaging(averaging, root)
+                adopt_stock_averaging(averaging, root)
                 refuse_pruning(trainer.callbacks, stock.ModelPruning)
             self.parameters_read_after_step = bool(averaging)
             existing = engine_of(model)

@@ -2,8 +2,10 @@
 
 Lightning's `WeightAveraging`, `EMAWeightAveraging` and `StochasticWeightAveraging` read
 and write `pl_module.parameters()` after each step. At stage 3 those are empty outside
-forward, so the stock callbacks cannot run there; the strategy refuses them at set-up,
-naming the drop-in to use (at stages 1-2 and on one process they work as they are):
+forward, so the strategy adopts each stock callback (and a user's subclass) at set-up:
+its hooks that read the weights run with the full parameters gathered
+(`adopt_stock_averaging`), and it trains as under DDP, keeping a whole averaged copy per
+rank as there. At stages 1-2 and on one process they work as they are. The drop-ins:
 
 - `ZeroEMAWeightAveraging`: `EMAWeightAveraging`'s arguments and schedule, over the
   engine's sharded EMA: 1/N of a copy per rank instead of a whole one, saved in the
@@ -27,6 +29,19 @@ from .engine_of import engine_of
 
 _CLASSES: dict[str, dict[str, type]] = {}
 
+# The stock hooks that read or write the parameters, by stock class.
+_DROP_IN_HOOKS: dict[str, tuple[str, ...]] = {
+    "WeightAveraging": (
+        "setup",
+        "on_train_batch_end",
+        "on_train_epoch_end",
+        "on_train_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+    ),
+    "StochasticWeightAveraging": ("setup", "on_train_epoch_start", "on_train_end"),
+}
+
 
 def _gathered(pl_module):
     """The full parameters for a `with` block, written back on exit (every rank writes
@@ -35,20 +50,24 @@ def _gathered(pl_module):
     return engine.gathered_parameters() if engine is not None else contextlib.nullcontext()
 
 
-def _with_full_parameters(base: type, hooks: tuple[str, ...]) -> type:
-    """`base` with each hook in `hooks` run inside `_gathered(pl_module)`."""
+def _with_full_parameters(base: type, hooks: tuple[str, ...], name: str | None = None) -> type:
+    """`base` with each hook in `hooks` run inside `_gathered(pl_module)`, named `name`
+    (Zero<base> by default)."""
 
-    def wrap(name: str):
-        inner = getattr(base, name)
+    def wrap(hook_name: str):
+        inner = getattr(base, hook_name)
 
         def hook(self, trainer, pl_module, *args, **kwargs):
             with _gathered(pl_module):
                 return inner(self, trainer, pl_module, *args, **kwargs)
 
-        hook.__name__ = name
+        hook.__name__ = hook_name
         return hook
 
-    return type(f"Zero{base.__name__}", (base,), {name: wrap(name) for name in hooks})
+    cls = type(name or f"Zero{base.__name__}", (base,), {hook: wrap(hook) for hook in hooks})
+    if name:
+        cls.__qualname__, cls.__module__ = base.__qualname__, base.__module__
+    return cls
 
 
 def averaging_classes(root: str) -> dict[str, type]:
@@ -136,18 +155,11 @@ def averaging_classes(root: str) -> dict[str, type]:
             self._latest_update_step = state_dict["latest_update_step"]
             self._latest_update_epoch = state_dict.get("latest_update_epoch", -1)
 
-    gathered_hooks = (
-        "setup",
-        "on_train_batch_end",
-        "on_train_epoch_end",
-        "on_train_end",
-        "on_validation_epoch_start",
-        "on_validation_epoch_end",
+    weight_averaging = _with_full_parameters(
+        callbacks.WeightAveraging, _DROP_IN_HOOKS["WeightAveraging"]
     )
-    weight_averaging = _with_full_parameters(callbacks.WeightAveraging, gathered_hooks)
     swa = _with_full_parameters(
-        callbacks.StochasticWeightAveraging,
-        ("setup", "on_train_epoch_start", "on_train_end"),
+        callbacks.StochasticWeightAveraging, _DROP_IN_HOOKS["StochasticWeightAveraging"]
     )
     weight_averaging.__doc__ = "`WeightAveraging` with the full parameters gathered."
     swa.__doc__ = "`StochasticWeightAveraging` with the full parameters gathered."
@@ -159,24 +171,43 @@ def averaging_classes(root: str) -> dict[str, type]:
     return _CLASSES[root]
 
 
-def refuse_stock_averaging(callbacks: list, root: str) -> None:
-    """Stage 3 over several ranks: a stock averaging callback would read empty parameters
-    after the first step. Refuse it now, naming the drop-in."""
+# Callback hooks Lightning calls between steps (never inside a forward or backward), on
+# every rank: where a subclass's own hook may read the weights and a gather can run.
+_PHASES = ("fit", "train", "validation", "test", "predict")
+_EPOCHS = ("train_epoch", "validation_epoch", "test_epoch", "predict_epoch", "train_batch")
+_BETWEEN_STEPS = (
+    "setup",
+    "teardown",
+    *(f"on_{what}_{when}" for what in _PHASES + _EPOCHS for when in ("start", "end")),
+)
+
+
+def _own_hooks(cls: type, stock: type) -> tuple[str, ...]:
+    """The between-step hooks that `cls`'s classes above `stock` define (a user's
+    subclass of the stock callback)."""
+    above = cls.__mro__[: cls.__mro__.index(stock)]
+    return tuple(name for name in _BETWEEN_STEPS if any(name in vars(c) for c in above))
+
+
+def adopt_stock_averaging(callbacks: list, root: str) -> list[str]:
+    """Stage 3 over several ranks: a stock averaging callback (or a user's subclass) would
+    read empty parameters after the first step. Each becomes its own class with the full
+    parameters gathered in the hooks that read them, the hooks its drop-in gathers and
+    any its subclass defines (the instance keeps its state and arguments; torch's
+    `fully_shard` re-classes a module the same way). Returns the adopted class names."""
     ours = averaging_classes(root)
     stock = importlib.import_module(f"{root}.callbacks")
+    adopted = []
     for callback in callbacks:
         if isinstance(callback, tuple(ours.values())):
             continue
-        for name in ("EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging"):
-            if isinstance(callback, getattr(stock, name)):
-                raise RuntimeError(
-                    f"{type(callback).__name__} reads the model's parameters after each step, "
-                    "and at ZeRO stage 3 they are sharded (empty outside forward). Use "
-                    f"zero_strategy.integrations.lightning.Zero{name}(...) instead, with the "
-                    "same arguments"
-                    + (
-                        " (a sharded EMA: 1/N of a copy per rank)."
-                        if name == "EMAWeightAveraging"
-                        else "; it gathers the parameters where it reads them."
-                    )
-                )
+        for name in ("StochasticWeightAveraging", "WeightAveraging"):
+            base = getattr(stock, name)
+            if isinstance(callback, base):
+                cls = type(callback)
+                hooks = dict.fromkeys(_DROP_IN_HOOKS[name] + _own_hooks(cls, base))
+                # Same name: its state_key (the checkpoint's entry) and messages unchanged.
+                callback.__class__ = _with_full_parameters(cls, tuple(hooks), cls.__name__)
+                adopted.append(cls.__name__)
+                break
+    return adopted
