@@ -43,7 +43,7 @@ def _loop(
         optimizer.zero_grad()
         state["step"] = step + 1
         if ckpt and step + 1 == steps // 2:
-            fabric.save(ckpt, state)
+            fabric.save(ckpt.format(rank=rank), state)  # "{rank}": a path per rank
     return losses
 
 
@@ -58,6 +58,15 @@ def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     full = run_world(_loop, 2, "zero3", 10, ckpt)
     resumed = run_world(_loop, 2, "zero3", 10, None, ckpt)
+    for a, b in zip(resumed, full):
+        assert a == b[10:]
+
+
+def test_fabric_save_to_paths_that_differ_by_rank_writes_rank_0s(tmp_path):
+    """As Fabric's FSDP strategy: every rank writes rank 0's path."""
+    full = run_world(_loop, 2, "zero3", 10, str(tmp_path / "rank{rank}" / "ckpt"))
+    assert not (tmp_path / "rank1").exists()
+    resumed = run_world(_loop, 2, "zero3", 10, None, str(tmp_path / "rank0" / "ckpt"))
     for a, b in zip(resumed, full):
         assert a == b[10:]
 

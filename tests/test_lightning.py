@@ -756,6 +756,28 @@ def test_fit_again_after_an_exception_resumes_from_its_checkpoint_as_ddp(tmp_pat
     assert_matches_ddp(ours, ddp, n_losses=6)
 
 
+def _saved_where_rank_0_says(rank, world, strategy, base):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    module = lit_module_class()()
+    trainer = quiet_trainer(world, strategy, max_steps=2)
+    trainer.fit(module, loader(n_batches=2, world=world))
+    trainer.save_checkpoint(os.path.join(base, f"rank{rank}", "last.ckpt"))  # differ by rank
+    resumed = quiet_trainer(world, strategy, max_steps=3)
+    resumed.fit(
+        module, loader(n_batches=2, world=world), ckpt_path=os.path.join(base, "rank0", "last.ckpt")
+    )
+    return resumed.global_step
+
+
+def test_a_save_whose_path_differs_by_rank_lands_at_rank_0s_path(tmp_path):
+    """As Lightning's FSDP strategy: the ranks write rank 0's path together (Lightning's
+    test_result_collection_reload names one temporary directory per rank)."""
+    assert run_world(_saved_where_rank_0_says, 2, "zero3", str(tmp_path)) == [3, 3]
+    assert os.path.isdir(tmp_path / "rank0" / "last.ckpt")
+    assert not os.path.exists(tmp_path / "rank1")
+
+
 def final_parameters(trainer, module) -> dict[str, torch.Tensor]:
     """The module's full parameters after fit, as DDP holds them (gathered at stage 3)."""
     engine = getattr(trainer.strategy, "engine", None)

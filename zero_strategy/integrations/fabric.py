@@ -304,6 +304,7 @@ class ZeroFabricStrategy(DDPStrategy):
             raise TypeError(
                 "The ZeRO strategy writes sharded directories: storage_options and filter are not supported."
             )
+        path = self.broadcast(str(path), src=0)  # rank 0's, as Fabric's FSDP strategy
         client = client_state(state, drop_types=(nn.Module, torch.optim.Optimizer))
         plain = self._never_set_up(state)
         if plain is not None:

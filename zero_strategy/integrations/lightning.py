@@ -330,6 +330,10 @@ def make_strategy(root: str):
                     "The ZeRO strategy writes its own sharded directory; storage_options are "
                     "not supported. Drop them or use a CheckpointIO with strategy='ddp'."
                 )
+            # Rank 0's path, as Lightning's FSDP and DeepSpeed strategies take it: ranks
+            # may name different ones (each its own temporary directory), and the
+            # sharded files must land together.
+            filepath = self.broadcast(str(filepath), src=0)
             client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
             if self.state_dict_type == "full":
                 save_whole(self.engine, filepath, client, lambda e: self.broadcast(e, src=0))
