@@ -270,17 +270,23 @@ def _manual(rank, world, strategy):
             opt.zero_grad()
             self.losses.append(loss.item())
 
+        def on_train_batch_end(self, *_):  # the step's opt.zero_grad() is seen here
+            self.grads_after_step.append(all(p.grad is None for p in self.parameters()))
+
     module = Manual()
+    module.grads_after_step = []
     trainer = quiet_trainer(world, strategy, max_steps=6)
     trainer.fit(module, loader(n_batches=6, world=world))
-    return module.losses
+    return module.losses, module.grads_after_step
 
 
-def test_manual_optimization_with_one_optimizer_matches_ddp():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_manual_optimization_with_one_optimizer_matches_ddp(stage):
     ddp = run_world(_manual, 2, "ddp")
-    ours = run_world(_manual, 2, "zero3")
-    for a, b in zip(ours, ddp):
+    ours = run_world(_manual, 2, f"zero{stage}")
+    for (a, cleared), (b, ddp_cleared) in zip(ours, ddp):
         assert len(a) == 6 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
+        assert cleared == ddp_cleared == [True] * 6  # .grad is None after the step, as DDP
 
 
 def _configure_model(rank, world):
@@ -606,7 +612,8 @@ def _double(rank, world, strategy):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            self.dtypes |= {x.dtype, self.net[1].running_mean.dtype, self.dtype}
+            made_here = torch.tensor([0.0]).dtype  # the default dtype inside a step
+            self.dtypes |= {x.dtype, self.net[1].running_mean.dtype, self.dtype, made_here}
             return torch.nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):

@@ -306,7 +306,7 @@ class ZeroEngine:
         """Runs before every forward of the root module. A framework that runs the model
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
-        self._zero_if_cleared_elsewhere()
+        self.honour_outside_zero_grad()
         self._replaced.look()
         self.optim.settle_in_background()  # the last step's writes: their buffers go
         self._full_grads.hide(faces=torch.is_grad_enabled())  # a backward may follow
@@ -334,9 +334,12 @@ class ZeroEngine:
             if torch.is_grad_enabled():
                 self.reducer.watch_outputs(output)
 
-    def _zero_if_cleared_elsewhere(self) -> None:
+    def honour_outside_zero_grad(self) -> None:
         """Honour a zero_grad() that did not come through the engine: optimizer params
-        (or, at stages 0-1, model params) whose .grad was set to None since backward."""
+        (or, at stages 0-1, model params) whose .grad was set to None since backward. The
+        next forward and backward call it; a framework whose steps may end with such a
+        zero_grad (Lightning's manual optimization) calls it then, so that the model's
+        `.grad` reads None afterwards, as under DDP."""
         cleared = self.optim.cleared_elsewhere()
         if not cleared:
             return
@@ -357,7 +360,7 @@ class ZeroEngine:
         """Prepare for a backward the caller runs: finish parameter gathers, honour an
         outside zero_grad(), and return the loss times the fp16 loss scale."""
         self.wait_for_parameters()
-        self._zero_if_cleared_elsewhere()
+        self.honour_outside_zero_grad()
         self._full_grads.hide()
         scaler = self.optim.scaler
         return loss * scaler.scale if scaler.enabled else loss

@@ -38,7 +38,9 @@ from .private_api import (
 )
 from .strategy_config import (
     PRECISIONS,
+    TRUE_DTYPES,
     compute_dtype_for,
+    default_dtype,
     precision_flag,
     register_zero_names,
     signature_with_config_fields,
@@ -59,13 +61,26 @@ def make_precision(root: str):
             self.precision = precision
             self._strategy = strategy
             self._autocast = PRECISIONS[precision][1]
+            # "64-true", "bf16-true", "16-true": tensors made in a step (torch.tensor(...),
+            # torch.zeros(...)) take that dtype, as Lightning's own plugins make them.
+            self._true_dtype = TRUE_DTYPES.get(precision)
             self.device = strategy.root_device.type  # as Lightning's MixedPrecision has it
 
         def forward_context(self):
+            if self._true_dtype is not None:
+                return default_dtype(self._true_dtype)
             if self._autocast is None:
                 return contextlib.nullcontext()
             device = self._strategy.root_device.type
             return torch.autocast(device, dtype=self._autocast)
+
+        def tensor_init_context(self):
+            if self._true_dtype is None:
+                return contextlib.nullcontext()
+            return default_dtype(self._true_dtype)
+
+        def module_init_context(self):
+            return self.tensor_init_context()
 
         def convert_input(self, data: Any) -> Any:
             dtype = self._strategy.engine_config.compute_torch_dtype
@@ -289,7 +304,9 @@ def make_strategy(root: str):
                 self.engine.after_forward(output)
 
         def training_step(self, *args, **kwargs):
-            return self._around_forward("training_step", *args, **kwargs)
+            output = self._around_forward("training_step", *args, **kwargs)
+            self.engine.honour_outside_zero_grad()  # an opt.zero_grad() in the step
+            return output
 
         def _evaluation_step(self, name: str, *args, **kwargs):
             try:

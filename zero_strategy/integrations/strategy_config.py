@@ -8,11 +8,12 @@ wrong value with the same message.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import typing
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import PurePath
 from typing import Any
 
@@ -32,6 +33,26 @@ PRECISIONS = {
     "64-true": ("fp64", None),  # fp64 compute and fp64 masters
     "64": ("fp64", None),
 }
+
+
+# The "-true" flags: torch's default dtype inside a step (Lightning's plugins set it).
+TRUE_DTYPES = {
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+    "64": torch.float64,
+}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to `dtype` inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def precision_flag(plugin: object, entry: str) -> str:
