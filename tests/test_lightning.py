@@ -289,6 +289,32 @@ def test_manual_optimization_with_one_optimizer_matches_ddp(stage):
         assert cleared == ddp_cleared == [True] * 6  # .grad is None after the step, as DDP
 
 
+def _weights_read_at_batch_start(rank, world, strategy):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    class Reading(lit_module_class()):
+        def on_train_batch_start(self, batch, batch_idx):  # between two steps
+            self.sums.append(float(sum(p.double().sum() for p in self.parameters())))
+
+    module = Reading()
+    module.sums = []
+    trainer = quiet_trainer(world, strategy, max_steps=4)
+    trainer.fit(module, loader(n_batches=4, world=world))
+    return module.sums
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_users_batch_hook_reads_the_stepped_weights_as_under_ddp(stage):
+    """Stages 1-2 finish a step's parameter gathers in the next forward, unless code
+    outside Lightning defines a hook between steps: then at once, so that it reads the
+    updated weights."""
+    ddp = run_world(_weights_read_at_batch_start, 2, "ddp")
+    ours = run_world(_weights_read_at_batch_start, 2, f"zero{stage}")
+    for sums, ddp_sums in zip(ours, ddp):
+        assert len(sums) == 4
+        torch.testing.assert_close(sums, ddp_sums, rtol=1e-6, atol=1e-6)
+
+
 def _configure_model(rank, world):
     import lightning as L
     from lightning_helpers import loader, quiet_trainer

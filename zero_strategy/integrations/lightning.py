@@ -29,7 +29,12 @@ from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
 from .lightning_averaging import adopt_stock_averaging, averaging_classes
-from .lightning_callbacks import ends_an_epoch, refuse_pruning, shards_parameters
+from .lightning_callbacks import (
+    ends_an_epoch,
+    refuse_pruning,
+    shards_parameters,
+    user_hooks_between_steps,
+)
 from .pairing import stand_in_optimizer
 from .private_api import (
     give_device_mesh,
@@ -226,7 +231,9 @@ def make_strategy(root: str):
             if shards_parameters(self.engine_config, self.world_size, self.root_device):
                 adopt_stock_averaging(averaging, root)
                 refuse_pruning(trainer.callbacks, stock.ModelPruning)
-            self.parameters_read_after_step = bool(averaging)
+            self.parameters_read_after_step = bool(averaging) or bool(
+                user_hooks_between_steps(trainer, root)
+            )
             existing = engine_of(model)
             sync = layer_sync(self)
             if trainer.state.fn == "fit" and sync and existing is None:

@@ -8,6 +8,7 @@ them whole and current; where it cannot (stage 3), it is refused at setup by nam
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -30,6 +31,44 @@ def ends_an_epoch(trainer: Any) -> bool:
     last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
     max_steps = trainer.max_steps
     return bool(last_batch) or (max_steps >= 0 and trainer.global_step + 1 >= max_steps)
+
+
+# The hooks Lightning runs between one step's optimizer step and the next forward.
+_BETWEEN_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+
+
+def user_hooks_between_steps(trainer: Any, root: str) -> list[str]:
+    """The hooks that code outside Lightning (the LightningModule, a user's callback)
+    defines between steps, where it may read the weights: at stages 1-2 a step then
+    finishes its parameter gathers at once, instead of in the next forward, so that
+    they read the updated weights, as under DDP."""
+    lightning_module = importlib.import_module(root).LightningModule
+    callback_base = importlib.import_module(f"{root}.callbacks").Callback
+    module = trainer.lightning_module
+    found = [
+        f"{type(module).__name__}.{hook}"
+        for hook in _BETWEEN_STEP_HOOKS
+        if _defined_outside(type(module), hook, lightning_module, root)
+    ]
+    for callback in trainer.callbacks:
+        found += [
+            f"{type(callback).__name__}.{hook}"
+            for hook in _BETWEEN_STEP_HOOKS
+            if _defined_outside(type(callback), hook, callback_base, root)
+        ]
+    return found
+
+
+def _defined_outside(cls: type, hook: str, base: type, root: str) -> bool:
+    """Whether a class of `cls`'s MRO above `base` that is not Lightning's own defines
+    `hook`."""
+    package = root.split(".")[0]
+    for klass in cls.__mro__:
+        if klass is base:
+            return False
+        if hook in vars(klass):
+            return not klass.__module__.startswith(package + ".")
+    return False
 
 
 def refuse_pruning(callbacks: list, pruning: type) -> None:
