@@ -96,3 +96,12 @@ class OptimizerSet:
         return range(
             self.group_offsets[k], self.group_offsets[k] + len(self.optimizers[k].param_groups)
         )
+
+    def describe_group(self, gi: int) -> str:
+        """Combined group `gi` in the user's terms: "param group 1", or with several
+        optimizers "optimizer 1 (Adam) param group 0"."""
+        if len(self.optimizers) == 1:
+            return f"param group {gi}"
+        k = max(i for i, offset in enumerate(self.group_offsets) if offset <= gi)
+        name = type(self.optimizers[k]).__name__
+        return f"optimizer {k} ({name}) param group {gi - self.group_offsets[k]}"

@@ -16,6 +16,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from .optimizer_set import OptimizerSet
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -75,9 +77,10 @@ def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
 
 
 def group_index_of_params(
-    optimizer: torch.optim.Optimizer, model_params: list[nn.Parameter]
+    optimizer: OptimizerSet, model_params: list[nn.Parameter]
 ) -> dict[int, int]:
     """id(param) -> index of the optimizer group holding it; errors on foreign params."""
+    describe = optimizer.describe_group
     in_model = {id(p) for p in model_params}
     group_of: dict[int, int] = {}
     foreign: list[str] = []
@@ -86,9 +89,13 @@ def group_index_of_params(
             if id(p) not in in_model:
                 foreign.append(f"group {gi}: tensor of shape {tuple(p.shape)}")
             elif id(p) in group_of:
+                first, again = describe(group_of[id(p)]), describe(gi)
                 raise ValueError(
-                    f"A parameter of shape {tuple(p.shape)} appears in optimizer param groups "
-                    f"{group_of[id(p)]} and {gi}; list each parameter in one group only."
+                    f"A parameter of shape {tuple(p.shape)} is in {first} and in {again}: "
+                    "ZeroEngine steps each element of its shard with one optimizer and one "
+                    "group's settings. List each parameter once (with several optimizers, "
+                    "give each its own parameters, as a GAN's generator and discriminator), "
+                    "or use strategy='ddp' to step one parameter with two optimizers."
                 )
             else:
                 group_of[id(p)] = gi
