@@ -9,6 +9,7 @@ from torch import nn
 from distributed import run_world
 from training import make_model, make_optimizer
 from zero_strategy import (
+    CheckpointError,
     UnsupportedOptimizerError,
     ZeroConfig,
     ZeroConfigError,
@@ -108,6 +109,26 @@ def test_one_parameter_in_two_optimizers_is_refused_naming_both():
         match=r"optimizer 0 \(SGD\) param group 0 and in optimizer 1 \(Adam\) param group 0.*own",
     ):
         ZeroEngine(model, [gen, dis])
+
+
+def test_a_position_keyed_optimizer_state_with_other_groups_is_refused_naming_the_fix(tmp_path):
+    model = nn.Linear(4, 2)
+    written_with = torch.optim.SGD(
+        [{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, momentum=0.9
+    )
+    model(torch.ones(1, 4)).sum().backward()
+    written_with.step()
+    path = tmp_path / "plain.ckpt"
+    torch.save(
+        {"state_dict": model.state_dict(), "optimizer_states": [written_with.state_dict()]}, path
+    )
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(
+        CheckpointError,
+        match=r"keyed by position.*group 0 has 1 parameters where the engine's optimizer has 2.*same param groups",
+    ):
+        engine.load_checkpoint(path)
+    engine.load_checkpoint(path, load_optimizer_states=False)  # the weights alone load
 
 
 def test_model_without_parameters_is_refused():

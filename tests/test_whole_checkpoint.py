@@ -95,6 +95,26 @@ def test_a_full_checkpoint_resumes_at_another_stage_as_the_uninterrupted_run(
         assert a["lr"] == b["lr"] and a["global_step"] == b["global_step"] == 10
 
 
+@pytest.mark.parametrize("resume_stage", ["zero1", "zero3"])
+def test_a_ddp_checkpoint_resumes_at_a_zero_stage_as_the_uninterrupted_ddp_run(
+    tmp_path, resume_stage
+):
+    """Lightning's DDP writes its optimizer state keyed by position (torch's
+    `optimizer.state_dict()`); resumed at a ZeRO stage, each group's positions are matched
+    in order to the engine's parameters, as torch's `load_state_dict` does, and the second
+    epoch is the uninterrupted DDP run's."""
+    ckpt = str(tmp_path / "ddp_epoch1.ckpt")
+    kw = dict(epoch_steps=5, accumulate=1)
+    full = run_world(fit, 2, "ddp", -1, None, None, True, max_epochs=2, **kw)
+    run_world(fit, 2, "ddp", -1, None, None, True, save_at_end=ckpt, max_epochs=1, **kw)
+    state = torch.load(ckpt, weights_only=True)
+    assert isinstance(state["optimizer_states"][0]["param_groups"][0]["params"][0], int)
+    resumed = run_world(fit, 2, resume_stage, -1, None, ckpt, True, max_epochs=2, **kw)
+    for a, b in zip(resumed, full):
+        assert a["losses"] == pytest.approx(b["losses"][5:], rel=1e-5)
+        assert a["lr"] == b["lr"] and a["global_step"] == b["global_step"] == 10
+
+
 def test_an_unknown_state_dict_type_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"'sharded'.*'full'"):
         _strategy(3, "fsdp")

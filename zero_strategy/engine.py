@@ -593,7 +593,8 @@ class ZeroEngine:
         loaded = self._door.load(path, load_optimizer_states)
         self.refresh_from_masters()
         if load_optimizer_states:
-            self.optim.scaler.load_state_dict(loaded.loss_scaler)
+            if loaded.loss_scaler:  # (another writer's one file has none)
+                self.optim.scaler.load_state_dict(loaded.loss_scaler)
             self.global_steps = loaded.step
         self._memory.resync()  # the load may have created the optimizer state
         return loaded.client_state

@@ -87,6 +87,20 @@ class LoadedCheckpoint:
 
 
 # ============================================================================ saving
+def param_order(state: ShardedState) -> list[list[str]]:
+    """Per param group, the stored names of this rank's parameters in the optimizer's
+    order: a one-file checkpoint lists each group's parameters as torch does."""
+    stored = {
+        id(p): state.stored(unit, slot.name, slot.shape).name
+        for unit in state.units
+        for slot, p in zip(unit.layout.slots, unit.params)
+    }
+    return [
+        list(dict.fromkeys(stored[id(p)] for p in params if id(p) in stored))
+        for params in state.optimizer.built_with
+    ]
+
+
 def owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, int, int]]:
     """(unit, slot, lo, hi) for every range of a parameter this rank writes; ranges are in
     flattened-parameter coordinates. Each element is written once: by the ranks of the

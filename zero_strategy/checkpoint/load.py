@@ -18,6 +18,7 @@ from .format import (
     RESTORE,
     LoadedCheckpoint,
     ShardedState,
+    param_order,
     persistent_buffers,
 )
 from .one_file import OneFileReader
@@ -39,8 +40,11 @@ def load(
     a refused checkpoint leaves the model as it was, on every rank (collective)."""
     error, reader, client = None, None, None
     try:
-        reader = open_reader(path, {name for name, _ in persistent_buffers(state.module)})
+        buffer_names = {name for name, _ in persistent_buffers(state.module)}
+        reader = open_reader(path, buffer_names, param_order(state))
         _check_same_model(state, reader.index)
+        if load_optimizer_states and reader.optimizer_error:
+            raise CheckpointError(reader.optimizer_error)
         opt_index = reader.index["optimizer"]
         known = opt_index["class"] is not None  # a one-file checkpoint may not say
         if load_optimizer_states and known and opt_index["class"] != state.optimizer.name:
@@ -72,10 +76,13 @@ def load(
     return LoadedCheckpoint(int(reader.index["step"]), reader.index["loss_scaler"], client)
 
 
-def open_reader(path: str | os.PathLike, buffer_names: set[str]) -> Reader:
-    """The reader of a sharded checkpoint directory, or of a one-file checkpoint."""
+def open_reader(
+    path: str | os.PathLike, buffer_names: set[str], order: list[list[str]] | None = None
+) -> Reader:
+    """The reader of a sharded checkpoint directory, or of a one-file checkpoint (whose
+    optimizer state, if keyed by position, is matched to the names in `order`)."""
     if Path(path).is_file():
-        return OneFileReader(path, buffer_names)
+        return OneFileReader(path, buffer_names, order)
     return CheckpointReader(path)
 
 

@@ -1,6 +1,9 @@
 """A one-file checkpoint read as a sharded one: a Lightning checkpoint written whole
 (`state_dict_type="full"`), or any `torch.save` of `{"state_dict": ..., "optimizer_states":
-[...]}` whose optimizer state is keyed by parameter name (FSDP's full form and ours).
+[...]}` whose optimizer state is keyed by parameter name (FSDP's full form and ours) or,
+as torch's `optimizer.state_dict()` keys it, by position (DDP's and a plain run's): each
+group's positions are then matched, in order, to the engine's optimizer's parameters, as
+torch's own `load_state_dict` matches them.
 
 `OneFileReader` answers what the sharded load asks of `CheckpointReader` (its index, and
 ranges of a parameter or of its optimizer state), so a one-file checkpoint loads into any
@@ -30,8 +33,14 @@ class OneFileReader:
     """A one-file checkpoint with `CheckpointReader`'s interface. `buffer_names`: the
     model's persistent buffers, which the file's state dict holds beside the parameters."""
 
-    def __init__(self, path: str | os.PathLike, buffer_names: set[str]):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        buffer_names: set[str],
+        order: list[list[str]] | None = None,
+    ):
         self.path = Path(path)
+        self._order = order  # per param group, the engine's parameter names in order
         self.checkpoint = safe_torch_load(self.path, mmap=True)
         engine = self.checkpoint.get(ENGINE_KEY, {}) if isinstance(self.checkpoint, dict) else {}
         model_key = engine.get("model_key", "state_dict")
@@ -50,7 +59,15 @@ class OneFileReader:
             optimizers = [self.checkpoint[k] for k in optimizer_keys if k is not None]
         self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
-        groups, scalars, names = self._read_optimizer(optimizers)
+        # Why the optimizer state cannot be resumed (raised only by a load that asks for
+        # it: the weights alone still load).
+        self.optimizer_error: str | None = None
+        try:
+            groups, scalars, names = self._read_optimizer(optimizers)
+        except CheckpointError as e:
+            self.optimizer_error = str(e)
+            self._state.clear()
+            groups, scalars, names = [], [], []
         group_of = {name: g for g, members in enumerate(names) for name in members}
         params = {
             name: {
@@ -87,18 +104,13 @@ class OneFileReader:
         for optimizer in states or []:
             for group in optimizer["param_groups"]:
                 members = list(group["params"])
-                if any(not isinstance(m, str) for m in members):
-                    raise CheckpointError(
-                        f"{self.path}: the optimizer state is keyed by position, not by "
-                        "parameter name, so it cannot be matched to a sharded model. Load "
-                        "the weights alone (load_optimizer_states=False), or save with "
-                        "state_dict_type='full' from this strategy."
-                    )
+                by_position = any(not isinstance(m, str) for m in members)
+                named = self._named(members, len(groups)) if by_position else members
                 groups.append({k: v for k, v in group.items() if k != "params"})
-                names.append(members)
+                names.append(named)
                 scalar: dict[str, Any] = {}
-                for name in members:
-                    for key, value in optimizer["state"].get(name, {}).items():
+                for member, name in zip(members, named):
+                    for key, value in optimizer["state"].get(member, {}).items():
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             self._state.setdefault(name, {})[key] = value
                         elif isinstance(value, torch.Tensor):
@@ -108,6 +120,21 @@ class OneFileReader:
                             scalar[key] = {"value": value, "dtype": None}
                 scalars.append(scalar)
         return groups, scalars, names
+
+    def _named(self, positions: list[Any], g: int) -> list[str]:
+        """Group `g`'s parameter positions as the engine's parameter names: the i-th of
+        the file's group is the i-th of the engine's (torch's rule)."""
+        ours = self._order[g] if self._order is not None and g < len(self._order) else None
+        if ours is None or len(ours) != len(positions):
+            theirs = len(positions)
+            mine = "no such group" if ours is None else f"{len(ours)} parameters"
+            raise CheckpointError(
+                f"{self.path}: the optimizer state is keyed by position, and its param group "
+                f"{g} has {theirs} parameters where the engine's optimizer has {mine}. "
+                "Build the optimizer with the same param groups, in the same order, to "
+                "resume; or load the weights alone (load_optimizer_states=False)."
+            )
+        return list(ours)
 
     def client_state(self) -> dict[str, Any]:
         """What the file holds besides the model and optimizer (Lightning's loops,

@@ -41,6 +41,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike):
         self.path = located(path)
         self.index = read_index(self.path)
+        self.optimizer_error: str | None = None  # (a one-file reader's may say why)
         self._files: dict[str, Any] = {}
         # A tensor-parallel block assembled from another layout's blocks, by what it is.
         self._block_key: tuple | None = None

@@ -24,6 +24,7 @@ from .format import (
     INDEX,
     ShardedState,
     owned_pieces,
+    param_order,
     persistent_buffers,
     rank_file,
     views_covering,
@@ -82,20 +83,6 @@ def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
                 elif isinstance(v, (int, float)):
                     groups[gi][k] = {"value": v, "dtype": None}
     return groups
-
-
-def _param_order(state: ShardedState) -> list[list[str]]:
-    """Per param group, the stored names of this rank's parameters in the optimizer's
-    order: a one-file checkpoint lists each group's parameters as torch does."""
-    stored = {
-        id(p): state.stored(unit, slot.name, slot.shape).name
-        for unit in state.units
-        for slot, p in zip(unit.layout.slots, unit.params)
-    }
-    return [
-        list(dict.fromkeys(stored[id(p)] for p in params if id(p) in stored))
-        for params in state.optimizer.built_with
-    ]
 
 
 def _merged_order(reports: list[dict[str, Any]], groups: int) -> list[list[str]]:
@@ -169,7 +156,7 @@ def save(
             "wrote": written,
             "keys": sorted(state_keys),
             "scalars": _scalar_state(state.optimizer),
-            "order": _param_order(state),
+            "order": param_order(state),
             "crc32": crcs,
             "error": error,
         },
