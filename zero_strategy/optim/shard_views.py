@@ -46,6 +46,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             "vectors, which cannot be partitioned across ranks. Use an elementwise optimizer "
             "such as AdamW, or train LBFGS without ZeRO (strategy 'ddp')."
         )
+    if _is_zero_redundancy_optimizer(optimizer):
+        inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", "Adam")
+        raise UnsupportedOptimizerError(
+            "torch's ZeroRedundancyOptimizer shards the optimizer state over DDP (ZeRO stage "
+            "1) itself, and ZeroEngine does that sharding: pass the optimizer it wraps, "
+            f"built directly (e.g. torch.optim.{inner}(model.parameters(), lr=...)), and "
+            "choose the stage with the strategy ('zero1' is ZeroRedundancyOptimizer's)."
+        )
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise UnsupportedOptimizerError(
@@ -54,6 +62,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             "its update depends only on each element's own gradient and state, set "
             "ZeroConfig(allow_untested_optimizer=True)."
         )
+
+
+def _is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
