@@ -43,7 +43,6 @@ from .private_api import (
 )
 from .strategy_config import (
     PRECISIONS,
-    TRUE_DTYPES,
     compute_dtype_for,
     default_dtype,
     precision_flag,
@@ -61,14 +60,15 @@ def make_precision(root: str):
         """Backward, clipping and the step go through the engine (global norm over all
         shards, fp16 loss scaling with skips agreed across ranks)."""
 
-        def __init__(self, precision: str, strategy):
+        def __init__(self, precision: str, strategy, true_dtype: torch.dtype | None = None):
             super().__init__()
             self.precision = precision
             self._strategy = strategy
             self._autocast = PRECISIONS[precision][1]
             # "64-true", "bf16-true", "16-true": tensors made in a step (torch.tensor(...),
-            # torch.zeros(...)) take that dtype, as Lightning's own plugins make them.
-            self._true_dtype = TRUE_DTYPES.get(precision)
+            # torch.zeros(...)) take that dtype, as Lightning's own plugins make them
+            # ("32-true" leaves torch's default as it is, as Lightning's does).
+            self._true_dtype = None if true_dtype == torch.float32 else true_dtype
             self.device = strategy.root_device.type  # as Lightning's MixedPrecision has it
 
         def forward_context(self):
@@ -216,13 +216,13 @@ def make_strategy(root: str):
             self.engine_config = ZeroConfig.from_dict(
                 {**vars(self._zero_base), "compute_dtype": compute}
             )
-            if not precision_class:
-                precision_class.append(make_precision(root))
-            self.precision_plugin = precision_class[0](flag, self)
             # "64-true", "bf16-true": the whole module in that dtype, buffers too, as
             # Lightning's own plugin converts it (the engine casts the parameters).
             compute_dtype = self.engine_config.compute_torch_dtype
             self._true_dtype = compute_dtype if flag.endswith("true") or flag == "64" else None
+            if not precision_class:
+                precision_class.append(make_precision(root))
+            self.precision_plugin = precision_class[0](flag, self, self._true_dtype)
             model = self.lightning_module
             stock = importlib.import_module(f"{root}.callbacks")
             kinds = (stock.WeightAveraging, stock.StochasticWeightAveraging)

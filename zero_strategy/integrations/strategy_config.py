@@ -35,15 +35,6 @@ PRECISIONS = {
 }
 
 
-# The "-true" flags: torch's default dtype inside a step (Lightning's plugins set it).
-TRUE_DTYPES = {
-    "bf16-true": torch.bfloat16,
-    "16-true": torch.float16,
-    "64-true": torch.float64,
-    "64": torch.float64,
-}
-
-
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """torch's default floating dtype set to `dtype` inside the block."""
