@@ -231,8 +231,8 @@ def make_strategy(root: str):
             if shards_parameters(self.engine_config, self.world_size, self.root_device):
                 adopt_stock_averaging(averaging, root)
                 refuse_pruning(trainer.callbacks, stock.ModelPruning)
-            self.parameters_read_after_step = bool(averaging) or bool(
-                user_hooks_between_steps(trainer, root)
+            self.parameters_read_after_step = bool(averaging) or user_hooks_between_steps(
+                trainer, root
             )
             existing = engine_of(model)
             sync = layer_sync(self)

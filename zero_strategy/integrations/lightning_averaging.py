@@ -26,6 +26,7 @@ import importlib
 from typing import Any
 
 from .engine_of import engine_of
+from .lightning_callbacks import first_definer
 
 _CLASSES: dict[str, dict[str, type]] = {}
 
@@ -175,29 +176,21 @@ def averaging_classes(root: str) -> dict[str, type]:
 # every rank: where a subclass's own hook may read the weights and a gather can run.
 _PHASES = ("fit", "train", "validation", "test", "predict")
 _EPOCHS = ("train_epoch", "validation_epoch", "test_epoch", "predict_epoch", "train_batch")
-_BETWEEN_STEPS = (
+_OUTSIDE_FORWARD = (
     "setup",
     "teardown",
     *(f"on_{what}_{when}" for what in _PHASES + _EPOCHS for when in ("start", "end")),
 )
 
 
-def _own_hooks(cls: type, stock: type) -> tuple[str, ...]:
-    """The between-step hooks that `cls`'s classes above `stock` define (a user's
-    subclass of the stock callback)."""
-    above = cls.__mro__[: cls.__mro__.index(stock)]
-    return tuple(name for name in _BETWEEN_STEPS if any(name in vars(c) for c in above))
-
-
-def adopt_stock_averaging(callbacks: list, root: str) -> list[str]:
+def adopt_stock_averaging(callbacks: list, root: str) -> None:
     """Stage 3 over several ranks: a stock averaging callback (or a user's subclass) would
     read empty parameters after the first step. Each becomes its own class with the full
     parameters gathered in the hooks that read them, the hooks its drop-in gathers and
     any its subclass defines (the instance keeps its state and arguments; torch's
-    `fully_shard` re-classes a module the same way). Returns the adopted class names."""
+    `fully_shard` re-classes a module the same way)."""
     ours = averaging_classes(root)
     stock = importlib.import_module(f"{root}.callbacks")
-    adopted = []
     for callback in callbacks:
         if isinstance(callback, tuple(ours.values())):
             continue
@@ -205,9 +198,8 @@ def adopt_stock_averaging(callbacks: list, root: str) -> list[str]:
             base = getattr(stock, name)
             if isinstance(callback, base):
                 cls = type(callback)
-                hooks = dict.fromkeys(_DROP_IN_HOOKS[name] + _own_hooks(cls, base))
+                own = [h for h in _OUTSIDE_FORWARD if first_definer(cls, h, base) is not None]
+                hooks = tuple(dict.fromkeys(_DROP_IN_HOOKS[name] + tuple(own)))
                 # Same name: its state_key (the checkpoint's entry) and messages unchanged.
-                callback.__class__ = _with_full_parameters(cls, tuple(hooks), cls.__name__)
-                adopted.append(cls.__name__)
+                callback.__class__ = _with_full_parameters(cls, hooks, cls.__name__)
                 break
-    return adopted

@@ -37,38 +37,32 @@ def ends_an_epoch(trainer: Any) -> bool:
 _BETWEEN_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 
 
-def user_hooks_between_steps(trainer: Any, root: str) -> list[str]:
-    """The hooks that code outside Lightning (the LightningModule, a user's callback)
-    defines between steps, where it may read the weights: at stages 1-2 a step then
-    finishes its parameter gathers at once, instead of in the next forward, so that
-    they read the updated weights, as under DDP."""
-    lightning_module = importlib.import_module(root).LightningModule
+def user_hooks_between_steps(trainer: Any, root: str) -> bool:
+    """Whether code outside Lightning (the LightningModule, a user's callback) defines a
+    hook between steps, where it may read the weights: at stages 1-2 a step then finishes
+    its parameter gathers at once, instead of in the next forward, so that they read the
+    updated weights, as under DDP."""
+    bases = [(trainer.lightning_module, importlib.import_module(root).LightningModule)]
     callback_base = importlib.import_module(f"{root}.callbacks").Callback
-    module = trainer.lightning_module
-    found = [
-        f"{type(module).__name__}.{hook}"
-        for hook in _BETWEEN_STEP_HOOKS
-        if _defined_outside(type(module), hook, lightning_module, root)
-    ]
-    for callback in trainer.callbacks:
-        found += [
-            f"{type(callback).__name__}.{hook}"
-            for hook in _BETWEEN_STEP_HOOKS
-            if _defined_outside(type(callback), hook, callback_base, root)
-        ]
-    return found
+    bases += [(callback, callback_base) for callback in trainer.callbacks]
+    package = root.split(".")[0] + "."
+    for obj, base in bases:
+        for hook in _BETWEEN_STEP_HOOKS:
+            definer = first_definer(type(obj), hook, base)
+            if definer is not None and not definer.__module__.startswith(package):
+                return True
+    return False
 
 
-def _defined_outside(cls: type, hook: str, base: type, root: str) -> bool:
-    """Whether a class of `cls`'s MRO above `base` that is not Lightning's own defines
-    `hook`."""
-    package = root.split(".")[0]
+def first_definer(cls: type, hook: str, base: type) -> type | None:
+    """The first class of `cls`'s MRO above `base` that defines `hook` (a subclass's
+    override), or None when only `base` and its own bases do."""
     for klass in cls.__mro__:
         if klass is base:
-            return False
+            return None
         if hook in vars(klass):
-            return not klass.__module__.startswith(package + ".")
-    return False
+            return klass
+    return None
 
 
 def refuse_pruning(callbacks: list, pruning: type) -> None:
