@@ -43,6 +43,7 @@ from .model_view.buffers import BufferSync
 from .model_view.full_view import FullGrads, FullParameters
 from .model_view.grad_face import GradReads
 from .model_view.module_state import ModuleStateHooks
+from .model_view.parameter_reads import ParameterReads
 from .model_view.replaced_data import ReplacedDataWatch
 from .model_view.routed_zero_grad import route_zero_grad
 from .offload import StagingBuffers, agree_on_write_failures
@@ -165,6 +166,7 @@ class ZeroEngine:
             cfg.compute_torch_dtype,
             lambda: self._finish_parameter_gathers(),
         )
+        self._reads = ParameterReads(self._replaced)  # writes to what a read gathered too
         self.schedule = UnitSchedule(
             model,
             self.units,
@@ -174,7 +176,7 @@ class ZeroEngine:
             self._memory.sample,
             side.norm.note_landed,
             self._on_backward_end,
-            written=self._replaced,
+            written=self._reads,
         )
         # 8. The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
         # masters between steps, stage 3's parameter shards between uses, and the
@@ -189,7 +191,12 @@ class ZeroEngine:
             model, self.units, self.gather, self.wait_for_parameters
         )
         self._full_parameters = FullParameters(
-            self.units, self.gather, self.wait_for_parameters, self.groups.mesh, self.groups.tensor
+            self.units,
+            self.gather,
+            self.wait_for_parameters,
+            self.groups.mesh,
+            self.groups.tensor,
+            self._replaced.adopt_unit,
         )
         self.grad_reads = _grad_reads_of(self)
         owner = self._module_state.owner
@@ -239,6 +246,8 @@ class ZeroEngine:
                 EngineHook(lambda _module, _args, output: self.after_forward(output))
             ),
         ]
+        if self.gather is not None:  # stage 3: a parameter read outside forward gathers
+            handles += self._reads.install(model, self.units, self.schedule.make_whole)
         return handles
 
     # ================================================================ properties
@@ -427,6 +436,8 @@ class ZeroEngine:
             agree_on_write_failures(self.optim.offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()
         self.reducer.wait()
+        if self._reads.held:  # what code wrote to them goes into the masters first
+            self.schedule.release_all()
         stepped, copies_written = self.optim.step(optimizer)
         if not stepped:
             self.zero_grad()
@@ -458,6 +469,7 @@ class ZeroEngine:
             changed = unit.layout.trainable or not after_step
             if unit.layout.numel and changed and not copies_written:
                 unit.sync_compute_from_master()
+        self._reads.drop_unwritten()  # gathered by a read: old values, freed unwritten
         self.schedule.publish()
 
     # ================================================================ EMA

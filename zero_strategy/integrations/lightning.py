@@ -28,10 +28,9 @@ from zero_strategy.tensor_parallel import tensor_parallel_mesh
 from .client_state import client_state
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
-from .lightning_averaging import adopt_stock_averaging, averaging_classes
+from .lightning_averaging import adopt_weight_callbacks, averaging_classes
 from .lightning_callbacks import (
     ends_an_epoch,
-    refuse_pruning,
     shards_parameters,
     user_hooks_between_steps,
 )
@@ -229,8 +228,7 @@ def make_strategy(root: str):
             kinds += tuple(averaging_classes(root).values())
             averaging = [c for c in trainer.callbacks if isinstance(c, kinds)]
             if shards_parameters(self.engine_config, self.world_size, self.root_device):
-                adopt_stock_averaging(averaging, root)
-                refuse_pruning(trainer.callbacks, stock.ModelPruning)
+                adopt_weight_callbacks(trainer.callbacks, root)
             self.parameters_read_after_step = bool(averaging) or user_hooks_between_steps(
                 trainer, root
             )

@@ -4,7 +4,7 @@ Lightning's `WeightAveraging`, `EMAWeightAveraging` and `StochasticWeightAveragi
 and write `pl_module.parameters()` after each step. At stage 3 those are empty outside
 forward, so the strategy adopts each stock callback (and a user's subclass) at set-up:
 its hooks that read the weights run with the full parameters gathered
-(`adopt_stock_averaging`), and it trains as under DDP, keeping a whole averaged copy per
+(`adopt_weight_callbacks`), and it trains as under DDP, keeping a whole averaged copy per
 rank as there. At stages 1-2 and on one process they work as they are. The drop-ins:
 
 - `ZeroEMAWeightAveraging`: `EMAWeightAveraging`'s arguments and schedule, over the
@@ -29,6 +29,7 @@ from .engine_of import engine_of
 from .lightning_callbacks import first_definer
 
 _CLASSES: dict[str, dict[str, type]] = {}
+_ADOPTED = "_zero_gathers_in_hooks"  # set on a class whose hooks gather already
 
 # The stock hooks that read or write the parameters, by stock class.
 _DROP_IN_HOOKS: dict[str, tuple[str, ...]] = {
@@ -41,6 +42,15 @@ _DROP_IN_HOOKS: dict[str, tuple[str, ...]] = {
         "on_validation_epoch_end",
     ),
     "StochasticWeightAveraging": ("setup", "on_train_epoch_start", "on_train_end"),
+    # Masks ranked from the weights, the lottery ticket's copy and reset, the pruning made
+    # permanent (in the model, and in each checkpoint's state dict).
+    "ModelPruning": (
+        "setup",
+        "on_train_epoch_end",
+        "on_validation_epoch_end",
+        "on_train_end",
+        "on_save_checkpoint",
+    ),
 }
 
 
@@ -65,7 +75,9 @@ def _with_full_parameters(base: type, hooks: tuple[str, ...], name: str | None =
         hook.__name__ = hook_name
         return hook
 
-    cls = type(name or f"Zero{base.__name__}", (base,), {hook: wrap(hook) for hook in hooks})
+    members: dict[str, Any] = {hook: wrap(hook) for hook in hooks}
+    members[_ADOPTED] = True
+    cls = type(name or f"Zero{base.__name__}", (base,), members)
     if name:
         cls.__qualname__, cls.__module__ = base.__qualname__, base.__module__
     return cls
@@ -183,18 +195,19 @@ _OUTSIDE_FORWARD = (
 )
 
 
-def adopt_stock_averaging(callbacks: list, root: str) -> None:
-    """Stage 3 over several ranks: a stock averaging callback (or a user's subclass) would
-    read empty parameters after the first step. Each becomes its own class with the full
-    parameters gathered in the hooks that read them, the hooks its drop-in gathers and
-    any its subclass defines (the instance keeps its state and arguments; torch's
-    `fully_shard` re-classes a module the same way)."""
+def adopt_weight_callbacks(callbacks: list, root: str) -> None:
+    """Stage 3 over several ranks: a stock callback that reads or writes the weights
+    between steps (weight averaging, pruning; or a user's subclass of one) would see
+    empty parameters after the first step. Each becomes its own class with the full
+    parameters gathered in the hooks that touch them, the stock ones and any its subclass
+    defines (the instance keeps its state and arguments; torch's `fully_shard` re-classes
+    a module the same way)."""
     ours = averaging_classes(root)
     stock = importlib.import_module(f"{root}.callbacks")
     for callback in callbacks:
-        if isinstance(callback, tuple(ours.values())):
+        if isinstance(callback, tuple(ours.values())) or getattr(callback, _ADOPTED, False):
             continue
-        for name in ("StochasticWeightAveraging", "WeightAveraging"):
+        for name in ("StochasticWeightAveraging", "WeightAveraging", "ModelPruning"):
             base = getattr(stock, name)
             if isinstance(callback, base):
                 cls = type(callback)

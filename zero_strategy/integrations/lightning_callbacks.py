@@ -3,7 +3,7 @@
 Stage 3 keeps the parameters sharded outside forward (empty tensors), and stages 1-2
 finish a step's parameter gathers during the next forward. A callback that reads the
 weights between steps (at an epoch's end: ModelPruning, a user's statistics) must find
-them whole and current; where it cannot (stage 3), it is refused at setup by name.
+them whole and current.
 """
 
 from __future__ import annotations
@@ -63,18 +63,3 @@ def first_definer(cls: type, hook: str, base: type) -> type | None:
         if hook in vars(klass):
             return klass
     return None
-
-
-def refuse_pruning(callbacks: list, pruning: type) -> None:
-    """Stage 3: ModelPruning computes its masks from the parameters between steps, where
-    they are sharded (empty), and re-registers each pruned weight as `weight_orig` with a
-    mask; it would fail mid-epoch (or prune nothing). Refuse it at setup, naming the
-    stages that prune as DDP does."""
-    for callback in callbacks:
-        if isinstance(callback, pruning):
-            raise RuntimeError(
-                f"{type(callback).__name__} computes pruning masks from the model's "
-                "parameters between steps, and at ZeRO stage 3 they are sharded (empty "
-                "outside forward). Use strategy='zero2' (or zero1), where the parameters "
-                "are whole and pruning works as under DDP."
-            )

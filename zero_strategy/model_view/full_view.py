@@ -56,10 +56,14 @@ class FullParameters:
         wait_for_parameters: Callable[[], None],
         mesh: MeshLayout | None = None,
         tensor: Communicator | None = None,
+        adopt_replaced: Callable[[FlatUnit], None] = lambda unit: None,
     ):
         self.units = units
         self.gather = gather
         self.wait_for_parameters = wait_for_parameters
+        # What a `.data` replaced inside the block holds, taken before the unit is freed
+        # (pruning made permanent, a lottery-ticket reset): `replaced_data.py`.
+        self.adopt_replaced = adopt_replaced
         # Tensor parallelism: where a modifier rank sits, and the group whole parameters
         # are made equal over.
         self.mesh = mesh
@@ -87,6 +91,7 @@ class FullParameters:
                             self._take_modifiers_values(unit, modifier_rank)
                             unit.full_to_copies()
                         write_back_unit(unit)
+                        self.adopt_replaced(unit)
             for unit in held:
                 unit.free_full()
 

@@ -74,6 +74,7 @@ def adopt_replaced(unit: FlatUnit, written: dict[int, torch.Tensor]) -> None:
     for index, values in written.items():
         slot = unit.layout.slots[index]
         if tuple(values.shape) != tuple(slot.shape):
+            unit.show_own(index)  # refused: the parameter shows the engine's values again
             raise ValueError(
                 f"The .data of parameter {slot.name!r} was replaced by a tensor of shape "
                 f"{tuple(values.shape)}, but it has shape {tuple(slot.shape)} in the ZeRO "

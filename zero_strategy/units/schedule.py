@@ -145,6 +145,11 @@ class UnitSchedule:
         for unit in self.units:
             self.gather.ensure(unit, STATE_DICT)
 
+    def make_whole(self, unit: FlatUnit) -> bool:
+        """Stage 3: `unit` whole now (a read outside forward), until its next use frees
+        it; returns whether this call gathered it."""
+        return self.gather is not None and self.gather.ensure(unit, STATE_DICT)
+
     def release_all(self) -> None:
         """Stage 3: free every gathered unit now (the spare buffers stay for reuse)."""
         if self.gather is not None:
