@@ -1004,4 +1004,3 @@ def test_model_pruning_with_its_lottery_ticket_reset_matches_ddp(stage):
         assert (got["first.weight"] == 0).sum() == (want["first.weight"] == 0).sum() > 0
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7)
-

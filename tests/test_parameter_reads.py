@@ -84,7 +84,9 @@ def _written_after_read(rank, world, write_before_step):
     engine.close()
     # atol: Adam's update of near-zero gradients (the query/key biases) is float noise;
     # a write lost would be off by the 0.25 written.
-    return {n: torch.allclose(ours[n], p, rtol=1e-5, atol=1e-5) for n, p in reference.named_parameters()}
+    return {
+        n: torch.allclose(ours[n], p, rtol=1e-5, atol=1e-5) for n, p in reference.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("write_before_step", [0, 1])
