@@ -22,7 +22,6 @@ The facade owns no tensors. Its parts, put together in order by `builder.steps`:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .builder import steps
+from .builder import steps, wiring
 from .builder.materialise import materialise
 from .builder.meta_init import InitFn
 from .checkpoint.state_door import StateDoor
@@ -45,12 +44,9 @@ from .model_view.grad_face import GradReads
 from .model_view.module_state import ModuleStateHooks
 from .model_view.parameter_reads import ParameterReads
 from .model_view.replaced_data import ReplacedDataWatch
-from .model_view.routed_zero_grad import route_zero_grad
-from .offload import StagingBuffers, agree_on_write_failures
-from .offload import unit_tiers as make_unit_tiers
+from .offload import agree_on_write_failures
 from .optim.sharded_optimizer import ShardedOptimizer
 from .private_api import in_backward
-from .units.module_hooks import EngineHook
 from .units.schedule import UnitSchedule
 
 
@@ -101,7 +97,18 @@ class ZeroEngine:
             steps.tensor_sharded(prepared.params),
             experts.names,
         )
-        self._handles = [*self.optim.guards, *self._wire_model(model)]
+        calls = wiring.EngineCalls(
+            self.zero_grad,
+            self.before_forward,
+            self.after_forward,
+            self.optim.follow_requires_grad,
+            self.schedule.make_whole,
+        )
+        reads = self._reads if self.gather is not None else None  # stage 3 only
+        self._handles = [
+            *self.optim.guards,
+            *wiring.wire_model(model, self.optimizers, self.units, calls, reads),
+        ]
         self._backward_pending = False
         self.global_steps = 0
         self.reset_comm_report()
@@ -164,7 +171,7 @@ class ZeroEngine:
             self.units,
             self.stage,
             cfg.compute_torch_dtype,
-            lambda: self._finish_parameter_gathers(),
+            lambda: self.schedule.finish_publishing(),  # (made next)
         )
         self._reads = ParameterReads(self._replaced)  # writes to what a read gathered too
         self.schedule = UnitSchedule(
@@ -178,14 +185,10 @@ class ZeroEngine:
             self._on_backward_end,
             written=self._reads,
         )
-        # 8. The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
-        # masters between steps, stage 3's parameter shards between uses, and the
-        # gradients' fp32 shards from their reduction to the step (the norm noted as they
-        # land), through one set of host buffers.
-        self.staging = StagingBuffers(cfg.offload_buffer_count, on_memory=self._memory.sample)
-        self.tiers = tiers = make_unit_tiers(
-            cfg, self.units, self.stage, self.groups.global_rank, self.staging, self._memory.sample
+        self.staging, tiers = steps.disk_tiers(  # 8
+            cfg, self.units, self.stage, self.groups.global_rank, self._memory.sample
         )
+        self.tiers = tiers
         self._tier_finalizers = [weakref.finalize(self, t.closer()) for t in tiers.present()]
         self._module_state = ModuleStateHooks(
             model, self.units, self.gather, self.wait_for_parameters
@@ -217,39 +220,6 @@ class ZeroEngine:
         )
         return tiers
 
-    def _wire_model(self, model: nn.Module) -> list:
-        """The hooks on the user's objects: zero_grad routed to the engine, the root's
-        forward hooks, and with several optimizers requires_grad followed."""
-        # optimizer.zero_grad() (what Lightning and most loops call) and model.zero_grad()
-        # (Hugging Face's Trainer, many plain loops) must clear the engine's gradient
-        # buffers: at stages 2-3 the parameters hold no .grad for them to clear. Each
-        # optimizer clears its own parameters' gradients, the model all of them.
-        for opt in self.optimizers:
-            route_zero_grad(opt, functools.partial(self.zero_grad, optimizer=opt))
-        route_zero_grad(model, self.zero_grad)
-        handles = []
-        if len(self.optimizers) > 1:
-            owners = {id(p) for u in self.units for p in u.params}
-            handles += [
-                module.register_forward_pre_hook(
-                    EngineHook(lambda *_: self.optim.follow_requires_grad())
-                )
-                for module in model.modules()
-                if any(id(p) in owners for p in module.parameters(recurse=False))
-            ]
-        handles += [
-            # First of the root's pre-hooks: written values adopted before stage 3 gathers.
-            model.register_forward_pre_hook(
-                EngineHook(lambda *_: self.before_forward()), prepend=True
-            ),
-            model.register_forward_hook(
-                EngineHook(lambda _module, _args, output: self.after_forward(output))
-            ),
-        ]
-        if self.gather is not None:  # stage 3: a parameter read outside forward gathers
-            handles += self._reads.install(model, self.units, self.schedule.make_whole)
-        return handles
-
     # ================================================================ properties
     @property
     def world_size(self) -> int:
@@ -274,11 +244,6 @@ class ZeroEngine:
     def gather(self):
         """Stage 3's gathers (`units.gather.GatherManager`); None at stages 0-2."""
         return self.schedule.gather
-
-    @property
-    def publisher(self):
-        """Stages 1-2's post-step gathers (`units.publish.ParameterPublisher`), else None."""
-        return self.schedule.publisher
 
     @property
     def scaler(self):
@@ -349,13 +314,7 @@ class ZeroEngine:
         next forward and backward call it; a framework whose steps may end with such a
         zero_grad (Lightning's manual optimization) calls it then, so that the model's
         `.grad` reads None afterwards, as under DDP."""
-        cleared = self.optim.cleared_elsewhere()
-        if not cleared:
-            return
-        if cleared >= set(range(len(self.optim.optimizer_set.param_groups))):
-            self.zero_grad()
-        else:  # one optimizer's zero_grad (of several)
-            self.optim.zero_groups(cleared)
+        self.optim.honour_cleared_elsewhere(self.zero_grad)
 
     # ================================================================ training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -547,11 +506,8 @@ class ZeroEngine:
         """Finish the post-step parameter gathers (stages 1-2), and take in `.data` written
         since (stages 0-2), before the full parameters are read or written outside the
         module's forward: a checkpoint, a state dict, a step."""
-        self._finish_parameter_gathers()
-        self._replaced.look()
-
-    def _finish_parameter_gathers(self) -> None:
         self.schedule.finish_publishing()
+        self._replaced.look()
 
     # ================================================================ reports
     def memory_report(self) -> dict[str, int]:

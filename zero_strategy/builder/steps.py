@@ -11,9 +11,10 @@ the steps before it made:
 5. `units`: one `FlatUnit` per layout;
 6. `materialise` (in `materialise.py`): every unit's initial values, agreed over its group;
 7. `shard_optimizers`: the user's optimizers re-pointed at this rank's master shards;
-8. `unit_tiers` (in `offload`): the per-unit disk tiers.
+8. `disk_tiers`: the per-unit disk tiers;
+9. `wire_model` (in `wiring.py`): the engine's hooks on the user's model and optimizers.
 
-The engine calls them in this order and wires the hooks; nothing here keeps state.
+The engine calls them in this order; nothing here keeps state.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from ..moe.expert_placement import (
     settle_expert_parallel,
 )
 from ..offload import (
+    StagingBuffers,
+    UnitTiers,
     free_large_blocks_at_once,
     keeps_stage_3,
     offloads_gradients,
@@ -62,6 +65,7 @@ from ..offload import (
     optimizer_host,
     parameters_host,
     state_store,
+    unit_tiers,
 )
 from ..optim import fused_step
 from ..optim.grad_norm import GradNorm
@@ -475,3 +479,15 @@ def shard_optimizers(
     if in_unit_order:
         views.sort(key=lambda view: view.unit.layout.index)
     return views
+
+
+# ==================================================================== 8. disk tiers
+def disk_tiers(
+    cfg: ZeroConfig, units: list[FlatUnit], stage: int, rank: int, on_memory: Callable[[], None]
+) -> tuple[StagingBuffers, UnitTiers]:
+    """The per-unit disk tiers (None where the tensors stay in memory): the bf16/fp16
+    masters between steps, stage 3's parameter shards between uses, and the gradients'
+    fp32 shards from their reduction to the step (the norm noted as they land), through
+    one set of host buffers."""
+    staging = StagingBuffers(cfg.offload_buffer_count, on_memory=on_memory)
+    return staging, unit_tiers(cfg, units, stage, rank, staging, on_memory)

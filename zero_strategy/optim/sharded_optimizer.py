@@ -462,6 +462,17 @@ class ShardedOptimizer:
         self._held_back = {}
         return True
 
+    def honour_cleared_elsewhere(self, zero_all: Callable[[], None]) -> None:
+        """A zero_grad() that bypassed the engine: every group cleared is the engine's
+        `zero_all` (its reductions too), some (one optimizer's of several) theirs alone."""
+        cleared = self.cleared_elsewhere()
+        if not cleared:
+            return
+        if cleared >= set(range(len(self.optimizer_set.param_groups))):
+            zero_all()
+        else:
+            self.zero_groups(cleared)
+
     def zero_groups(self, groups: set[int]) -> None:
         self.change_grads(groups, fill_no_gradient)
         for view in self.views:
