@@ -114,13 +114,13 @@ def _tied_and_copied(rank, world):
     equal = torch.equal(model.layer.weight, model.tied.weight)
     same_memory = model.layer.weight.data_ptr() == model.tied.weight.data_ptr()
     finite = bool(model.other.weight.isfinite().all())
-    clone = copy.deepcopy(model)  # an EMA copy: a plain module, whose reads stay local
+    clone = copy.deepcopy(model)  # an EMA copy: plain modules, whose reads stay local
     engine.reset_comm_report()
     if rank == 0:
         clone.other.weight.sum()
     quiet = engine.comm_report() == {}
     released = engine.release_module()
-    plain = type(released.layer) is nn.Linear and type(clone.other) is not nn.Linear
+    plain = type(released.layer) is nn.Linear and type(clone.other) is nn.Linear
     return equal, same_memory, finite, quiet, plain
 
 

@@ -24,6 +24,7 @@ step.
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Callable
 
 import torch
@@ -39,15 +40,11 @@ _FACE = "_zero_parameter_reads"
 
 class _Face:
     """What a re-classed module's attribute reads consult: which of its attribute names
-    are parameters of which unit, and who gathers one. A deep copy of the module (an EMA
-    copy) is a plain module: its copy of the face is None."""
+    are parameters of which unit, and who gathers one."""
 
     def __init__(self, units: dict[str, FlatUnit], read: Callable[[FlatUnit], None]):
         self.units = units
         self.read = read
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
 
 
 class _GathersOnRead:
@@ -62,6 +59,15 @@ class _GathersOnRead:
             if unit is not None and not unit.gathered:
                 face.read(unit)
         return value
+
+    def __reduce_ex__(self, protocol):
+        """Deep-copied (an EMA copy, an averaged model) as the module's own class, without
+        the face: the copy is a plain module, whose reads never gather."""
+        _, _, state, *rest = super().__reduce_ex__(protocol)
+        if isinstance(state, dict) and _FACE in state:
+            state = {k: v for k, v in state.items() if k != _FACE}
+        plain = type(self).__bases__[1]
+        return (copyreg._reconstructor, (plain, object, None), state, *rest)
 
 
 _CLASSES: dict[type, type] = {}
