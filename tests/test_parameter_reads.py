@@ -7,6 +7,7 @@ a read on one rank alone is an error, not a hang."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -142,3 +143,72 @@ def test_a_read_on_one_rank_alone_is_an_error_not_a_hang():
     assert all(status == "error" for status, _ in results), results
     assert all("ModulePathDivergenceError" in str(payload) for _, payload in results)
     assert any("Reading a parameter by name outside forward" in str(p) for _, p in results)
+
+
+def _reads_with_int8_gathers(rank, world):
+    """Each rank its own node (LOCAL_WORLD_SIZE=1): every gather goes int8 over the
+    link, so what a read gathers is the masters rounded to their blocks' grid."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    model = make_model()
+    optimizer = make_optimizer(model)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, quantized_weights=True))
+    for step in range(2):
+        engine.module.blocks[0].fc.weight.sum()  # a read, then the step
+        _one_step(engine, rank, world, step)
+        engine.module.blocks[1].fc.weight.sum()  # a read, then a save reads the masters
+        state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    initial = make_model().state_dict()
+    return all(torch.equal(state[k], initial[k]) for k in state)
+
+
+def test_reads_never_write_a_quantized_gather_into_the_masters():
+    """lr=0: the masters come out as they went in, though each read gathered int8
+    copies (only what code writes goes back)."""
+    assert run_world(_reads_with_int8_gathers, 2) == [True, True]
+
+
+def _written_then_saved(rank, world):
+    engine = _engine()
+    with torch.no_grad():
+        engine.module.blocks[0].fc.bias.fill_(0.25)
+    state = engine.full_state_dict(rank0_only=False)  # before any free or step
+    engine.close()
+    return bool((state["blocks.0.fc.bias"] == 0.25).all())
+
+
+def test_a_write_after_a_read_is_in_the_next_state_dict():
+    assert run_world(_written_then_saved, 2) == [True, True]
+
+
+class _Norm(nn.Module):
+    """As Transformers' RMSNorm: its repr reads the weight's shape."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}"
+
+
+def _printed_on_rank_0(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Norm(8), nn.Linear(8, 1))
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+    printed = repr(model) if rank == 0 else ""
+    engine.backward(engine(torch.ones(2, 8)).sum())  # the ranks' next gathers agree
+    engine.step()
+    engine.close()
+    return printed
+
+
+def test_printing_the_model_on_one_rank_gathers_nothing():
+    printed, _ = run_world(_printed_on_rank_0, 2)
+    assert "Linear(in_features=8, out_features=8, bias=True)" in printed
+    assert "_Norm((8,))" in printed

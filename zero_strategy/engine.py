@@ -504,10 +504,12 @@ class ZeroEngine:
 
     def wait_for_parameters(self) -> None:
         """Finish the post-step parameter gathers (stages 1-2), and take in `.data` written
-        since (stages 0-2), before the full parameters are read or written outside the
-        module's forward: a checkpoint, a state dict, a step."""
+        since (and at stage 3 the writes to units a read gathered), before the full
+        parameters are read or written outside the module's forward: a checkpoint, a
+        state dict, a step."""
         self.schedule.finish_publishing()
         self._replaced.look()
+        self._reads.write_back()
 
     # ================================================================ reports
     def memory_report(self) -> dict[str, int]:

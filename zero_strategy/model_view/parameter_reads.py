@@ -9,8 +9,10 @@ Here each module owning such a parameter becomes its own subclass (as `fully_sha
 re-classes a module, keeping the class's name) whose attribute read gathers the unit
 first. The unit then stays whole until its next use frees it (its forward in evaluation,
 the end of the next backward, a framework's evaluation step), or a step; writes made to
-it meanwhile are kept, as under DDP: each rank's own slice goes back into its master when
-the unit is freed, before any step.
+it meanwhile are kept, as under DDP: the elements of each rank's slice that differ from
+what the gather put there go into its master when the unit is freed, and before a step,
+a save or a state dict reads the masters. `print(model)` gathers nothing: a repr reads
+shapes, which the placeholders keep.
 
 A read is collective over the unit's shard group: every rank must read, as every rank
 must read a DTensor; a read on one rank alone is caught by the divergence check (or the
@@ -25,6 +27,7 @@ step.
 from __future__ import annotations
 
 import copyreg
+import threading
 from collections.abc import Callable
 
 import torch
@@ -33,9 +36,9 @@ from torch import nn
 from ..private_api import in_backward
 from ..units.flat_unit import FlatUnit
 from ..units.gather import WrittenValues
-from .full_view import write_back_unit
 
 _FACE = "_zero_parameter_reads"
+_QUIET = threading.local()  # reads that show metadata only (a repr) gather nothing
 
 
 class _Face:
@@ -53,12 +56,23 @@ class _GathersOnRead:
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)  # type: ignore[misc]
+        if torch.compiler.is_compiling() or getattr(_QUIET, "on", False):
+            return value
         face = self.__dict__.get(_FACE)
-        if face is not None and not torch.compiler.is_compiling():
+        if face is not None:
             unit = face.units.get(name)
             if unit is not None and not unit.gathered:
                 face.read(unit)
         return value
+
+    def extra_repr(self) -> str:
+        """`print(model)` (often on rank 0 alone) reads shapes, which the placeholders
+        keep: no gather."""
+        _QUIET.on = True
+        try:
+            return super().extra_repr()  # type: ignore[misc]
+        finally:
+            _QUIET.on = False
 
     def __reduce_ex__(self, protocol):
         """Deep-copied (an EMA copy, an averaged model) as the module's own class, without
@@ -66,11 +80,12 @@ class _GathersOnRead:
         _, _, state, *rest = super().__reduce_ex__(protocol)
         if isinstance(state, dict) and _FACE in state:
             state = {k: v for k, v in state.items() if k != _FACE}
-        plain = type(self).__bases__[1]
+        plain = _PLAIN[type(self)]
         return (copyreg._reconstructor, (plain, object, None), state, *rest)
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[type, type] = {}  # module class -> its reading class
+_PLAIN: dict[type, type] = {}  # and back
 
 
 def _reading_class(cls: type) -> type:
@@ -80,18 +95,20 @@ def _reading_class(cls: type) -> type:
     if made is None:
         made = type(cls)(cls.__name__, (_GathersOnRead, cls), {"__module__": cls.__module__})
         made.__qualname__ = cls.__qualname__
-        _CLASSES[cls] = made
+        _CLASSES[cls], _PLAIN[made] = made, cls
     return made
 
 
 class _Reclassed:
-    """A handle (as the engine's hooks have) that gives the module its own class back."""
+    """A handle (as the engine's hooks have) that gives the module its own class back,
+    unless something re-classed it since."""
 
     def __init__(self, module: nn.Module, cls: type):
         self.module, self.cls = module, cls
 
     def remove(self) -> None:
-        self.module.__class__ = self.cls
+        if type(self.module) is _CLASSES.get(self.cls):
+            self.module.__class__ = self.cls
         self.module.__dict__.pop(_FACE, None)
 
 
@@ -101,15 +118,17 @@ class ParameterReads:
 
     def __init__(self, inner: WrittenValues):
         self._inner = inner
-        self._gather: Callable[[FlatUnit], bool] | None = None
-        self.held: set[int] = set()  # units a read gathered, not yet freed
+        self._gather: Callable[[FlatUnit], object] | None = None
+        # Units a read found freed (or in flight), not yet freed again: this rank's slice
+        # as gathered, so that only what code writes goes back into the master (never the
+        # rounding of a quantized gather, or of the compute dtype).
+        self.held: dict[int, tuple[FlatUnit, torch.Tensor]] = {}
 
     def install(
-        self, model: nn.Module, units: list[FlatUnit], gather: Callable[[FlatUnit], bool]
+        self, model: nn.Module, units: list[FlatUnit], gather: Callable[[FlatUnit], object]
     ) -> list[_Reclassed]:
         """Re-class each submodule that owns a parameter of a unit freed between uses;
-        `gather(unit)` makes it whole and returns whether this call started the gather.
-        Returns the handles that undo it."""
+        `gather(unit)` makes it whole. Returns the handles that undo it."""
         self._gather = gather
         owned: dict[str, dict[str, FlatUnit]] = {}
         for unit in units:
@@ -134,8 +153,18 @@ class ParameterReads:
     def _read(self, unit: FlatUnit) -> None:
         if in_backward() or self._gather is None:
             return
-        if self._gather(unit):
-            self.held.add(unit.layout.index)
+        self._gather(unit)
+        if unit.gathered:
+            with torch.no_grad():
+                unit.copies_to_full()
+                mine = unit.full[unit.opt_start : unit.opt_end].clone()
+            self.held[unit.layout.index] = (unit, mine)
+
+    def write_back(self) -> None:
+        """What code wrote to the units a read gathered, into the masters now (a save, a
+        state dict, an EMA update reads them); the units stay whole."""
+        for index, (unit, before) in list(self.held.items()):
+            self.held[index] = (unit, _write_back_changes(unit, before))
 
     def drop_unwritten(self) -> None:
         """The masters changed (a step, a load): what a read gathered holds old values,
@@ -149,9 +178,25 @@ class ParameterReads:
     def adopt_unit(self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None) -> None:
         """Before a free (`written` None): a unit a read gathered keeps what was written
         to it in place, then `inner` adopts replaced `.data`."""
-        if written is None and unit.layout.index in self.held:
-            self.held.discard(unit.layout.index)
-            with torch.no_grad():
-                unit.copies_to_full()  # DTensor parameters' own copies
-                write_back_unit(unit)
+        held = self.held.pop(unit.layout.index, None) if written is None else None
+        if held is not None:
+            _write_back_changes(unit, held[1])
         self._inner.adopt_unit(unit, written)
+
+
+@torch.no_grad()
+def _write_back_changes(unit: FlatUnit, before: torch.Tensor) -> torch.Tensor:
+    """The elements of this rank's slice that differ from `before` (what a gather put
+    there) into its master and stage-3 shard; returns the slice as it is now. A kept
+    across-node column is stale once anything changed."""
+    unit.copies_to_full()  # DTensor parameters' own copies
+    mine = unit.full[unit.opt_start : unit.opt_end]
+    changed = mine != before
+    if not bool(changed.any()):
+        return before
+    with unit.master_resident(modified=True):
+        unit.master[changed] = mine[changed].to(unit.master.dtype)
+        if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
+            unit.shard[changed] = mine[changed]
+    unit.drop_secondary()
+    return mine.clone()
