@@ -49,7 +49,9 @@ def test_gathered_parameters_reads_the_full_trained_values(stage):
             assert min(outside) > 4
 
 
-def _gathered_write(rank, world, stage, modifier_rank, compute_dtype):
+def _gathered_write(rank, world, stage, modifier_rank, compute_dtype, replace=False):
+    """`replace`: each write assigns `p.data` anew (pruning made permanent, a lottery
+    ticket) instead of writing in place."""
     engine = _engine(stage, compute_dtype=compute_dtype)
     _one_step(engine, rank, world)
     before = engine.full_state_dict(rank0_only=False)
@@ -57,11 +59,13 @@ def _gathered_write(rank, world, stage, modifier_rank, compute_dtype):
     with engine.gathered_parameters(block, modifier_rank=modifier_rank), torch.no_grad():
         for p in block.parameters():
             if modifier_rank is None:
-                p.mul_(-2.0)  # every rank writes the same values
-            elif rank == modifier_rank:
-                p.data.fill_(0.5)  # through .data, as Lightning's callbacks write
+                value = p.data * -2.0  # every rank writes the same values
+            else:  # through .data, as Lightning's callbacks write; not the modifier's: discarded
+                value = torch.full_like(p.data, 0.5 if rank == modifier_rank else -7.0)
+            if replace:
+                p.data = value
             else:
-                p.data.fill_(-7.0)  # discarded: not the modifier
+                p.data.copy_(value)
     after = engine.full_state_dict(rank0_only=False)
     # The next forward uses the written values on every rank.
     x, y = local_batch(1, 0, rank, world)
@@ -73,8 +77,9 @@ def _gathered_write(rank, world, stage, modifier_rank, compute_dtype):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("modifier_rank", [1, None])
-def test_gathered_parameters_writes_reach_the_masters(stage, modifier_rank):
-    results = run_world(_gathered_write, 2, stage, modifier_rank, "fp32")
+@pytest.mark.parametrize("replace", [False, True], ids=["in-place", "data-replaced"])
+def test_gathered_parameters_writes_reach_the_masters(stage, modifier_rank, replace):
+    results = run_world(_gathered_write, 2, stage, modifier_rank, "fp32", replace)
     (before, after, loss0), (_, after1, loss1) = results
     assert loss0 != loss1  # different batches, the same written model
     for name, value in before.items():

@@ -86,12 +86,12 @@ class FullParameters:
             with torch.no_grad():
                 for unit in chosen:
                     if unit.full is not None and unit.layout.numel:
+                        self.adopt_replaced(unit)  # into the full buffer: broadcast next
                         unit.copies_to_full()
                         if modifier_rank is not None:
                             self._take_modifiers_values(unit, modifier_rank)
                             unit.full_to_copies()
                         write_back_unit(unit)
-                        self.adopt_replaced(unit)
             for unit in held:
                 unit.free_full()
 
