@@ -395,8 +395,6 @@ class ZeroEngine:
             agree_on_write_failures(self.optim.offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()
         self.reducer.wait()
-        if self._reads.held:  # what code wrote to them goes into the masters first
-            self.schedule.release_all()
         stepped, copies_written = self.optim.step(optimizer)
         if not stepped:
             self.zero_grad()

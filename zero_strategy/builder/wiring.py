@@ -38,7 +38,7 @@ class EngineCalls:
     before_forward: Callable[[], None]
     after_forward: Callable[[Any], None]
     follow_requires_grad: Callable[[], None]
-    make_whole: Callable[[FlatUnit], bool]
+    make_whole: Callable[[FlatUnit], None]
 
 
 def wire_model(

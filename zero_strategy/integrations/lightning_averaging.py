@@ -202,10 +202,9 @@ def adopt_weight_callbacks(callbacks: list, root: str) -> None:
     parameters gathered in the hooks that touch them, the stock ones and any its subclass
     defines (the instance keeps its state and arguments; torch's `fully_shard` re-classes
     a module the same way)."""
-    ours = averaging_classes(root)
     stock = importlib.import_module(f"{root}.callbacks")
     for callback in callbacks:
-        if isinstance(callback, tuple(ours.values())) or getattr(callback, _ADOPTED, False):
+        if getattr(callback, _ADOPTED, False):  # a drop-in, or adopted by an earlier fit
             continue
         for name in ("StochasticWeightAveraging", "WeightAveraging", "ModelPruning"):
             base = getattr(stock, name)

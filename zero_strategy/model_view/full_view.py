@@ -136,8 +136,37 @@ def write_back_part(unit: FlatUnit, lo: int, values: torch.Tensor) -> None:
                 here = values.to(master.device)
                 changed = here != master.to(values.dtype)
                 master[changed] = here[changed].to(master.dtype)
-        if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
+        if _shard_apart(unit):
             unit.shard[local].copy_(values)
+
+
+@torch.no_grad()
+def write_back_changes(unit: FlatUnit, before: torch.Tensor) -> torch.Tensor:
+    """The elements of this rank's slice of the (gathered) full values that differ from
+    `before` (what the gather put there) into its master and stage-3 shard: reading alone
+    writes nothing, even where the gather was rounded (int8 over a slow link). Returns
+    the slice as it is now (`before` itself when nothing changed)."""
+    mine = unit.full[unit.opt_start : unit.opt_end]
+    changed = mine != before
+    if not bool(changed.any()):
+        return before
+    with unit.master_resident(modified=True):  # offloaded: read, updated, written
+        _put(unit.master, changed, mine)
+        if _shard_apart(unit):
+            _put(unit.shard, changed, mine)
+    return mine.clone()
+
+
+def _put(target: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """target[where] = values[where], `target` on its own device (host memory when
+    offloaded) and in its own dtype."""
+    where = where.to(target.device)
+    target[where] = values.to(target.device)[where].to(target.dtype)
+
+
+def _shard_apart(unit: FlatUnit) -> bool:
+    """Stage 3 keeps a compute-dtype shard besides the master (not one tensor: fp32)."""
+    return unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr()
 
 
 class FullGrads:

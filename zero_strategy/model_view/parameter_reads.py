@@ -36,6 +36,7 @@ from torch import nn
 from ..private_api import in_backward
 from ..units.flat_unit import FlatUnit
 from ..units.gather import WrittenValues
+from .full_view import write_back_changes
 
 _FACE = "_zero_parameter_reads"
 _QUIET = threading.local()  # reads that show metadata only (a repr) gather nothing
@@ -118,14 +119,14 @@ class ParameterReads:
 
     def __init__(self, inner: WrittenValues):
         self._inner = inner
-        self._gather: Callable[[FlatUnit], object] | None = None
+        self._gather: Callable[[FlatUnit], None] | None = None
         # Units a read found freed (or in flight), not yet freed again: this rank's slice
         # as gathered, so that only what code writes goes back into the master (never the
         # rounding of a quantized gather, or of the compute dtype).
         self.held: dict[int, tuple[FlatUnit, torch.Tensor]] = {}
 
     def install(
-        self, model: nn.Module, units: list[FlatUnit], gather: Callable[[FlatUnit], object]
+        self, model: nn.Module, units: list[FlatUnit], gather: Callable[[FlatUnit], None]
     ) -> list[_Reclassed]:
         """Re-class each submodule that owns a parameter of a unit freed between uses;
         `gather(unit)` makes it whole. Returns the handles that undo it."""
@@ -164,7 +165,16 @@ class ParameterReads:
         """What code wrote to the units a read gathered, into the masters now (a save, a
         state dict, an EMA update reads them); the units stay whole."""
         for index, (unit, before) in list(self.held.items()):
-            self.held[index] = (unit, _write_back_changes(unit, before))
+            self.held[index] = (unit, self._write_back(unit, before))
+
+    @staticmethod
+    def _write_back(unit: FlatUnit, before: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            unit.copies_to_full()  # DTensor parameters' own copies
+        after = write_back_changes(unit, before)
+        if after is not before:  # a kept across-node column is stale once anything changed
+            unit.drop_secondary()
+        return after
 
     def drop_unwritten(self) -> None:
         """The masters changed (a step, a load): what a read gathered holds old values,
@@ -180,23 +190,5 @@ class ParameterReads:
         to it in place, then `inner` adopts replaced `.data`."""
         held = self.held.pop(unit.layout.index, None) if written is None else None
         if held is not None:
-            _write_back_changes(unit, held[1])
+            self._write_back(unit, held[1])
         self._inner.adopt_unit(unit, written)
-
-
-@torch.no_grad()
-def _write_back_changes(unit: FlatUnit, before: torch.Tensor) -> torch.Tensor:
-    """The elements of this rank's slice that differ from `before` (what a gather put
-    there) into its master and stage-3 shard; returns the slice as it is now. A kept
-    across-node column is stale once anything changed."""
-    unit.copies_to_full()  # DTensor parameters' own copies
-    mine = unit.full[unit.opt_start : unit.opt_end]
-    changed = mine != before
-    if not bool(changed.any()):
-        return before
-    with unit.master_resident(modified=True):
-        unit.master[changed] = mine[changed].to(unit.master.dtype)
-        if unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr():
-            unit.shard[changed] = mine[changed]
-    unit.drop_secondary()
-    return mine.clone()

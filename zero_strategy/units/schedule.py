@@ -143,12 +143,13 @@ class UnitSchedule:
             self.finish_publishing()
             return
         for unit in self.units:
-            self.gather.ensure(unit, STATE_DICT)
+            self.make_whole(unit)
 
-    def make_whole(self, unit: FlatUnit) -> bool:
+    def make_whole(self, unit: FlatUnit) -> None:
         """Stage 3: `unit` whole now (a read outside forward), until its next use frees
-        it; returns whether this call gathered it."""
-        return self.gather is not None and self.gather.ensure(unit, STATE_DICT)
+        it."""
+        if self.gather is not None:
+            self.gather.ensure(unit, STATE_DICT)
 
     def release_all(self) -> None:
         """Stage 3: free every gathered unit now (the spare buffers stay for reuse)."""
