@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -71,8 +72,16 @@ def run_world(
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        # Forked while every object is frozen, a rank never collects what it inherited: a
+        # collection there that finalizes an object whose threads did not survive the fork
+        # can block forever (CI once saw rank 1 hang as fn's frame began, no Python frame
+        # above it). The forking process thaws at once and collects its own as before.
+        gc.freeze()
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            gc.unfreeze()
         for _, writer in pipes:
             writer.close()
         results: dict[int, tuple[str, Any]] = {}
