@@ -1,8 +1,9 @@
-"""Stage 3: a parameter read by name outside forward is gathered first (FSDP2's DTensor
-parameters run the collective an op needs; here the owning module's attribute read does).
-Reads equal the masters, writes made after a read are kept as under DDP, a step or a
-load drops what a read gathered, tied weights compare equal, deep copies stay plain, and
-a read on one rank alone is an error, not a hang."""
+"""Stage 3: a parameter read by name outside forward is gathered when its values are used
+(FSDP2's DTensor parameters run the collective an op needs and read their metadata
+locally; here the owning module's attribute read marks the parameter). Reads equal the
+masters, writes made after a read are kept as under DDP, a step or a load drops what a
+read gathered, tied weights compare equal, deep copies stay plain, a metadata read on one
+rank is local, and a value read on one rank alone is an error, not a hang."""
 
 from __future__ import annotations
 
@@ -143,6 +144,39 @@ def test_a_read_on_one_rank_alone_is_an_error_not_a_hang():
     assert all(status == "error" for status, _ in results), results
     assert all("ModulePathDivergenceError" in str(payload) for _, payload in results)
     assert any("Reading a parameter by name outside forward" in str(p) for _, p in results)
+
+
+def _metadata_on_one_rank(rank, world):
+    engine = _engine(collective_timeout=30)
+    _one_step(engine, rank, world)
+    held_before = engine.memory_report()["gathered_parameters"]
+    seen = None
+    if rank == 0:  # as DDP code logs a shape on rank 0: local, as FSDP2's DTensor shape
+        weight = engine.module.blocks[1].fc.weight
+        seen = (
+            tuple(weight.shape),
+            weight.dtype,
+            weight.device.type,
+            weight.numel(),
+            weight.size(0),
+            weight.dim(),
+            weight.requires_grad,
+            weight.grad is None,
+        )
+        held = engine.memory_report()["gathered_parameters"] - held_before
+    _one_step(engine, rank, world, step=1)  # the ranks' next gathers agree: no error
+    plain = rank != 0 or type(weight) is nn.Parameter  # the forward's gather unmarked it
+    engine.close()
+    return seen, held if rank == 0 else 0, plain
+
+
+def test_a_metadata_read_on_one_rank_alone_is_local():
+    reference = make_model().blocks[1].fc.weight
+    (seen, held, plain), (_, _, other_plain) = run_world(_metadata_on_one_rank, 2)
+    shape = tuple(reference.shape)
+    assert seen == (shape, torch.float32, "cpu", reference.numel(), shape[0], 2, True, True)
+    assert held == 0  # nothing gathered for it
+    assert plain and other_plain
 
 
 def _reads_with_int8_gathers(rank, world):
