@@ -143,7 +143,7 @@ def test_a_read_on_one_rank_alone_is_an_error_not_a_hang():
     results = run_world(_read_on_one_rank, 2, expect_errors=True, timeout=120)
     assert all(status == "error" for status, _ in results), results
     assert all("ModulePathDivergenceError" in str(payload) for _, payload in results)
-    assert any("Reading a parameter by name outside forward" in str(p) for _, p in results)
+    assert any("Reading a parameter's values outside forward" in str(p) for _, p in results)
 
 
 def _metadata_on_one_rank(rank, world):
@@ -165,8 +165,9 @@ def _metadata_on_one_rank(rank, world):
         )
         held = engine.memory_report()["gathered_parameters"] - held_before
     _one_step(engine, rank, world, step=1)  # the ranks' next gathers agree: no error
-    plain = rank != 0 or type(weight) is nn.Parameter  # the forward's gather unmarked it
-    engine.close()
+    released = engine.release_module()
+    plain = rank != 0 or (type(weight) is nn.Parameter and weight.isfinite().all())
+    plain = plain and all(type(p) is nn.Parameter for p in released.parameters())
     return seen, held if rank == 0 else 0, plain
 
 
@@ -246,3 +247,29 @@ def test_printing_the_model_on_one_rank_gathers_nothing():
     printed, _ = run_world(_printed_on_rank_0, 2)
     assert "Linear(in_features=8, out_features=8, bias=True)" in printed
     assert "_Norm((8,))" in printed
+
+
+def _ema_by_hand(rank, world):
+    """An EMA kept over `model.parameters()` after each step, as DDP code keeps one: the
+    iteration goes around attribute access, and each value read gathers its unit. The
+    same EMA over the masters (a state dict) is the exact reference."""
+    engine = _engine()
+    names = [name for name, _ in engine.module.named_parameters()]
+    averages = [p.detach().clone() for p in make_model().parameters()]
+    from_masters = [a.clone() for a in averages]
+    for step in range(3):
+        _one_step(engine, rank, world, step)
+        with torch.no_grad():
+            for average, p in zip(averages, engine.module.parameters()):
+                average.mul_(0.5).add_(p.detach(), alpha=0.5)
+        masters = engine.full_state_dict(rank0_only=False)
+        for average, name in zip(from_masters, names):
+            average.mul_(0.5).add_(masters[name], alpha=0.5)
+    plain = all(type(p) is nn.Parameter for p in engine.release_module().parameters())
+    return [torch.equal(a, b) for a, b in zip(averages, from_masters)], plain
+
+
+def test_values_read_through_model_parameters_are_the_current_ones():
+    for equal, plain in run_world(_ema_by_hand, 2):
+        assert equal and all(equal)
+        assert plain

@@ -1,37 +1,37 @@
-"""Stage 3: a parameter read by name outside its unit's use is gathered when its values are.
+"""Stage 3: a parameter's values read outside its unit's use gather the unit first.
 
 At stage 3 a unit's parameters hold no values between uses (a NaN placeholder with their
 shape). Code written against DDP reads them there all the same: `self.layer.weight.item()`
 in a test_step that runs no forward, `torch.equal(a.weight, b.weight)` in on_fit_start,
-a weight logged in on_train_batch_end, a pruning callback ranking weights between epochs.
-FSDP2's parameters are DTensors there, and an op on one runs the collective it needs,
-while its shape, dtype and device are read locally. Here each module owning such a
-parameter becomes its own subclass (as `fully_shard` re-classes a module, keeping the
-class's name) whose attribute read hands out the parameter marked: a tensor subclass for
-as long as its unit stays freed, whose metadata (shape, dtype, device, `.grad`, flags)
-reads as the placeholder's, and whose first op that needs values (`.data`, arithmetic,
-`.item()`, a copy) gathers the unit. So `model.fc.weight.shape` on rank 0 alone is
-local, as it is under DDP and FSDP2, and `print(model)` gathers nothing. The unit then
-stays whole until its next use frees it (its forward in evaluation, the end of the next
-backward, a framework's evaluation step), or a step; writes made to it meanwhile are
-kept, as under DDP: the elements of each rank's slice that differ from what the gather
-put there go into its master when the unit is freed, and before a step, a save or a
-state dict reads the masters.
+an EMA kept by hand over `model.parameters()`, a pruning callback ranking weights between
+epochs. FSDP2's parameters are DTensors there: an op on one runs the collective it needs,
+while its shape, dtype and device are read locally. Here a freed unit's parameters are
+marked (an `nn.Parameter` subclass, `_ValuesOnUse`, until the unit is next gathered):
+their metadata (shape, dtype, device, `.grad`, flags) reads the placeholder's, locally,
+and the first op that needs values (`.data`, arithmetic, `.item()`, a copy) gathers the
+unit. So `model.fc.weight.shape` on rank 0 alone is local, as under DDP and FSDP2, and
+`print(model)` gathers nothing. The forward's gather makes them plain again, so neither
+the forward nor a compiled graph sees the subclass. A unit gathered by a read stays whole
+until its next use frees it (its forward in evaluation, the end of the next backward, a
+framework's evaluation step), or a step; writes made to it meanwhile are kept, as under
+DDP: the elements of each rank's slice that differ from what the gather put there go into
+its master when the unit is freed, and before a step, a save or a state dict reads the
+masters.
 
 A value read is collective over the unit's shard group: every rank must read, as every
-rank must read a DTensor's values; a value read on one rank alone is caught by the
-divergence check (or the collective timeout). Reads of a unit already whole, inside
-backward, or inside a compiled region cost a dictionary lookup. Iterating
-`model.parameters()` goes around attribute access and still sees the placeholders:
-`engine.unshard()` or `gathered_parameters()` gather those. The model's root module is
-not re-classed (a LightningModule's class is what its checkpoints and hooks are looked up
-by); its own parameters are whole inside a step.
+rank must read a DTensor's values; one rank alone is caught by the divergence check (or
+the collective timeout). Reads inside backward or a compiled region see the placeholder.
+Parameters of another tensor class (a DTensor under tensor parallelism) cannot be marked:
+the module owning one is re-classed instead (as `fully_shard` re-classes a module, under
+the class's own name), and its attribute read of such a parameter gathers the unit.
 """
 
 from __future__ import annotations
 
 import copyreg
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,16 +67,16 @@ _METADATA_METHODS = frozenset(
 
 class _Face:
     """What a re-classed module's attribute reads consult: which of its attribute names
-    are parameters of which unit, and who marks (or gathers) one."""
+    are parameters of which unit, and who gathers one."""
 
-    def __init__(self, units: dict[str, FlatUnit], read: Callable[[FlatUnit, Any], None]):
+    def __init__(self, units: dict[str, FlatUnit], read: Callable[[FlatUnit], None]):
         self.units = units
         self.read = read
 
 
 class _GathersOnRead:
-    """Placed before the module's own class: a parameter of a freed unit is handed out
-    marked, to gather the unit at its first op that needs values."""
+    """Placed before the module's own class: reading a parameter (of a class that cannot
+    be marked) of a freed unit gathers the unit."""
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)  # type: ignore[misc]
@@ -86,7 +86,7 @@ class _GathersOnRead:
         if face is not None:
             unit = face.units.get(name)
             if unit is not None and not unit.gathered:
-                face.read(unit, value)
+                face.read(unit)
         return value
 
     def __reduce_ex__(self, protocol):
@@ -112,9 +112,8 @@ def _needs_values(func: Any) -> bool:
 
 
 class _ValuesOnUse(nn.Parameter):
-    """A parameter handed out by a read while its unit is freed: the first op that needs
-    its values gathers the unit (and turns it, and every parameter of the unit so marked,
-    back into a plain `nn.Parameter`)."""
+    """A parameter of a freed unit: the first op that needs its values gathers the unit
+    (and turns the unit's parameters back into plain `nn.Parameter`s)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -134,20 +133,40 @@ class _ValuesOnUse(nn.Parameter):
         return memo[id(self)]
 
 
-# id(parameter) -> (the parameter, who gathers its unit, the unit), while marked
-_MARKED: dict[int, tuple[nn.Parameter, ParameterReads, FlatUnit]] = {}
+@dataclass(frozen=True)
+class _Mark:
+    """A marked parameter's way back to its unit, held weakly: a dropped engine (and its
+    process groups) must not be kept alive by the parameters of a model kept."""
+
+    param: weakref.ref
+    reads: weakref.ref
+    unit: weakref.ref
+    placeholder: int  # the address the freed parameter shows
+
+
+_MARKED: dict[int, _Mark] = {}  # id(parameter) -> its mark, while marked
+
+
+def _address(param: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return param.data_ptr()
 
 
 def _gather_for_use(param: nn.Parameter) -> None:
-    entry = _MARKED.get(id(param))
-    if entry is None or entry[0] is not param:  # a copy made while marked: plain
+    mark = _MARKED.get(id(param))
+    reads = mark.reads() if mark is not None and mark.param() is param else None
+    unit = mark.unit() if mark is not None else None
+    # Plain again, as it is: a copy made while marked, a parameter whose engine is gone,
+    # one whose `.data` was replaced (it holds values of its own).
+    if reads is None or unit is None or _address(param) != mark.placeholder:
+        if mark is not None and mark.param() is param:
+            del _MARKED[id(param)]
         param.__class__ = nn.Parameter
         return
-    _, reads, unit = entry
-    if in_backward() or torch.compiler.is_compiling():
-        return  # backward gathers what it needs itself; the placeholder reads NaN
     if not unit.gathered:
-        reads.gather_read(unit)  # restores the marks of the unit's parameters
+        if in_backward() or torch.compiler.is_compiling():
+            return  # backward gathers what it needs itself; the placeholder reads NaN
+        reads.gather_read(unit)
     reads.unmark(unit)
 
 
@@ -180,12 +199,15 @@ class _Reclassed:
 
 
 class _Unmarking:
-    """A handle whose removal turns the parameters still marked back into plain ones."""
+    """A handle whose removal stops the marking and turns the parameters still marked
+    back into plain ones."""
 
-    def __init__(self, reads: ParameterReads):
-        self.reads = reads
+    def __init__(self, reads: ParameterReads, units: list[FlatUnit]):
+        self.reads, self.units = reads, units
 
     def remove(self) -> None:
+        for unit in self.units:
+            unit.on_freed = None
         self.reads.unmark()
 
 
@@ -200,23 +222,30 @@ class ParameterReads:
         # as gathered, so that only what code writes goes back into the master (never the
         # rounding of a quantized gather, or of the compute dtype).
         self.held: dict[int, tuple[FlatUnit, torch.Tensor]] = {}
+        self._marked: dict[int, list[nn.Parameter]] = {}  # unit index -> its marked params
 
     def install(
         self, model: nn.Module, units: list[FlatUnit], gather: Callable[[FlatUnit], None]
     ) -> list[_Reclassed | _Unmarking]:
-        """Re-class each submodule that owns a parameter of a unit freed between uses;
-        `gather(unit)` makes it whole. Returns the handles that undo it."""
+        """Mark the parameters of each unit freed between uses whenever it is freed (now,
+        if it is); re-class the modules owning parameters that cannot be marked. `gather
+        (unit)` makes a unit whole. Returns the handles that undo it."""
         self._gather = gather
         owned: dict[str, dict[str, FlatUnit]] = {}
         for unit in units:
             if unit.persistent or not unit.layout.numel:
                 continue
-            for slot in unit.layout.slots:
+            unit.on_freed = self._mark
+            if not unit.gathered:
+                self._mark(unit)
+            for slot, param in zip(unit.layout.slots, unit.params):
+                if type(param) in (nn.Parameter, _ValuesOnUse):
+                    continue
                 for name in (slot.name, *slot.aliases):
                     path, _, attribute = name.rpartition(".")
                     if path:
                         owned.setdefault(path, {})[attribute] = unit
-        handles = []
+        handles: list[_Reclassed | _Unmarking] = []
         for path, names in owned.items():
             module = model.get_submodule(path)
             cls = type(module)
@@ -225,19 +254,25 @@ class ParameterReads:
             module.__dict__[_FACE] = _Face(names, self._read)
             module.__class__ = _reading_class(cls)
             handles.append(_Reclassed(module, cls))
-        return [*handles, _Unmarking(self)]
+        return [*handles, _Unmarking(self, units)]
 
-    def _read(self, unit: FlatUnit, value: Any) -> None:
-        """A module's attribute read found `value`, a parameter of the freed `unit`: a
-        plain parameter is marked, to gather at its first op that needs values; another
-        kind (a quantized or sharded subclass) gathers now."""
-        if in_backward() or self._gather is None:
-            return
-        if type(value) is nn.Parameter:
-            _MARKED[id(value)] = (value, self, unit)
-            value.__class__ = _ValuesOnUse
-        elif type(value) is not _ValuesOnUse:
+    def _read(self, unit: FlatUnit) -> None:
+        """A module's attribute read found an unmarkable parameter of the freed `unit`:
+        gather it now."""
+        if not in_backward():
             self.gather_read(unit)
+
+    def _mark(self, unit: FlatUnit) -> None:
+        """`unit` is freed: its plain parameters are marked, to gather it at their first
+        op that needs values."""
+        marked = self._marked.setdefault(unit.layout.index, [])
+        for param in unit.params:
+            if type(param) is nn.Parameter:
+                _MARKED[id(param)] = _Mark(
+                    weakref.ref(param), weakref.ref(self), weakref.ref(unit), _address(param)
+                )
+                param.__class__ = _ValuesOnUse
+                marked.append(param)
 
     def gather_read(self, unit: FlatUnit) -> None:
         """Gather `unit` for a read of its values, keeping this rank's slice as gathered."""
@@ -251,11 +286,12 @@ class ParameterReads:
             self.held[unit.layout.index] = (unit, mine)
 
     def unmark(self, unit: FlatUnit | None = None) -> None:
-        """The parameters of `unit` (of every unit when None) marked by a read are plain
-        again: a gather pointed them at values, or the engine lets go of the model."""
-        for key, (param, reads, owner) in list(_MARKED.items()):
-            if reads is self and (unit is None or owner is unit):
-                del _MARKED[key]
+        """The marked parameters of `unit` (of every unit when None) are plain again: a
+        gather pointed them at values, or the engine lets go of the model."""
+        indices = list(self._marked) if unit is None else [unit.layout.index]
+        for index in indices:
+            for param in self._marked.pop(index, ()):
+                _MARKED.pop(id(param), None)
                 if type(param) is _ValuesOnUse:
                     param.__class__ = nn.Parameter
 
@@ -281,8 +317,8 @@ class ParameterReads:
 
     # ------------------------------------------------------------ WrittenValues
     def taken(self, unit: FlatUnit) -> dict[int, torch.Tensor]:
-        """Before a gather points the unit's parameters at values: those a read marked
-        are plain again (an op in forward costs nothing extra)."""
+        """Before a gather points the unit's parameters at values: they are plain again
+        (an op in forward costs nothing extra)."""
         self.unmark(unit)
         return self._inner.taken(unit)
 

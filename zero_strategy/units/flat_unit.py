@@ -104,6 +104,9 @@ class FlatUnit:
         # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
         nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
+        # Stage 3: told each time the parameters show the placeholders again (the engine
+        # marks them, to gather at their next read of values).
+        self.on_freed: Callable[[FlatUnit], None] | None = None
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
         # Stage 3 with a two-hop exchange: this rank's column of the across-node hop, kept
         # from a training forward to the unit's backward (`start_gather`).
@@ -383,6 +386,8 @@ class FlatUnit:
             self.show_freed(index)
         for copy in self._copies.values():
             copy.untyped_storage().resize_(0)
+        if self.on_freed is not None:
+            self.on_freed(self)
 
     def attach_param_grads(self) -> None:
         """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,

@@ -239,10 +239,10 @@ class OrderCheck:
             "\nstate_dict() and load_state_dict() gather a stage-3 model, so every rank must "
             "call them (not only rank 0); to write the model from rank 0 alone, use "
             "engine.full_state_dict() on every rank, or save a checkpoint and consolidate it. "
-            "Reading a parameter's values by name outside forward (model.layer.weight.sum(), "
-            ".data, .item()) gathers its unit too (its shape, dtype and device do not): "
-            "read them on every rank, or inside engine.gathered_parameters() on every "
-            "rank, then use the values on one."
+            "Reading a parameter's values outside forward (model.layer.weight.sum(), "
+            ".data, .item(), an op over model.parameters()) gathers its unit too (its "
+            "shape, dtype and device do not): read them on every rank, or inside "
+            "engine.gathered_parameters() on every rank, then use the values on one."
             if any(phase == STATE_DICT for _, _, phase in tags)
             else ""
         )
