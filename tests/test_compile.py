@@ -110,6 +110,45 @@ def test_compiled_training_equals_eager_in_every_mode(stage):
             assert sum(breaks.values()) == 4, breaks
 
 
+def _reads_between_compiled_steps(rank, world, mode):
+    """Stage 3, compiled: between steps the parameters are read as DDP code reads them
+    (a shape, a weight by name, every weight over `model.parameters()`); the marks the
+    freed units' parameters carry make no recompile after step 2."""
+    _fresh_dynamo()
+    model = _compiled_before(make_model(), mode, backend="aot_eager")
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
+    losses, read, shapes = [], [], set()
+    try:
+        for step in range(STEPS):
+            if step == 2:
+                torch._dynamo.config.error_on_recompile = True
+            weight = engine.module.blocks[1].fc.weight
+            shapes.add(tuple(weight.shape))
+            read.append(weight.sum().item())
+            read.append(sum(p.double().sum().item() for p in engine.module.parameters()))
+            x, y = local_batch(step, 0, rank, world)
+            loss = run(x, y)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        engine.close()
+    return losses, read, shapes
+
+
+def test_parameters_read_between_compiled_steps_make_no_recompile():
+    eager_losses, eager_read, shapes = run_world(_reads_between_compiled_steps, 2, "eager")[0]
+    assert shapes == {tuple(make_model().blocks[1].fc.weight.shape)}
+    assert all(r == r for r in eager_read)  # not NaN: the values, not the placeholders
+    for mode in ("before", "after"):
+        losses, read, _ = run_world(_reads_between_compiled_steps, 2, mode)[0]
+        assert losses == pytest.approx(eager_losses, rel=1e-4), mode
+        assert read == pytest.approx(eager_read, rel=1e-4), mode
+
+
 def test_compiled_bf16_stage_3_equals_eager():
     results = run_world(_every_mode, 2, 3, "bf16", ("eager", "before"), timeout=600)[0]
     assert results["before"][0] == pytest.approx(results["eager"][0], rel=1e-2)
