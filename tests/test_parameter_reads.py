@@ -232,6 +232,27 @@ class _Norm(nn.Module):
         return f"{tuple(self.weight.shape)}"
 
 
+def _parameter_printed_on_rank_0(rank, world):
+    engine = _engine(collective_timeout=30)
+    _one_step(engine, rank, world)
+    printed = f"{engine.module.blocks[1].fc.weight}" if rank == 0 else ""
+    _one_step(engine, rank, world, step=1)  # the ranks' next gathers agree: no error
+    with engine.gathered_parameters():
+        whole = repr(engine.module.blocks[1].fc.weight)
+    engine.close()
+    return printed, whole
+
+
+def test_printing_a_parameter_on_one_rank_is_local():
+    """As a DTensor's repr: a debug print on rank 0 alone is no collective; it says where
+    the values are. Whole (inside gathered_parameters()), it prints them."""
+    (printed, whole), _ = run_world(_parameter_printed_on_rank_0, 2)
+    shape = tuple(make_model().blocks[1].fc.weight.shape)
+    assert printed.startswith(f"Parameter(shape={shape}, dtype=torch.float32")
+    assert "an op or .data on every rank gathers them" in printed
+    assert whole.startswith("Parameter containing:\ntensor([[") and "nan" not in whole
+
+
 def _printed_on_rank_0(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), _Norm(8), nn.Linear(8, 1))

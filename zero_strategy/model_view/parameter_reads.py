@@ -125,6 +125,22 @@ class _ValuesOnUse(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __repr__(self, *, tensor_contents=None) -> str:
+        """Local, as a DTensor's repr is: a print on rank 0 alone (a debug line) must not
+        be a collective. A freed unit's parameter says where its values are."""
+        if _freed_unit(self) is None:
+            _gather_for_use(self)  # plain again (its unit is whole, or gone)
+            return nn.Parameter.__repr__(self)
+        return (
+            f"Parameter(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            "values in ZeRO stage-3 shards: an op or .data on every rank gathers them)"
+        )
+
+    def __format__(self, format_spec: str) -> str:
+        if _freed_unit(self) is None:
+            return nn.Parameter.__format__(self, format_spec)
+        return object.__format__(self, format_spec)  # the repr above
+
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         """A plain parameter holding the values (gathered), as DDP's deep copy holds."""
         if id(self) not in memo:
@@ -150,6 +166,13 @@ _MARKED: dict[int, _Mark] = {}  # id(parameter) -> its mark, while marked
 def _address(param: torch.Tensor) -> int:
     with torch._C.DisableTorchFunctionSubclass():
         return param.data_ptr()
+
+
+def _freed_unit(param: nn.Parameter) -> FlatUnit | None:
+    """The freed unit of a marked parameter, if it has one now."""
+    mark = _MARKED.get(id(param))
+    unit = mark.unit() if mark is not None and mark.param() is param else None
+    return unit if unit is not None and not unit.gathered else None
 
 
 def _gather_for_use(param: nn.Parameter) -> None:
