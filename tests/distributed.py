@@ -21,7 +21,32 @@ import torch
 import torch.distributed as dist
 
 
-def _worker(fn, rank, world_size, init_file, conn, args, kwargs):
+class _NeverStarted(TimeoutError):
+    """Ranks hung before the first line of the function under test: the harness's start,
+    not the code the test is about."""
+
+
+def _note_first_line(code, started) -> None:
+    """Set `started` when the frame of `code` runs its first line (tracing stops there);
+    at once for a callable without code of its own."""
+    if code is None:
+        started.value = 1
+        return
+
+    def first_line(frame, event, arg):
+        if event == "line":
+            started.value = 1
+            sys.settrace(None)
+            return None
+        return first_line
+
+    def on_call(frame, event, arg):
+        return first_line if frame.f_code is code else None
+
+    sys.settrace(on_call)
+
+
+def _worker(fn, rank, world_size, init_file, conn, args, kwargs, started):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -35,6 +60,7 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs):
             world_size=world_size,
             timeout=timedelta(seconds=120),
         )
+        _note_first_line(getattr(fn, "__code__", None), started)
         result = fn(rank, world_size, *args, **kwargs)
         buffer = io.BytesIO()
         torch.save(result, buffer)  # tensors by value: the process exits before the parent reads
@@ -61,14 +87,40 @@ def run_world(
     """Each rank runs fn(rank, world_size, *args); returns the results in rank order.
 
     With expect_errors, returns each rank's (status, payload) instead of raising; status is
-    "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort)."""
+    "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort).
+
+    A world whose hung ranks never reached the function's first line is started once
+    more, with a note on stderr: twice in CI a forked rank stood still as its function's
+    frame began (no Python frame above `_worker`, a thread holding the GIL with none), a
+    hazard of forking a process that has run torch, which a user's launcher never does
+    (torchrun and Lightning start fresh interpreters). A hang inside the function fails."""
+    try:
+        results = _run_once(fn, world_size, args, kwargs, timeout)
+    except _NeverStarted as e:
+        print(f"run_world: {e}; starting the world once more", file=sys.__stderr__)
+        results = _run_once(fn, world_size, args, kwargs, timeout)
+    if expect_errors:
+        return [results[r] for r in range(world_size)]
+    errors = [
+        f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"
+    ]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float
+) -> dict[int, tuple[str, Any]]:
     ctx = mp.get_context("fork")
+    started = [ctx.Value("b", 0, lock=False) for _ in range(world_size)]
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (parent reads, rank writes)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
-                target=_worker, args=(fn, r, world_size, init_file, pipes[r][1], args, kwargs)
+                target=_worker,
+                args=(fn, r, world_size, init_file, pipes[r][1], args, kwargs, started[r]),
             )
             for r in range(world_size)
         ]
@@ -105,7 +157,10 @@ def run_world(
                         if procs[r].is_alive():
                             os.kill(procs[r].pid, signal.SIGUSR1)
                     time.sleep(1)
-                    raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (hang)")
+                    message = f"ranks {hung} did not finish within {timeout}s (hang)"
+                    if not any(started[r].value for r in hung):
+                        raise _NeverStarted(f"{message}, before the function's first line")
+                    raise TimeoutError(message)
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -113,14 +168,7 @@ def run_world(
                     p.kill()
             for reader, _ in pipes:
                 reader.close()
-    if expect_errors:
-        return [results[r] for r in range(world_size)]
-    errors = [
-        f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"
-    ]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]
+    return results
 
 
 def free_port() -> int:
