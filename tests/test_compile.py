@@ -53,6 +53,16 @@ def _steps(model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY) -> li
     return losses
 
 
+def _engine_step(run, engine, step, rank, world) -> float:
+    """One training step of the plain engine loop through `run` (the engine, or the
+    module compiled after the hand-over); its loss."""
+    loss = run(*local_batch(step, 0, rank, world))
+    engine.backward(loss)
+    engine.step()
+    engine.zero_grad()
+    return loss.item()
+
+
 def _train(rank, world, stage, mode, compute_dtype="fp32", backend="inductor"):
     _fresh_dynamo()
     model = _compiled_before(make_model(), mode, backend=backend)
@@ -65,14 +75,9 @@ def _train(rank, world, stage, mode, compute_dtype="fp32", backend="inductor"):
         for step in range(STEPS):
             if step == 2:  # compiled by now: any later recompile raises
                 torch._dynamo.config.error_on_recompile = True
-            x, y = local_batch(step, 0, rank, world)
-            loss = run(x, y)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+            losses.append(_engine_step(run, engine, step, rank, world))
             with torch.no_grad():
-                evaluated.append(run(x, y).item())
+                evaluated.append(run(*local_batch(step, 0, rank, world)).item())
     finally:
         torch._dynamo.config.error_on_recompile = False
         engine.close()
@@ -127,12 +132,7 @@ def _reads_between_compiled_steps(rank, world, mode):
             shapes.add(tuple(weight.shape))
             read.append(weight.sum().item())
             read.append(sum(p.double().sum().item() for p in engine.module.parameters()))
-            x, y = local_batch(step, 0, rank, world)
-            loss = run(x, y)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+            losses.append(_engine_step(run, engine, step, rank, world))
     finally:
         torch._dynamo.config.error_on_recompile = False
         engine.close()
