@@ -134,8 +134,7 @@ def write_back_part(unit: FlatUnit, lo: int, values: torch.Tensor) -> None:
                 master.copy_(values)
             else:  # (the master may be in host memory: the comparison is made there)
                 here = values.to(master.device)
-                changed = here != master.to(values.dtype)
-                master[changed] = here[changed].to(master.dtype)
+                _put(master, here != master.to(values.dtype), here)
         if _shard_apart(unit):
             unit.shard[local].copy_(values)
 

@@ -168,21 +168,26 @@ def _address(param: torch.Tensor) -> int:
         return param.data_ptr()
 
 
+def _own_mark(param: nn.Parameter) -> _Mark | None:
+    """`param`'s mark (none for a copy made while marked, whose id may be another's)."""
+    mark = _MARKED.get(id(param))
+    return mark if mark is not None and mark.param() is param else None
+
+
 def _freed_unit(param: nn.Parameter) -> FlatUnit | None:
     """The freed unit of a marked parameter, if it has one now."""
-    mark = _MARKED.get(id(param))
-    unit = mark.unit() if mark is not None and mark.param() is param else None
+    mark = _own_mark(param)
+    unit = mark.unit() if mark is not None else None
     return unit if unit is not None and not unit.gathered else None
 
 
 def _gather_for_use(param: nn.Parameter) -> None:
-    mark = _MARKED.get(id(param))
-    reads = mark.reads() if mark is not None and mark.param() is param else None
-    unit = mark.unit() if mark is not None else None
+    mark = _own_mark(param)
+    reads, unit = (mark.reads(), mark.unit()) if mark is not None else (None, None)
     # Plain again, as it is: a copy made while marked, a parameter whose engine is gone,
     # one whose `.data` was replaced (it holds values of its own).
     if reads is None or unit is None or _address(param) != mark.placeholder:
-        if mark is not None and mark.param() is param:
+        if mark is not None:
             del _MARKED[id(param)]
         param.__class__ = nn.Parameter
         return

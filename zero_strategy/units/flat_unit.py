@@ -104,9 +104,7 @@ class FlatUnit:
         # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
         nan = torch.full((), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
-        # Stage 3: told each time the parameters show the placeholders again (the engine
-        # marks them, to gather at their next read of values).
-        self.on_freed: Callable[[FlatUnit], None] | None = None
+        self.on_freed: Callable[[FlatUnit], None] | None = None  # told at each stage-3 free
         self._buf: torch.Tensor | None = None  # stage 3 gather buffer
         # Stage 3 with a two-hop exchange: this rank's column of the across-node hop, kept
         # from a training forward to the unit's backward (`start_gather`).
