@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import gc
 import io
 import multiprocessing as mp
 import os
@@ -90,10 +89,11 @@ def run_world(
     "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort).
 
     A world whose hung ranks never reached the function's first line is started once
-    more, with a note on stderr: twice in CI a forked rank stood still as its function's
-    frame began (no Python frame above `_worker`, a thread holding the GIL with none), a
-    hazard of forking a process that has run torch, which a user's launcher never does
-    (torchrun and Lightning start fresh interpreters). A hang inside the function fails."""
+    more, with a note on stderr: once in CI and once here a forked rank stood still as its
+    function's frame began (no Python frame above `_worker`, a thread holding the GIL
+    with none), a hazard of forking a process that has run torch, which a user's launcher
+    never does (torchrun and Lightning start fresh interpreters). A hang inside the
+    function fails."""
     try:
         results = _run_once(fn, world_size, args, kwargs, timeout)
     except _NeverStarted as e:
@@ -124,16 +124,8 @@ def _run_once(
             )
             for r in range(world_size)
         ]
-        # Forked while every object is frozen, a rank never collects what it inherited: a
-        # collection there that finalizes an object whose threads did not survive the fork
-        # can block forever (CI once saw rank 1 hang as fn's frame began, no Python frame
-        # above it). The forking process thaws at once and collects its own as before.
-        gc.freeze()
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            gc.unfreeze()
+        for p in procs:
+            p.start()
         for _, writer in pipes:
             writer.close()
         results: dict[int, tuple[str, Any]] = {}
