@@ -6,7 +6,9 @@ import faulthandler
 import io
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,22 +21,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-class _NeverStarted(TimeoutError):
-    """Ranks hung before the first line of the function under test: the harness's start,
-    not the code the test is about."""
+# Where a rank stands, for the parent to read when it hangs.
+_BEFORE, _IN_FUNCTION, _RETURNED = 0, 1, 2
 
 
-def _note_first_line(code, started) -> None:
-    """Set `started` when the frame of `code` runs its first line (tracing stops there);
-    at once for a callable without code of its own."""
+class _HarnessHang(TimeoutError):
+    """Ranks hung outside the function under test (before its first line, or after it
+    returned, sending the result): the harness's fork, not the code the test is about."""
+
+
+def _note_first_line(code, phase) -> None:
+    """Set `phase` to _IN_FUNCTION when the frame of `code` runs its first line (tracing
+    stops there); at once for a callable without code of its own."""
     if code is None:
-        started.value = 1
+        phase.value = _IN_FUNCTION
         return
 
     def first_line(frame, event, arg):
         if event == "line":
-            started.value = 1
+            phase.value = _IN_FUNCTION
             sys.settrace(None)
             return None
         return first_line
@@ -45,7 +50,7 @@ def _note_first_line(code, started) -> None:
     sys.settrace(on_call)
 
 
-def _worker(fn, rank, world_size, init_file, conn, args, kwargs, started):
+def _worker(fn, rank, world_size, init_file, conn, args, kwargs, phase):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -59,8 +64,9 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs, started):
             world_size=world_size,
             timeout=timedelta(seconds=120),
         )
-        _note_first_line(getattr(fn, "__code__", None), started)
+        _note_first_line(getattr(fn, "__code__", None), phase)
         result = fn(rank, world_size, *args, **kwargs)
+        phase.value = _RETURNED
         buffer = io.BytesIO()
         torch.save(result, buffer)  # tensors by value: the process exits before the parent reads
         # Sent from this thread, now: a multiprocessing.Queue sends from a feeder thread
@@ -88,15 +94,17 @@ def run_world(
     With expect_errors, returns each rank's (status, payload) instead of raising; status is
     "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort).
 
-    A world whose hung ranks never reached the function's first line is started once
-    more, with a note on stderr: once in CI and once here a forked rank stood still as its
-    function's frame began (no Python frame above `_worker`, a thread holding the GIL
-    with none), a hazard of forking a process that has run torch, which a user's launcher
-    never does (torchrun and Lightning start fresh interpreters). A hang inside the
-    function fails."""
+    A world whose hung ranks all stood outside the function (before its first line, or
+    after it returned, sending the result) is started once more, with a note on stderr:
+    twice in CI and once here a forked rank stood still there, its main thread waiting at
+    a call with no Python frame above `_worker` and one other thread with a Python state
+    and none (a C++ thread of the rank's own), a hazard of forking a process that has run
+    torch, which a user's launcher never does (torchrun and Lightning start fresh
+    interpreters). A hang inside the function fails. Either way the hung ranks' Python
+    stacks and, where gdb is installed, their native stacks go to stderr."""
     try:
         results = _run_once(fn, world_size, args, kwargs, timeout)
-    except _NeverStarted as e:
+    except _HarnessHang as e:
         print(f"run_world: {e}; starting the world once more", file=sys.__stderr__)
         results = _run_once(fn, world_size, args, kwargs, timeout)
     if expect_errors:
@@ -113,14 +121,14 @@ def _run_once(
     fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float
 ) -> dict[int, tuple[str, Any]]:
     ctx = mp.get_context("fork")
-    started = [ctx.Value("b", 0, lock=False) for _ in range(world_size)]
+    phases = [ctx.Value("b", _BEFORE, lock=False) for _ in range(world_size)]
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (parent reads, rank writes)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_file, pipes[r][1], args, kwargs, started[r]),
+                args=(fn, r, world_size, init_file, pipes[r][1], args, kwargs, phases[r]),
             )
             for r in range(world_size)
         ]
@@ -145,13 +153,11 @@ def _run_once(
                         results[r] = ("died", f"exit code {p.exitcode}")
                 if time.monotonic() > deadline and len(results) < world_size:
                     hung = [r for r in range(world_size) if r not in results]
-                    for r in hung:  # their stacks to stderr, where the failure shows them
-                        if procs[r].is_alive():
-                            os.kill(procs[r].pid, signal.SIGUSR1)
-                    time.sleep(1)
+                    _dump_stacks([procs[r] for r in hung])
                     message = f"ranks {hung} did not finish within {timeout}s (hang)"
-                    if not any(started[r].value for r in hung):
-                        raise _NeverStarted(f"{message}, before the function's first line")
+                    if all(phases[r].value != _IN_FUNCTION for r in hung):
+                        where = {r: _PHASE_NAMES[phases[r].value] for r in hung}
+                        raise _HarnessHang(f"{message}, outside the function: {where}")
                     raise TimeoutError(message)
         finally:
             for p in procs:
@@ -161,6 +167,31 @@ def _run_once(
             for reader, _ in pipes:
                 reader.close()
     return results
+
+
+_PHASE_NAMES = {_BEFORE: "before its first line", _RETURNED: "after it returned"}
+
+
+def _dump_stacks(procs: list) -> None:
+    """A hung rank's Python stacks (faulthandler, on SIGUSR1) and native stacks (gdb, where
+    installed) to stderr, where the failure shows them: the native stack names the thread
+    that a Python stack can only show as "<no Python frame>"."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1)
+    gdb = shutil.which("gdb")
+    for p in alive if gdb else ():
+        try:
+            out = subprocess.run(
+                [gdb, "-p", str(p.pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            out = f"gdb failed: {e}"
+        print(f"native stacks of pid {p.pid}:\n{out}", file=sys.stderr)
 
 
 def free_port() -> int:
@@ -182,8 +213,6 @@ def run_processes(
     would kill the survivors of a failed rank): each rank's (exit code, output, seconds
     it ran); the exit code is None for a rank still running at `timeout`, or `grace`
     seconds after another rank ended (then killed: a stopped rank never ends)."""
-    import subprocess
-
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     base.update(env or {}, WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]  # noqa: SIM115
