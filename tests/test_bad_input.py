@@ -116,18 +116,6 @@ def test_optimizer_over_another_models_params_is_refused():
         ZeroEngine(model, make_optimizer(make_model()))
 
 
-def test_one_parameter_in_two_optimizers_is_refused_naming_both():
-    """(torch itself refuses one parameter in two groups of one optimizer.)"""
-    model = nn.Linear(4, 2)
-    gen = torch.optim.SGD(model.parameters(), lr=0.1)
-    dis = torch.optim.Adam(model.parameters(), lr=0.1)
-    with pytest.raises(
-        ValueError,
-        match=r"optimizer 0 \(SGD\) param group 0 and in optimizer 1 \(Adam\) param group 0.*own",
-    ):
-        ZeroEngine(model, [gen, dis])
-
-
 def test_a_position_keyed_optimizer_state_with_other_groups_is_refused_naming_the_fix(tmp_path):
     model = nn.Linear(4, 2)
     written_with = torch.optim.SGD(

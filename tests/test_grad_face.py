@@ -130,12 +130,25 @@ def _clipped_by_hand(rank, world, stage, how, steps=4, **config):
             torch.nn.utils.clip_grad_value_(params, 1e-3)
         elif how == "index":  # a write through a view: the first embedding row frozen
             engine.module.wte.weight.grad[0] = 0.0
+        elif how == "sync":
+            _sync_by_hand(engine.module.parameters())
         engine.step()
         engine.zero_grad()
     state = engine.full_state_dict(rank0_only=False)
     read_bytes = engine.grad_reads.largest_read_bytes
     engine.close()
     return state, read_bytes
+
+
+def _sync_by_hand(params) -> None:
+    """Gradients synchronised again by hand, as some DDP code does (Lightning's manual
+    optimization tests): summed over the ranks (twice the gradient, which DDP already
+    averaged), a maximum and a broadcast of values every rank holds (no change)."""
+    params = list(params)
+    for p in params:
+        dist.all_reduce(p.grad.data)
+    dist.all_reduce(params[0].grad, op=dist.ReduceOp.MAX, async_op=True).wait()
+    dist.broadcast(params[1].grad, src=1)
 
 
 def _ddp_clipped(rank, world, how, steps=4):
@@ -150,6 +163,8 @@ def _ddp_clipped(rank, world, how, steps=4):
             torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
         elif how == "index":
             model.module.wte.weight.grad[0] = 0.0
+        elif how == "sync":
+            _sync_by_hand(model.parameters())
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -157,14 +172,15 @@ def _ddp_clipped(rank, world, how, steps=4):
 
 @pytest.fixture(scope="module")
 def ddp_weights():
-    return {how: run_world(_ddp_clipped, 2, how)[0] for how in ("norm", "value", "index", None)}
+    hows = ("norm", "value", "index", "sync", None)
+    return {how: run_world(_ddp_clipped, 2, how)[0] for how in hows}
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
-@pytest.mark.parametrize("how", ["norm", "norm_foreach", "value", "index"])
+@pytest.mark.parametrize("how", ["norm", "norm_foreach", "value", "index", "sync"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_clipping_by_hand_gives_ddps_weights(stage, how, ddp_weights):
     ddp = ddp_weights["norm" if how == "norm_foreach" else how]
@@ -434,3 +450,22 @@ def test_norms_read_after_a_change_see_it(stage):
         assert engine_clip == pytest.approx(before / 2, rel=1e-5)
         assert hand_clip == pytest.approx(before / 4, rel=1e-5)
         assert first == 0.0
+
+
+def _bitwise_all_reduce(rank, world):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    try:
+        dist.all_reduce(engine.module.wte.weight.grad, op=dist.ReduceOp.BAND)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_an_all_reduce_of_a_sharded_gradient_with_a_bitwise_op_is_refused_naming_the_ops():
+    for message in run_world(_bitwise_all_reduce, 2):
+        assert message and "SUM, AVG, MIN, MAX or PRODUCT" in message and "clone()" in message

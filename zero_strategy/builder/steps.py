@@ -33,12 +33,14 @@ from ..comm.topology import ProcessGroups
 from ..config import ZeroConfig
 from ..layout.partition import (
     FROZEN_GROUP,
+    Segment,
     UnitLayout,
     bucket_layouts,
     frozen_leftover_modules,
     module_layouts,
     select_unit_modules,
     unique_parameters,
+    with_later_groups,
 )
 from ..layout.shard_spec import (
     PlacementFn,
@@ -251,21 +253,30 @@ def place_experts(
     placement: PlacementFn | None,
     groups: ProcessGroups,
     stage: int,
-) -> tuple[ExpertPlan, dict[int, int]]:
+) -> tuple[ExpertPlan, dict[int, int], dict[int, tuple[int, ...]]]:
     """Which modules are sharded over which groups, checked alike on every rank; the MoE
-    layers bound to their expert-parallel groups. Returns the plan and each trainable
-    parameter's optimizer group."""
+    layers bound to their expert-parallel groups. Returns the plan, each trainable
+    parameter's (first) optimizer group, and the later optimizers' groups of a parameter
+    that several optimizers step."""
     params = prepared.params
-    group_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
+    group_of, later_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
     for p in params:
         if not p.param.requires_grad or prepared.evaluation_only:
             group_of.pop(id(p.param), None)
+            later_of.pop(id(p.param), None)
+    if later_of and prepared.config.ema_decay:
+        raise ValueError(
+            "ZeroConfig(ema_decay=...) updates the EMA after each optimizer's step, and "
+            f"{len(later_of)} parameter(s) are stepped by two optimizers here. Give each "
+            "optimizer its own parameters, or leave ema_decay unset and call "
+            "engine.update_ema(decay) once per training step."
+        )
     layers = expert_layers(model)
     placed = placed_modules(model, placement, groups.world_size)
     placed.update(expert_placements(layers, groups.world_size))
     # Cross-rank agreement first: a rank that raised alone would leave the others
     # waiting in the next collective until the timeout.
-    _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared)
+    _check_same_model_on_all_ranks(params, group_of, later_of, placed, groups, prepared)
     _warn_unoptimized(params, group_of)
     if not prepared.evaluation_only:
         _check_sizes(params, group_of)
@@ -275,7 +286,7 @@ def place_experts(
             layer.bind(groups.communicator(partition))
     if stage == 3 or any(layer.ep_size > 1 for layer in layers.values()):
         keep_generation_in_step(model)  # every forward is a collective
-    return ExpertPlan(layers, placed, ExpertNames(layers)), group_of
+    return ExpertPlan(layers, placed, ExpertNames(layers)), group_of, later_of
 
 
 def _warn_unoptimized(params, group_of) -> None:
@@ -300,7 +311,7 @@ def _check_sizes(params, group_of) -> None:
     # alone steps nothing (its optimizer holds empty views) and trains as DDP does.
 
 
-def _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared) -> None:
+def _check_same_model_on_all_ranks(params, group_of, later_of, placed, groups, prepared) -> None:
     """A different model (or placement) on some rank would pair mismatched collectives,
     or create mismatched groups: refuse early."""
     world = groups.world.comm
@@ -308,7 +319,7 @@ def _check_same_model_on_all_ranks(params, group_of, placed, groups, prepared) -
         return
     desc = (
         "|".join(
-            f"{p.names[0]}:{tuple(p.local.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}:{p.tensor}"
+            f"{p.names[0]}:{tuple(p.local.shape)}:{p.param.dtype}:{group_of.get(id(p.param), FROZEN_GROUP)}:{later_of.get(id(p.param), ())}:{p.tensor}"
             for p in params
         )
         + "|"
@@ -334,10 +345,19 @@ def layouts(
     world_size: int,
     params,
     group_of: dict[int, int],
+    later_of: dict[int, tuple[int, ...]],
     placed: dict[str, ShardSpec],
 ) -> list[UnitLayout]:
     """Units and their specs: stage 3 makes every placed module a unit of its own;
-    stages 1-2 never put parameters of two specs in one bucket."""
+    stages 1-2 never put parameters of two specs in one bucket. A parameter several
+    optimizers step sits at its first group's place, its slot naming the later ones."""
+    lays = _unit_layouts(model, cfg, stage, world_size, params, group_of, placed)
+    later = {p.names[0]: later_of[id(p.param)] for p in params if id(p.param) in later_of}
+    with_later_groups(lays, later)
+    return lays
+
+
+def _unit_layouts(model, cfg, stage, world_size, params, group_of, placed) -> list[UnitLayout]:
     world = ShardSpec.world(world_size)
     if cfg.stage == 3 and stage != 3:  # one process: check the names all the same
         select_unit_modules(model, cfg.unit_module_classes)
@@ -432,32 +452,40 @@ def shard_optimizers(
     optimizer_set: OptimizerSet, units: list[FlatUnit], cfg: ZeroConfig, in_unit_order: bool
 ) -> list[OptimizerView]:
     """Point the optimizers at 1-D views of the fp32 masters, one per (unit, group)
-    segment, and remember which gradient slice belongs to each."""
-    by_group: dict[int, list[tuple[FlatUnit, int, int]]] = {}
+    segment, and remember which gradient slice belongs to each. A parameter that later
+    optimizers step too gets a view per later group over the same elements."""
+    by_group: dict[int, list[tuple[FlatUnit, int, int, Segment]]] = {}
     # State streamed from disk is stepped a tile at a time: no view may be larger.
     most = cfg.offload_tile_size if cfg.offload_optimizer == "disk" else 0
+
+    def add(gi: int, unit: FlatUnit, lo: int, hi: int, seg: Segment) -> None:
+        cuts = range(lo, hi, most) if most and hi > lo else [lo]
+        by_group.setdefault(gi, []).extend(
+            (unit, a, min(hi, a + most) if most else hi, seg) for a in cuts
+        )
+
     for unit in units:
-        for seg in unit.layout.segments(unit.opt_start, unit.opt_end):
-            lo, hi = seg.start - unit.opt_start, seg.end - unit.opt_start
-            cuts = range(lo, hi, most) if most and hi > lo else [lo]
-            by_group.setdefault(seg.group_index, []).extend(
-                (unit, a, min(hi, a + most) if most else hi) for a in cuts
-            )
+        segments = unit.layout.segments(unit.opt_start, unit.opt_end)
+        for seg in segments:
+            add(seg.group_index, unit, seg.start - unit.opt_start, seg.end - unit.opt_start, seg)
+        for seg in segments:  # after every first group's: a view per later group
+            for gi in seg.later_groups:
+                add(gi, unit, seg.start - unit.opt_start, seg.end - unit.opt_start, seg)
     # Every group has a view on every rank (an empty one where none of its elements
     # is this rank's), so that a group's requires_grad (Lightning's toggle_optimizer)
     # reads the same everywhere.
     for gi, group in enumerate(optimizer_set.param_groups):
         if gi not in by_group and group["params"]:
-            holders = (u for u in units for s in u.layout.slots if s.group_index == gi)
+            holders = (u for u in units for s in u.layout.slots if gi in s.groups)
             first = next(holders, None)
             if first is not None:  # (none: an evaluation-only engine's stand-in)
-                by_group[gi] = [(first, 0, 0)]
+                by_group[gi] = [(first, 0, 0, Segment(gi, 0, 0))]
     for k, opt in enumerate(optimizer_set.optimizers):
         offset = optimizer_set.group_offsets[k]
         repoint_optimizer(
             opt,
             {
-                gi - offset: [u.master[lo:hi] for u, lo, hi in by_group[gi]]
+                gi - offset: [u.master[lo:hi] for u, lo, hi, _ in by_group[gi]]
                 for gi in optimizer_set.groups_of(k)
                 if gi in by_group
             },
@@ -471,9 +499,11 @@ def shard_optimizers(
             opt_param,
             gi,
             unit.grad_opt_untouched[lo:hi] if unit.grad_opt_untouched is not None else None,
+            later_groups=seg.later_groups if gi == seg.group_index else (),
+            alias_of=None if gi == seg.group_index else seg.group_index,
         )
         for gi, segs in by_group.items()
-        for (unit, lo, hi), opt_param in zip(segs, all_groups[gi]["params"])
+        for (unit, lo, hi, seg), opt_param in zip(segs, all_groups[gi]["params"])
     ]
     # Stepped unit by unit, each shard (parameters, masters, gradients) read once.
     if in_unit_order:

@@ -36,6 +36,7 @@ from ..optim.ema import EMA_KEY
 from ..private_api import fake_tensor_mode
 from .one_file import ENGINE_KEY
 from .read import CheckpointReader
+from .state_keys import keys_of_group
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {
@@ -104,17 +105,18 @@ def plan(
 
 def plan_optimizer(reader: CheckpointReader) -> list[Entry]:
     """Every parameter's elementwise optimizer state (masters' dtype), group by group in
-    the optimizer's order."""
+    the optimizer's order (a parameter that two optimizers step: each one's state)."""
     params = reader.index["params"]
+    keys = reader.index["optimizer"]["elementwise_state"]
     out: list[Entry] = []
-    for names in _group_names(reader.index):
+    for g, names in enumerate(_group_names(reader.index)):
         for name in names:
             meta = params[name]
             dtype = _master_dtype(meta)
-            for key in reader.index["optimizer"]["elementwise_state"]:
-                if key != EMA_KEY and reader.holds(name, f"{key}/"):
+            for stored, key in keys_of_group(keys, g, meta["group"]):
+                if key != EMA_KEY and reader.holds(name, f"{stored}/"):
                     shape = tuple(meta["shape"])
-                    out.append(Entry(f"{key}/{name}", name, shape, dtype, f"{key}/", key))
+                    out.append(Entry(f"{stored}/{name}", name, shape, dtype, f"{stored}/", stored))
     return out
 
 
@@ -132,8 +134,9 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
     """torch's `optimizer.state_dict()` of each of the checkpoint's optimizers, keyed by
     parameter name as FSDP's full optimizer state is (`param_groups[i]["params"]` lists
     the names in the optimizer's order, so a plain optimizer loads it by position too).
-    `elementwise[name]` is a parameter's state tensors by key; the scalar state (Adam's
-    step) is its group's."""
+    `elementwise[name]` is a parameter's state tensors by stored key (a later
+    optimizer's of a parameter that an earlier one steps too, marked); the scalar state
+    (Adam's step) is its group's."""
     opt = index["optimizer"]
     names = _group_names(index)
     counts = opt.get("groups_per_optimizer") or [len(opt["param_groups"])]
@@ -146,14 +149,19 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
             hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
             groups.append({**hyper, "params": list(names[g])})
             for name in names[g]:
-                if name in elementwise:  # a tensor of its own each: Adam steps it in place
+                first = index["params"][name]["group"]
+                own = {
+                    key: elementwise[name][stored]
+                    for stored, key in keys_of_group(list(elementwise.get(name, ())), g, first)
+                }
+                if own:  # a tensor of its own each: Adam steps it in place
                     scalars = {
                         key: torch.tensor(spec["value"], dtype=getattr(torch, spec["dtype"]))
                         if spec["dtype"]
                         else spec["value"]
                         for key, spec in opt["scalar_state"][g].items()
                     }
-                    state[name] = {**elementwise[name], **scalars}
+                    state[name] = {**own, **scalars}
         out.append({"state": state, "param_groups": groups})
         first += count
     return out

@@ -5,7 +5,9 @@ A checkpoint is a directory:
     index.json                  layout, world size, stage, step, optimizer hyperparameters,
                                 and for every parameter which rank file holds which range
     rank00000.safetensors ...   what each rank owned: fp32 master ranges and the matching
-                                elementwise optimizer state ("<state>/<name>"), no pickle
+                                elementwise optimizer state ("<state>/<name>"; a later
+                                optimizer's over a parameter an earlier one steps too:
+                                "<state>@group<g>/<name>"), no pickle
     client_state.pt             optional, rank 0: trainer state, torch.load(weights_only=True)
 
 Every range is in the coordinates of the flattened parameter, so the reader needs nothing
@@ -123,12 +125,17 @@ def owned_pieces(state: ShardedState) -> Iterator[tuple[FlatUnit, ParamSlot, int
 
 
 def views_covering(
-    views: list[OptimizerView], unit: FlatUnit, lo: int, hi: int
+    views: list[OptimizerView], unit: FlatUnit, lo: int, hi: int, group: int
 ) -> list[OptimizerView]:
-    """The optimizer views holding [lo, hi) of `unit`'s slice (slice coordinates), in
-    order: one, or several where the views were cut into tiles (offloaded state)."""
+    """Param group `group`'s optimizer views holding [lo, hi) of `unit`'s slice (slice
+    coordinates), in order: one, or several where the views were cut into tiles
+    (offloaded state)."""
     found = sorted(
-        (v for v in views if v.unit is unit and v.lo < hi and lo < v.hi and v.hi > v.lo),
+        (
+            v
+            for v in views
+            if v.unit is unit and v.group_index == group and v.lo < hi and lo < v.hi and v.hi > v.lo
+        ),
         key=lambda v: v.lo,
     )
     at = lo

@@ -24,6 +24,7 @@ from .format import (
 from .one_file import OneFileReader
 from .read import CheckpointReader, client_state_in
 from .safe_load import CheckpointError
+from .state_keys import keys_of_group
 
 Reader = CheckpointReader | OneFileReader
 
@@ -121,9 +122,9 @@ def _verify(state: ShardedState, reader: Reader, optimizer_states: bool) -> None
         reader.verify(name, lo, hi, dtype=unit.master_dtype, layout=layout)
     keys = reader.index["optimizer"]["elementwise_state"] if optimizer_states else []
     for view in state.views:
-        for key in _keys_of(state, reader, view, keys):
+        for stored_key, _ in _keys_of(state, reader, view, keys):
             for name, lo, hi, _, layout in state_ranges(state, view):
-                reader.verify(name, lo, hi, f"{key}/", view.unit.master_dtype, layout)
+                reader.verify(name, lo, hi, f"{stored_key}/", view.unit.master_dtype, layout)
     if optimizer_states:
         _check_optimizer_groups(state, reader.index["optimizer"])
     for name, buf in persistent_buffers(state.module):
@@ -185,11 +186,11 @@ def _load_optimizer_state(state: ShardedState, reader: Reader) -> None:
                 if spec["dtype"]
                 else spec["value"]
             )
-        for key in _keys_of(state, reader, view, keys):
+        for stored_key, key in _keys_of(state, reader, view, keys):
             dtype = view.unit.master_dtype
             buf = torch.empty(view.hi - view.lo, dtype=dtype, device=view.unit.host)
             for name, lo, hi, at, layout in state_ranges(state, view):
-                values = reader.read(name, lo, hi, f"{key}/", dtype=dtype, layout=layout)
+                values = reader.read(name, lo, hi, f"{stored_key}/", dtype=dtype, layout=layout)
                 buf[at : at + hi - lo].copy_(values)
             entry[key] = buf
         store.put(view, entry)
@@ -221,10 +222,13 @@ def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:
 
 def _keys_of(
     state: ShardedState, reader: Reader, view: OptimizerView, keys: list[str]
-) -> list[str]:
-    """The elementwise state keys saved for the parameters of `view` (optimizers of
-    different kinds keep different ones)."""
+) -> list[tuple[str, str]]:
+    """(stored key, state key) of the elementwise state saved for the parameters of
+    `view` (optimizers of different kinds keep different ones; a later optimizer's state
+    of a parameter that an earlier one steps too is stored under a marked key)."""
+    first = view.group_index if view.alias_of is None else view.alias_of
+    mine = keys_of_group(keys, view.group_index, first)
     names = [name for name, *_ in state_ranges(state, view)]
     if not names:  # an empty view (none of the group is this rank's): empty tensors of all
-        return keys
-    return [k for k in keys if any(reader.holds(name, f"{k}/") for name in names)]
+        return mine
+    return [(s, k) for s, k in mine if any(reader.holds(name, f"{s}/") for name in names)]

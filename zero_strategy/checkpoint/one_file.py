@@ -23,6 +23,7 @@ import torch
 from ..layout.partition import FROZEN_GROUP
 from ..tensor_parallel import TensorPlacement
 from .safe_load import CheckpointError, safe_torch_load
+from .state_keys import state_key
 
 # Where a one-file checkpoint written by this project keeps what a Lightning checkpoint
 # has no place for (read back by `OneFileReader`; Lightning ignores the key).
@@ -68,12 +69,16 @@ class OneFileReader:
             self.optimizer_error = str(e)
             self._state.clear()
             groups, scalars, names = [], [], []
-        group_of = {name: g for g, members in enumerate(names) for name in members}
+        groups_of: dict[str, list[int]] = {}  # the first optimizer's group first
+        for g, members in enumerate(names):
+            for name in members:
+                groups_of.setdefault(name, []).append(g)
         params = {
             name: {
                 "shape": list(t.shape),
                 "dtype": str(t.dtype).removeprefix("torch."),
-                "group": group_of.get(name, FROZEN_GROUP),
+                "group": groups_of.get(name, [FROZEN_GROUP])[0],
+                "later_groups": groups_of.get(name, [])[1:],
                 "aliases": [],
             }
             for name, t in self._weights.items()
@@ -101,6 +106,7 @@ class OneFileReader:
         groups: list[dict[str, Any]] = []
         scalars: list[dict[str, Any]] = []
         names: list[list[str]] = []
+        first_group: dict[str, int] = {}  # a parameter that two optimizers step: the first's
         for optimizer in states or []:
             for group in optimizer["param_groups"]:
                 members = list(group["params"])
@@ -109,10 +115,13 @@ class OneFileReader:
                 groups.append({k: v for k, v in group.items() if k != "params"})
                 names.append(named)
                 scalar: dict[str, Any] = {}
+                g = len(groups) - 1
                 for member, name in zip(members, named):
+                    first = first_group.setdefault(name, g)
                     for key, value in optimizer["state"].get(member, {}).items():
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
-                            self._state.setdefault(name, {})[key] = value
+                            stored = state_key(key, g, first)
+                            self._state.setdefault(name, {})[stored] = value
                         elif isinstance(value, torch.Tensor):
                             dtype = str(value.dtype).removeprefix("torch.")
                             scalar[key] = {"value": value.item(), "dtype": dtype}

@@ -38,16 +38,18 @@ from .save_agreement import (
     file_bytes,
     write_rank_file,
 )
+from .state_keys import state_key
 
 
 def _elementwise_state(
-    state: ShardedState, unit: FlatUnit, slot: ParamSlot, lo: int, hi: int
+    state: ShardedState, unit: FlatUnit, slot: ParamSlot, lo: int, hi: int, group: int
 ) -> dict[str, torch.Tensor]:
-    """The optimizer state covering [lo, hi) of `slot`, as 1-D tensors to be read when
-    written (from memory, or from the disk tier: one piece in memory at a time)."""
+    """Param group `group`'s optimizer state covering [lo, hi) of `slot`, as 1-D tensors
+    to be read when written (from memory, or from the disk tier: one piece in memory at
+    a time)."""
     flat_lo = slot.offset + lo - unit.opt_start
     flat_hi = slot.offset + hi - unit.opt_start
-    views = views_covering(state.views, unit, flat_lo, flat_hi)
+    views = views_covering(state.views, unit, flat_lo, flat_hi, group)
     if not views:
         return {}
     store = state.optimizer_state
@@ -204,9 +206,11 @@ def _rank_tensors(
         a, b = slot.offset + lo - unit.opt_start, slot.offset + hi - unit.opt_start
         stored = state.stored(unit, slot.name, slot.shape)
         tensors[stored.name] = _master_piece(in_memory, unit, a, b)
-        for key, value in _elementwise_state(state, unit, slot, lo, hi).items():
-            tensors[f"{key}/{stored.name}"] = value
-            state_keys.add(key)
+        for group in slot.groups:  # a later optimizer's state of it too, marked
+            for key, value in _elementwise_state(state, unit, slot, lo, hi, group).items():
+                key = state_key(key, group, slot.group_index)
+                tensors[f"{key}/{stored.name}"] = value
+                state_keys.add(key)
         written[stored.name] = {
             "shape": list(stored.shape),
             # The model's dtype; fp64 when it trained in fp64 (its masters are fp64).
@@ -218,6 +222,8 @@ def _rank_tensors(
             "start": stored.offset + lo,
             "end": stored.offset + hi,
         }
+        if slot.later_groups:
+            written[stored.name]["later_groups"] = list(slot.later_groups)
         if slot.tensor_sharded:  # stored block after block: each position's, flattened
             written[stored.name]["tensor_parallel"] = {
                 "placements": list(slot.tensor.placements),
@@ -266,7 +272,7 @@ def _index(
     params: dict[str, Any] = {}
     for r, report in enumerate(reports):
         for name, piece in report["wrote"].items():
-            kept = ("shape", "dtype", "aliases", "group", "tensor_parallel")
+            kept = ("shape", "dtype", "aliases", "group", "later_groups", "tensor_parallel")
             entry = params.setdefault(
                 name, {k: piece[k] for k in kept if k in piece} | {"pieces": []}
             )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ class ParamSlot:
     # Tensor parallelism: where this rank's values sit in the full parameter (None: the
     # parameter is whole on every tensor-parallel rank, or there is no tensor parallelism).
     tensor: TensorPlacement | None = None
+    # Groups of later optimizers that hold the parameter too (one parameter stepped by two
+    # optimizers, as alternating SGD and Adam): each steps the same elements with a
+    # state of its own.
+    later_groups: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -57,6 +61,11 @@ class ParamSlot:
     @property
     def trainable(self) -> bool:
         return self.group_index != FROZEN_GROUP
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Every param group holding the parameter, its layout's group first."""
+        return (self.group_index, *self.later_groups) if self.trainable else ()
 
 
 @dataclass(frozen=True)
@@ -76,10 +85,17 @@ class Segment:
     group_index: int
     start: int  # offset in the unit's flat (unsharded) buffer
     end: int
+    later_groups: tuple[int, ...] = ()  # later optimizers' groups over the same elements
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    def in_groups(self, groups: set[int] | None) -> bool:
+        """Whether any of `groups` (every group when None) holds these elements."""
+        return (
+            groups is None or self.group_index in groups or not groups.isdisjoint(self.later_groups)
+        )
 
 
 @dataclass
@@ -115,8 +131,10 @@ class UnitLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def segments(self, start: int, end: int) -> list[Segment]:
-        """Contiguous per-group pieces of [start, end), trainable groups only."""
+    def segments(self, start: int, end: int, groups: set[int] | None = None) -> list[Segment]:
+        """Contiguous pieces of [start, end) held by one set of param groups, trainable
+        groups only; with `groups`, those held by any of them. Each element is in one
+        piece."""
         key = start * 1_000_003 + end
         if key not in self._segments:
             pieces: list[Segment] = []
@@ -124,12 +142,19 @@ class UnitLayout:
                 lo, hi = max(start, slot.offset), min(end, slot.end)
                 if lo >= hi or not slot.trainable:
                     continue
-                if pieces and pieces[-1].group_index == slot.group_index and pieces[-1].end == lo:
-                    pieces[-1] = Segment(slot.group_index, pieces[-1].start, hi)
+                last = pieces[-1] if pieces else None
+                if (
+                    last is not None
+                    and last.end == lo
+                    and (last.group_index, last.later_groups)
+                    == (slot.group_index, slot.later_groups)
+                ):
+                    pieces[-1] = Segment(slot.group_index, last.start, hi, slot.later_groups)
                 else:
-                    pieces.append(Segment(slot.group_index, lo, hi))
+                    pieces.append(Segment(slot.group_index, lo, hi, slot.later_groups))
             self._segments[key] = pieces
-        return self._segments[key]
+        found = self._segments[key]
+        return found if groups is None else [seg for seg in found if seg.in_groups(groups)]
 
 
 # ---------------------------------------------------------------------------- building
@@ -174,6 +199,19 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
         )
         offset += p.local.numel()
     return slots
+
+
+def with_later_groups(layouts: Sequence[UnitLayout], later: dict[str, tuple[int, ...]]) -> None:
+    """Record on each slot the later optimizers' groups that hold its parameter too
+    (`later`: by the parameter's first name); before any segment is asked for."""
+    if not later:
+        return
+    for layout in layouts:
+        layout.slots = [
+            replace(slot, later_groups=later[slot.name]) if slot.name in later else slot
+            for slot in layout.slots
+        ]
+        layout._segments.clear()
 
 
 def _is_trainable(p: _Param, group_of: dict[int, int]) -> bool:

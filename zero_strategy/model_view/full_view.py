@@ -264,8 +264,7 @@ class FullGrads:
             self._shown[unit.layout.index][seg.start : seg.end]
             for unit in self.units
             if unit.layout.index in self._shown
-            for seg in unit.layout.segments(0, unit.layout.numel)
-            if seg.group_index in groups
+            for seg in unit.layout.segments(0, unit.layout.numel, groups)
         ]
 
     def show_local(self, local_sums: Callable[[FlatUnit], list[int]]) -> None:

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from ..layout.partition import ParamSlot
 from ..tensor_parallel import local_tensor, set_local_grad
 from ..units.flat_unit import FlatUnit
+from . import grad_collectives
 
 aten = torch.ops.aten
 
@@ -201,6 +202,16 @@ class ShardedGrad(torch.Tensor):
     def _value(self) -> torch.Tensor:
         """What DDP's `.grad` (or its view) would hold: the parameter's dtype and device."""
         return self._whole_master().to(self.device, self.dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Collectives by hand on the gradient (DDP code synchronising it itself).
+        if func is dist.all_reduce:
+            return grad_collectives.all_reduce(*args, **(kwargs or {}))
+        if func is dist.broadcast:
+            return grad_collectives.broadcast(*args, **(kwargs or {}))
+        with torch._C.DisableTorchFunctionSubclass():  # the rest: __torch_dispatch__ below
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -404,9 +415,10 @@ class GradFaces:
     def cleared(self) -> set[int]:
         """The param groups of shown gradients that user code set to None since."""
         return {
-            source.slot.group_index
+            gi
             for p, source in zip(self._params, self.reads.shown)
             if p.grad is None
+            for gi in source.slot.groups
         }
 
     def hide(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from ..comm.topology import ProcessGroups
 from ..kernels import multi_tensor_sum_squares, reference_sum_squares
+from ..layout.partition import Segment
 from ..private_api import foreach_norm
 from ..units.flat_unit import FlatUnit
 from .landed_norms import LandedNorms
@@ -72,8 +73,8 @@ class GradNorm:
         shards = [
             part
             for unit in self.units
-            for gi, part in self._norm_slices(unit)
-            if groups is None or gi in groups
+            for seg, part in self._norm_slices(unit)
+            if seg.in_groups(groups)
         ]
         # One fused pass over every shard (Triton on CUDA, torch's foreach norm elsewhere).
         if not shards:
@@ -85,13 +86,13 @@ class GradNorm:
             return reference_sum_squares(shards).reshape(1).to(self.device)
         return multi_tensor_sum_squares(shards).reshape(1).to(self.device)
 
-    def _norm_slices(self, unit: FlatUnit) -> list[tuple[int, torch.Tensor]]:
-        """(param group, slice of the fp32 gradient shard) that this rank counts in the
-        global norm, for `unit`."""
+    def _norm_slices(self, unit: FlatUnit) -> list[tuple[Segment, torch.Tensor]]:
+        """(segment, slice of the fp32 gradient shard) that this rank counts in the
+        global norm, for `unit`: each element once, whichever optimizers hold it."""
         if not (unit.group.primary and (self.stage > 0 or unit.group.rank == 0)):
             return []
         return [
-            (seg.group_index, unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start])
+            (seg, unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start])
             for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
             for lo, hi in self._counted_in_norm(unit, seg.start, seg.end)
         ]

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..layout.partition import Segment
 from ..private_api import foreach_norm
 
-Slices = Sequence[tuple[int, torch.Tensor]]  # (param group index, slice of the gradient)
+Slices = Sequence[tuple[Segment, torch.Tensor]]  # (the groups' segment, slice of the gradient)
 
 
 class LandedNorms:
@@ -25,14 +26,14 @@ class LandedNorms:
         # fp64 training sums in fp64 over every slice, as the engine's in-memory norm does;
         # otherwise in fp32 over the non-empty ones, as the reference kernel does.
         self.dtype = dtype
-        self._by_unit: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._by_unit: dict[int, list[tuple[Segment, torch.Tensor]]] = {}
 
     def note(self, unit_index: int, slices: Slices) -> None:
         """The unit's gradient as it is now (in memory): its slices' norms."""
         if self.dtype != torch.float64:
-            slices = [(gi, t.to(torch.float32)) for gi, t in slices if t.numel()]
+            slices = [(seg, t.to(torch.float32)) for seg, t in slices if t.numel()]
         norms = foreach_norm([t for _, t in slices], 2.0) if slices else []
-        self._by_unit[unit_index] = [(gi, n) for (gi, _), n in zip(slices, norms)]
+        self._by_unit[unit_index] = [(seg, n) for (seg, _), n in zip(slices, norms)]
 
     def has(self, unit_index: int) -> bool:
         return unit_index in self._by_unit
@@ -47,10 +48,7 @@ class LandedNorms:
         """Sum of squares of the noted units' gradients (of `groups`' slices, or all), in
         unit order, as a 1-element tensor."""
         norms = [
-            n
-            for index in unit_indices
-            for gi, n in self._by_unit[index]
-            if groups is None or gi in groups
+            n for index in unit_indices for seg, n in self._by_unit[index] if seg.in_groups(groups)
         ]
         if not norms:
             dtype = torch.float64 if self.dtype == torch.float64 else torch.float32

@@ -92,27 +92,34 @@ def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def group_index_of_params(
     optimizer: OptimizerSet, model_params: list[nn.Parameter]
-) -> dict[int, int]:
-    """id(param) -> index of the optimizer group holding it; errors on foreign params."""
+) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
+    """(id(param) -> index of the first optimizer group holding it, id(param) -> the
+    groups of later optimizers holding it too); errors on foreign params and on a
+    parameter in two groups of one optimizer."""
     describe = optimizer.describe_group
     in_model = {id(p) for p in model_params}
     group_of: dict[int, int] = {}
+    later_of: dict[int, tuple[int, ...]] = {}
     foreign: list[str] = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in in_model:
-                foreign.append(f"group {gi}: tensor of shape {tuple(p.shape)}")
-            elif id(p) in group_of:
-                first, again = describe(group_of[id(p)]), describe(gi)
-                raise ValueError(
-                    f"A parameter of shape {tuple(p.shape)} is in {first} and in {again}: "
-                    "ZeroEngine steps each element of its shard with one optimizer and one "
-                    "group's settings. List each parameter once (with several optimizers, "
-                    "give each its own parameters, as a GAN's generator and discriminator), "
-                    "or use strategy='ddp' to step one parameter with two optimizers."
-                )
-            else:
-                group_of[id(p)] = gi
+    for k in range(len(optimizer.optimizers)):
+        seen_here: dict[int, int] = {}
+        for gi in optimizer.groups_of(k):
+            for p in optimizer.param_groups[gi]["params"]:
+                if id(p) not in in_model:
+                    foreign.append(f"group {gi}: tensor of shape {tuple(p.shape)}")
+                elif id(p) in seen_here:
+                    first, again = describe(seen_here[id(p)]), describe(gi)
+                    raise ValueError(
+                        f"A parameter of shape {tuple(p.shape)} is in {first} and in "
+                        f"{again}: one optimizer steps each parameter with one group's "
+                        "settings (torch refuses it too). List each parameter in one group."
+                    )
+                else:
+                    seen_here[id(p)] = gi
+                    if id(p) in group_of:
+                        later_of[id(p)] = (*later_of.get(id(p), ()), gi)
+                    else:
+                        group_of[id(p)] = gi
     if foreign:
         shown = "; ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
         raise ValueError(
@@ -120,7 +127,7 @@ def group_index_of_params(
             f"given to ZeroEngine ({shown}). Build the optimizer from this model's parameters, "
             "e.g. torch.optim.AdamW(model.parameters())."
         )
-    return group_of
+    return group_of, later_of
 
 
 def repoint_optimizer(

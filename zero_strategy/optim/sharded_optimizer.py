@@ -166,10 +166,11 @@ class ShardedOptimizer:
         cleared |= self.mirror.cleared()
         if self.stage < 2:
             cleared |= {
-                s.group_index
+                gi
                 for u in self.units
                 for s, p in zip(u.layout.slots, u.params)
                 if s.trainable and p.grad is None
+                for gi in s.groups
             }
         return cleared
 
@@ -183,8 +184,8 @@ class ShardedOptimizer:
         self._groups_off = off
         for unit in self.units:
             for slot, p in zip(unit.layout.slots, unit.params):
-                if slot.trainable:
-                    p.requires_grad_(slot.group_index not in off)
+                if slot.trainable:  # on while any optimizer holding it is on
+                    p.requires_grad_(not off.issuperset(slot.groups))
 
     # ---------------------------------------------------------------- norm and clipping
     def unscale_and_measure(self, groups: set[int] | None = None) -> tuple[torch.Tensor, bool]:
@@ -478,6 +479,10 @@ class ShardedOptimizer:
         for view in self.views:
             if view.group_index in groups:
                 view.param.grad = None
+        if any(view.later_groups for view in self.views):
+            # A parameter that another optimizer steps too has no gradient for it now
+            # (its .grad is None in one process): that optimizer's step holds it back.
+            self._held_back = no_gradient_parts(self.views)
 
     # ---------------------------------------------------------------- EMA
     def update_ema(self, decay: float, first_step_taken: bool) -> None:
@@ -520,8 +525,7 @@ def _full_buffer_parts(unit: FlatUnit, groups: set[int]) -> list[torch.Tensor]:
         return []
     return [
         unit.grad_full[seg.start : seg.end]
-        for seg in unit.layout.segments(0, unit.layout.numel)
-        if seg.group_index in groups
+        for seg in unit.layout.segments(0, unit.layout.numel, groups)
     ]
 
 
@@ -530,8 +534,7 @@ def _shard_ranges(unit: FlatUnit, groups: set[int] | None) -> list[tuple[int, in
     None), relative to the shard."""
     return [
         (seg.start - unit.opt_start, seg.end - unit.opt_start)
-        for seg in unit.layout.segments(unit.opt_start, unit.opt_end)
-        if groups is None or seg.group_index in groups
+        for seg in unit.layout.segments(unit.opt_start, unit.opt_end, groups)
     ]
 
 
