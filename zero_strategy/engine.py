@@ -137,18 +137,11 @@ class ZeroEngine:
         shutdown.close_at_exit(self)  # still alive when the script ends: close() first
         homes = steps.where_things_live(cfg, self.device, self.world_size)  # 3
         self.stage, self._host = homes.stage, homes.host
-        experts, group_of, later_of = steps.place_experts(
+        experts, groups_of = steps.place_experts(
             model, prepared, placement, self.groups, self.stage
         )
         layouts = steps.layouts(  # 4
-            model,
-            cfg,
-            self.stage,
-            self.world_size,
-            prepared.params,
-            group_of,
-            later_of,
-            experts.placed,
+            model, cfg, self.stage, self.world_size, prepared.params, groups_of, experts.placed
         )
         self.units = steps.units(  # 5
             model, layouts, homes, self.groups, self.device, cfg.compute_torch_dtype

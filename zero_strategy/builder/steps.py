@@ -73,6 +73,7 @@ from ..optim import fused_step
 from ..optim.grad_norm import GradNorm
 from ..optim.optimizer_set import OptimizerSet
 from ..optim.shard_views import (
+    GroupsOfParams,
     check_host_optimizers,
     check_optimizer,
     group_index_of_params,
@@ -253,17 +254,16 @@ def place_experts(
     placement: PlacementFn | None,
     groups: ProcessGroups,
     stage: int,
-) -> tuple[ExpertPlan, dict[int, int], dict[int, tuple[int, ...]]]:
+) -> tuple[ExpertPlan, GroupsOfParams]:
     """Which modules are sharded over which groups, checked alike on every rank; the MoE
-    layers bound to their expert-parallel groups. Returns the plan, each trainable
-    parameter's (first) optimizer group, and the later optimizers' groups of a parameter
-    that several optimizers step."""
+    layers bound to their expert-parallel groups. Returns the plan and each trainable
+    parameter's optimizer groups."""
     params = prepared.params
-    group_of, later_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
+    groups_of = group_index_of_params(prepared.optimizer_set, [p.param for p in params])
+    group_of, later_of = groups_of.first, groups_of.later
     for p in params:
         if not p.param.requires_grad or prepared.evaluation_only:
-            group_of.pop(id(p.param), None)
-            later_of.pop(id(p.param), None)
+            groups_of.drop(p.param)
     if later_of and prepared.config.ema_decay:
         raise ValueError(
             "ZeroConfig(ema_decay=...) updates the EMA after each optimizer's step, and "
@@ -286,7 +286,7 @@ def place_experts(
             layer.bind(groups.communicator(partition))
     if stage == 3 or any(layer.ep_size > 1 for layer in layers.values()):
         keep_generation_in_step(model)  # every forward is a collective
-    return ExpertPlan(layers, placed, ExpertNames(layers)), group_of, later_of
+    return ExpertPlan(layers, placed, ExpertNames(layers)), groups_of
 
 
 def _warn_unoptimized(params, group_of) -> None:
@@ -344,14 +344,14 @@ def layouts(
     stage: int,
     world_size: int,
     params,
-    group_of: dict[int, int],
-    later_of: dict[int, tuple[int, ...]],
+    groups_of: GroupsOfParams,
     placed: dict[str, ShardSpec],
 ) -> list[UnitLayout]:
     """Units and their specs: stage 3 makes every placed module a unit of its own;
     stages 1-2 never put parameters of two specs in one bucket. A parameter several
     optimizers step sits at its first group's place, its slot naming the later ones."""
-    lays = _unit_layouts(model, cfg, stage, world_size, params, group_of, placed)
+    lays = _unit_layouts(model, cfg, stage, world_size, params, groups_of.first, placed)
+    later_of = groups_of.later
     later = {p.names[0]: later_of[id(p.param)] for p in params if id(p.param) in later_of}
     with_later_groups(lays, later)
     return lays

@@ -12,6 +12,7 @@ new value depends on that element alone); others are refused unless the user opt
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,11 +91,23 @@ def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                 )
 
 
+@dataclass
+class GroupsOfParams:
+    """Which optimizer param groups hold each parameter (by id): its first optimizer's
+    group, and the groups of later optimizers that step it too."""
+
+    first: dict[int, int]
+    later: dict[int, tuple[int, ...]]
+
+    def drop(self, param: nn.Parameter) -> None:
+        self.first.pop(id(param), None)
+        self.later.pop(id(param), None)
+
+
 def group_index_of_params(
     optimizer: OptimizerSet, model_params: list[nn.Parameter]
-) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
-    """(id(param) -> index of the first optimizer group holding it, id(param) -> the
-    groups of later optimizers holding it too); errors on foreign params and on a
+) -> GroupsOfParams:
+    """Every model parameter's optimizer groups; errors on foreign params and on a
     parameter in two groups of one optimizer."""
     describe = optimizer.describe_group
     in_model = {id(p) for p in model_params}
@@ -127,7 +140,7 @@ def group_index_of_params(
             f"given to ZeroEngine ({shown}). Build the optimizer from this model's parameters, "
             "e.g. torch.optim.AdamW(model.parameters())."
         )
-    return group_of, later_of
+    return GroupsOfParams(group_of, later_of)
 
 
 def repoint_optimizer(
