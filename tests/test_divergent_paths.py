@@ -329,11 +329,11 @@ def _adamw_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | Non
     return x, (torch.randn(4, DIM, generator=g) if step == 3 else None)
 
 
-def _adamw_steps(rank: int, world: int, stage: int) -> list[dict[str, torch.Tensor]]:
+def _adamw_steps(rank: int, world: int, stage: int, **config) -> list[dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = VisionLanguage()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage, collective_timeout=30.0))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage, collective_timeout=30.0, **config))
     states = []
     for step in range(4):
         engine.backward(engine(*_adamw_batch(step, rank)))
@@ -344,13 +344,19 @@ def _adamw_steps(rank: int, world: int, stage: int) -> list[dict[str, torch.Tens
     return states
 
 
+@pytest.mark.parametrize("on_disk", [False, True], ids=["in_memory", "on_disk"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_module_no_rank_ran_takes_no_adamw_step(stage):
+def test_a_module_no_rank_ran_takes_no_adamw_step(stage, on_disk, tmp_path):
     """Text-only steps on both ranks: the vision tower and its projector keep their
     weights to the bit (AdamW's weight decay would have moved them) while the rest steps
     as torch's AdamW on the union of the batches. When images come, the text side still
     does; the tower's first step is not torch's: its step count advanced with its param
-    group's (the documented limit)."""
+    group's (the documented limit). With the optimizer state and gradient shards on
+    disk, the marks are read as each tile's gradients come in."""
+    config = {}
+    if on_disk:
+        config = {"offload_optimizer": "disk", "offload_dir": str(tmp_path)}
+        config |= {"offload_tile_size": 700, "offload_buffer_count": 2}
     torch.manual_seed(0)
     reference = VisionLanguage()
     start = {k: v.clone() for k, v in reference.state_dict().items()}
@@ -362,7 +368,7 @@ def test_a_module_no_rank_ran_takes_no_adamw_step(stage):
         adamw.step()
         adamw.zero_grad()
         expected.append({k: v.clone() for k, v in reference.state_dict().items()})
-    for states in run_world(_adamw_steps, 2, stage, timeout=120):
+    for states in run_world(_adamw_steps, 2, stage, timeout=120, **config):
         for step, (got, want) in enumerate(zip(states, expected)):
             for key, value in want.items():
                 tower = key.startswith(("vision.", "projector."))

@@ -62,13 +62,14 @@ def _reference(steps: range, state: dict | None = None):
     return model, adam, sgd
 
 
-def _train(rank, world, stage, steps, save=None, load=None):
+def _train(rank, world, stage, steps, save=None, load=None, **config):
     model = make_model(seed=0 if load is None else 1)
     adam, sgd = _optimizers(model)
     names = {id(p): n for n, p in model.named_parameters()}
     adam_names = [names[id(p)] for p in adam.param_groups[0]["params"]]
     sgd_names = [names[id(p)] for p in sgd.param_groups[0]["params"]]
-    engine = ZeroEngine(model, [adam, sgd], ZeroConfig(stage=stage, gradient_clipping=CLIP))
+    config = ZeroConfig(stage=stage, gradient_clipping=CLIP, **config)
+    engine = ZeroEngine(model, [adam, sgd], config)
     if load:
         engine.load_checkpoint(load)
 
@@ -93,6 +94,21 @@ def test_two_optimizers_over_one_parameter_train_as_one_process(stage):
     assert rel_l2(ours[0]["state"], expected) <= 1e-5  # (rank 0 holds the whole state)
     untrained = make_model().state_dict()
     assert all(not torch.equal(ours[0]["state"][n], untrained[n]) for n in shared)
+
+
+def test_optimizer_state_on_disk_steps_a_shared_parameter_tile_by_tile_as_one_process(tmp_path):
+    """Each optimizer's state streamed from disk in small tiles (the views cut into
+    pieces, each optimizer's apart): the same weights, and a checkpoint from it resumes
+    in memory as training through."""
+    disk = {"offload_optimizer": "disk", "offload_dir": str(tmp_path)}
+    disk |= {"offload_tile_size": 700, "offload_buffer_count": 2}
+    expected = _reference(range(STEPS))[0].state_dict()
+    ours = run_world(_train, 2, 3, range(STEPS), **disk)
+    assert rel_l2(ours[0]["state"], expected) <= 1e-5
+    ckpt = str(tmp_path / "ckpt")
+    run_world(_train, 2, 2, range(3), ckpt, **disk)
+    resumed = run_world(_train, 2, 3, range(3, STEPS), None, ckpt)
+    assert rel_l2(resumed[0]["state"], expected) <= 1e-5
 
 
 def test_both_states_of_a_shared_parameter_resume_at_another_world_size_and_stage(tmp_path):

@@ -25,13 +25,13 @@ from ..units.optimizer_view import OptimizerView
 Ranges = list[tuple[int, int]]  # [start, end) within one view
 
 
-def no_gradient_parts(views: Sequence[OptimizerView]) -> dict[int, Ranges]:
+def no_gradient_parts(views: Sequence[OptimizerView], resident: bool = False) -> dict[int, Ranges]:
     """For each view (by id) with any: the ranges that got no gradient on any rank (one
-    per model parameter). Views whose gradients are not in memory (offloaded) count as
-    having them."""
+    per model parameter). Views whose gradients are offloaded count as having them,
+    unless `resident` (their shards are in memory now: a step's tile)."""
     parts: list[tuple[OptimizerView, int, int]] = []
     for view in views:
-        if view.grad is None or view.unit.grad_home is not None:
+        if view.grad is None or (view.unit.grad_home is not None and not resident):
             continue
         unit = view.unit
         for slot in unit.layout.slots:

@@ -277,7 +277,10 @@ class ShardedOptimizer:
         written = [True]  # whether every update also wrote the compute copies
 
         def step_tile(tile: list[OptimizerView]) -> None:
-            with held_back(tile, self._held_back, self.optimizer_set.state):
+            held = self._held_back
+            if self._grads is not None:  # offloaded gradient shards, in memory now
+                held = {**held, **no_gradient_parts(tile, resident=True)}
+            with held_back(tile, held, self.optimizer_set.state):
                 written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self.ema.update(self.config.ema_decay, groups, tile)
