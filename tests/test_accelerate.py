@@ -412,3 +412,54 @@ def test_an_optimizer_prepared_before_its_model_trains_as_ddp_with_a_warning():
         assert "prepared earlier" in earlier and "same prepare() call" in earlier
         assert "several models" in spanning and "its own optimizer" in spanning
         assert "second optimizer" in second and "param groups" in second
+
+
+def _two_optimizers(rank, world, kind, stage=3, shared=False, steps=range(4), save=None, load=None):
+    """One model, two optimizers prepared with it (a GAN's generator and discriminator
+    in one module, or SGD and Adam over the same weights), each stepped and cleared on
+    its own after its own backward."""
+    accelerator = _accelerator(kind, stage, accum=1)
+    model = make_model(seed=0 if load is None else 1)
+    params = list(model.parameters())
+    third = len(params) // 3
+    adam = torch.optim.Adam(params[: 2 * third] if shared else params[:third], lr=3e-3)
+    sgd = torch.optim.SGD(params[third:], lr=0.05, momentum=0.9)
+    model, adam, sgd = accelerator.prepare(model, adam, sgd)
+    if load:
+        accelerator.load_state(load)
+    losses = []
+    for step in steps:
+        if save and step == steps[0] + 2:
+            accelerator.save_state(save)
+        for micro, optimizer in enumerate((adam, sgd)):
+            x, y = local_batch(step, micro, rank, world)
+            loss = model(x, y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        adam.zero_grad()  # the second backward's gradients of Adam's own parameters
+    return {"state": accelerator.get_state_dict(model), "losses": losses}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["disjoint", "shared"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_optimizers_of_one_model_train_as_plain_accelerate(stage, shared):
+    ddp = run_world(_two_optimizers, 2, "ddp", shared=shared)[0]
+    ours = run_world(_two_optimizers, 2, "zero", stage, shared=shared)[0]
+    for got, want in zip(ours["losses"], ddp["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert rel_l2(ours["state"], ddp["state"]) < 1e-5
+    assert rel_l2(ours["state"], make_model().state_dict()) > 1e-3  # both stepped
+
+
+def test_two_optimizers_of_one_model_resume_with_both_states(tmp_path):
+    """save_state after 2 steps, load_state into a fresh run at another stage: the last
+    2 steps equal the uninterrupted run's (SGD's momentum and Adam's moments of the
+    shared weights both restored)."""
+    ckpt = str(tmp_path / "state")
+    through = run_world(_two_optimizers, 2, "zero", 3, True, range(4), ckpt)[0]
+    resumed = run_world(_two_optimizers, 2, "zero", 1, True, range(2, 4), None, ckpt)[0]
+    assert rel_l2(resumed["state"], through["state"]) < 1e-5
+    for got, want in zip(resumed["losses"], through["losses"][4:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)

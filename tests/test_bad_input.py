@@ -250,9 +250,9 @@ def test_a_second_model_or_optimizer_is_refused_with_the_fix():
     model, other = make_model(), make_model()
     assert model_of(make_optimizer(other), [model, other]) is other
     assert model_of(make_optimizer(other), [model]) is None  # the adapter names its call
-    message = one_optimizer_message("The ZeRO strategy", "fabric.setup got 2 optimizers")
-    assert "shards one model with one optimizer, but fabric.setup got 2 optimizers" in message
-    assert "one optimizer with param groups" in message
+    message = one_optimizer_message("The ZeRO strategy", "it has already sharded a model")
+    assert "shards one model together with its optimizers, but it has already" in message
+    assert "the model and every optimizer over it at once" in message
 
 
 def test_an_older_torch_fails_at_import_naming_the_version():

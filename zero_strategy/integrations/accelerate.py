@@ -160,7 +160,7 @@ class ZeroOptimizer(AcceleratedOptimizer):
                 "accelerator.backward(loss), then optimizer.step()."
             )
         if self.gradient_state.sync_gradients:
-            self._skipped = not self.engine.step()
+            self._skipped = not self.engine.step(self._own())
 
     @property
     def step_was_skipped(self) -> bool:
@@ -169,7 +169,12 @@ class ZeroOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
-            self.engine.zero_grad()
+            self.engine.zero_grad(optimizer=self._own())
+
+    def _own(self) -> torch.optim.Optimizer | None:
+        """The optimizer to step or clear: this one where the engine has several (a
+        GAN's, in one model), or None (the engine's one)."""
+        return self.optimizer if len(self.engine.optimizers) > 1 else None
 
     def state_dict(self) -> dict[str, Any]:
         return dict(OPTIMIZER_MARKER)
@@ -184,7 +189,8 @@ class ZeroOptimizer(AcceleratedOptimizer):
 
 
 class ZeroAccelerator(Accelerator):
-    """`Accelerator` whose `prepare` shards each (model, optimizer) pair with a `ZeroEngine`.
+    """`Accelerator` whose `prepare` shards a model and its optimizers (one, or several: a
+    GAN's in one module, or two over the same weights) with a `ZeroEngine`.
     A model prepared without an optimizer (a frozen reference model) is prepared as
     Accelerate prepares one for evaluation: replicated, not sharded.
 
@@ -262,12 +268,16 @@ class ZeroAccelerator(Accelerator):
             for a in args
             if isinstance(a, torch.optim.Optimizer) and not isinstance(a, ZeroOptimizer)
         ]
-        for optimizer in optimizers:
+        paired: dict[int, tuple[nn.Module, list[torch.optim.Optimizer]]] = {}
+        for optimizer in optimizers:  # a model's optimizers are sharded with it, together
             model = model_of(optimizer, fresh + self._unpaired_models)
             if model is None:
                 self._prepare_unpaired(optimizer, fresh + self._unpaired_models)
                 continue
-            replaced[id(model)], replaced[id(optimizer)] = self._shard(model, optimizer)
+            paired.setdefault(id(model), (model, []))[1].append(optimizer)
+        for model, own in paired.values():
+            replaced[id(model)], wrapped = self._shard(model, own)
+            replaced.update((id(opt), w) for opt, w in zip(own, wrapped))
             if model in self._unpaired_models:
                 self._unpaired_models.remove(model)
                 self._replicas.remove(self._raw(model))
@@ -325,8 +335,9 @@ class ZeroAccelerator(Accelerator):
         "two trainings)",
     )
 
-    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """(the module to hand back, the optimizer to hand back) for a new pair."""
+    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]):
+        """(the module to hand back, the optimizers to hand back) for a model and its
+        optimizers (several: a GAN's in one module, or two over the same weights)."""
         if self.engine is not None:
             raise ValueError(self._ONE_MODEL)
         if any(id(p) in self._unsharded_params for p in model.parameters()):
@@ -334,19 +345,20 @@ class ZeroAccelerator(Accelerator):
                 "ZeroAccelerator.prepare: an optimizer prepared earlier, on its own and so "
                 "unsharded, already holds parameters of this model; sharding the model now "
                 "would leave that optimizer stepping tensors the engine owns. Pass the model "
-                "and its one optimizer to the same prepare() call."
+                "and its optimizers to the same prepare() call."
             )
         place_buffers(model, self.device)
         self.engine = ZeroEngine(
-            model, optimizer, self.zero_config, device=self.device, device_mesh=self.device_mesh
+            model, optimizers, self.zero_config, device=self.device, device_mesh=self.device_mesh
         )
         attach(model, self.engine)
         if self.zero_plugin.pretrained is not None:
             self.engine.load_pretrained(self.zero_plugin.pretrained)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
-        wrapped = ZeroOptimizer(optimizer, self.engine)
-        mark_prepared(wrapped)  # prepare() keeps it, and lists it as Accelerate's own
+        wrapped = [ZeroOptimizer(optimizer, self.engine) for optimizer in optimizers]
+        for each in wrapped:
+            mark_prepared(each)  # prepare() keeps it, and lists it as Accelerate's own
         return prepared, wrapped
 
     def prepare_model(

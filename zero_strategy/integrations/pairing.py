@@ -15,13 +15,14 @@ from torch import nn
 
 
 def one_optimizer_message(who: str, found: str, alternative: str = "") -> str:
-    """The error for a second optimizer or a second model: `who` shards (e.g. "The ZeRO
+    """The error for a late optimizer or a second model: `who` shards (e.g. "The ZeRO
     strategy"), `found` says what the user did in their framework's words, `alternative`
-    a fix besides param groups. One wording, so a user of any adapter reads the same rule
-    and the same fix."""
+    a fix besides the common one. One wording, so a user of any adapter reads the same
+    rule and the same fix."""
     message = (
-        f"{who} shards one model with one optimizer, but {found}. Put all trainable "
-        "parameters in one optimizer with param groups"
+        f"{who} shards one model together with its optimizers, but {found}. Hand it the "
+        "model and every optimizer over it at once (several are fine: each steps on its "
+        "own)"
     )
     return f"{message}, or {alternative}." if alternative else f"{message}."
 
