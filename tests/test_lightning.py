@@ -168,9 +168,10 @@ def test_validate_and_test_run_with_sharded_parameters():
     assert vals[0] == vals[1] and 0 < vals[0] < 10  # sync_dist: the same on every rank
 
 
-def _gan(rank, world, strategy):
+def _gan(rank, world, strategy, shared=False):
     """Manual optimization with two optimizers, as Lightning's GAN example: each step
-    toggles one optimizer's parameters, clips them by their own norm, and steps it."""
+    toggles one optimizer's parameters, clips them by their own norm, and steps it.
+    `shared`: the generator's optimizer steps the discriminator's first layer too."""
     import lightning as L
     from lightning_helpers import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -214,8 +215,11 @@ def _gan(rank, world, strategy):
             self.losses.append((g_loss.item(), d_loss.item()))
 
         def configure_optimizers(self):
+            g_params = list(self.generator.parameters())
+            if shared:
+                g_params += list(self.discriminator[0].parameters())
             return (
-                torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+                torch.optim.Adam(g_params, lr=1e-2),
                 torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9),
             )
 
@@ -227,10 +231,11 @@ def _gan(rank, world, strategy):
     return module.losses, final
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["disjoint", "shared"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_optimizers_with_manual_optimization_match_ddp(stage):
-    ddp = run_world(_gan, 2, "ddp_find_unused_parameters_true")
-    ours = run_world(_gan, 2, f"zero{stage}")
+def test_two_optimizers_with_manual_optimization_match_ddp(stage, shared):
+    ddp = run_world(_gan, 2, "ddp_find_unused_parameters_true", shared)
+    ours = run_world(_gan, 2, f"zero{stage}", shared)
     assert_matches_ddp(ours, ddp, n_losses=6)
 
 
