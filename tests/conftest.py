@@ -16,3 +16,37 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _gloo_threads() -> list[str]:
+    """The threads of a gloo process group alive in this (the pytest) process."""
+    names = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return names
+
+
+if Path("/proc/self/task").is_dir():
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _no_process_group_left_in_the_test_process():
+        """Ranks are forked from this process (tests/distributed.py): a process group
+        created here and still alive (a DeviceMesh cache keeps one after
+        destroy_process_group) is inherited by every later rank without its threads,
+        and a rank that frees it waits forever for them (seen as hangs at the start or
+        end of a rank's function, in other tests). Such a test fails here, by name."""
+        before = _gloo_threads()
+        yield
+        left = _gloo_threads()
+        if len(left) > len(before):
+            pytest.fail(
+                f"This test left a gloo process group alive in the pytest process "
+                f"(threads {left}); forked ranks of later tests inherit it and can hang. "
+                "Create process groups inside a rank (run_world) instead."
+            )

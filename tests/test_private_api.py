@@ -41,21 +41,25 @@ def test_swap_storage_exchanges_memory_in_place():
     assert torch.tensor([], dtype=torch.float32).set_(sb).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_local_tensor_is_the_tensor_a_dtensor_holds():
-    import torch.distributed as dist
+def _dtensor_follows_its_local_tensor(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-        local = ti.local_tensor(d)
-        assert torch.equal(local, d.to_local())
-        local.data = torch.full((4,), 7.0)  # what the engine does: the DTensor follows
-        assert d.full_tensor().tolist() == [7.0] * 4
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    local = ti.local_tensor(d)
+    same = torch.equal(local, d.to_local())
+    local.data = torch.full((4,), 7.0)  # what the engine does: the DTensor follows
+    return same, d.full_tensor().tolist()
+
+
+def test_local_tensor_is_the_tensor_a_dtensor_holds():
+    """In a rank: a process group made in the pytest process outlives its destruction
+    (the DeviceMesh caches keep it) and would be inherited by every later rank."""
+    from distributed import run_world
+
+    same, values = run_world(_dtensor_follows_its_local_tensor, 1)[0]
+    assert same and values == [7.0] * 4
 
 
 def test_step_hooks_are_listed_in_torchs_order_and_detected():
