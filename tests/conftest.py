@@ -18,32 +18,39 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _gloo_threads() -> list[str]:
-    """The threads of a gloo process group alive in this (the pytest) process."""
+def _threads() -> list[str]:
+    """The names of this (the pytest) process's threads."""
     names = []
     for task in Path("/proc/self/task").glob("*"):
         try:
-            name = (task / "comm").read_text().strip()
+            names.append((task / "comm").read_text().strip())
         except OSError:
             continue
-        if "gloo" in name:
-            names.append(name)
-    return names
+    return sorted(names)
+
+
+def _gloo_threads() -> list[str]:
+    """The threads of a gloo process group alive in this process."""
+    return [name for name in _threads() if "gloo" in name]
 
 
 if Path("/proc/self/task").is_dir():
     import pytest
 
     @pytest.fixture(autouse=True)
-    def _no_process_group_left_in_the_test_process():
+    def _no_process_group_left_in_the_test_process(request):
         """Ranks are forked from this process (tests/distributed.py): a process group
         created here and still alive (a DeviceMesh cache keeps one after
         destroy_process_group) is inherited by every later rank without its threads,
         and a rank that frees it waits forever for them (seen as hangs at the start or
         end of a rank's function, in other tests). Such a test fails here, by name."""
-        before = _gloo_threads()
+        before, all_before = _gloo_threads(), _threads()
         yield
         left = _gloo_threads()
+        log = os.environ.get("ZERO_TEST_THREAD_LOG")  # which tests start threads here
+        if log and len(_threads()) > len(all_before):
+            with open(log, "a") as f:
+                f.write(f"{request.node.nodeid}: {all_before} -> {_threads()}\n")
         if len(left) > len(before):
             pytest.fail(
                 f"This test left a gloo process group alive in the pytest process "
