@@ -40,7 +40,6 @@ from ..layout.partition import (
     module_layouts,
     select_unit_modules,
     unique_parameters,
-    with_later_groups,
 )
 from ..layout.shard_spec import (
     PlacementFn,
@@ -353,7 +352,9 @@ def layouts(
     lays = _unit_layouts(model, cfg, stage, world_size, params, groups_of.first, placed)
     later_of = groups_of.later
     later = {p.names[0]: later_of[id(p.param)] for p in params if id(p.param) in later_of}
-    with_later_groups(lays, later)
+    if later:
+        for lay in lays:
+            lay.name_later_groups(later)
     return lays
 
 
@@ -499,7 +500,6 @@ def shard_optimizers(
             opt_param,
             gi,
             unit.grad_opt_untouched[lo:hi] if unit.grad_opt_untouched is not None else None,
-            later_groups=seg.later_groups if gi == seg.group_index else (),
             alias_of=None if gi == seg.group_index else seg.group_index,
         )
         for gi, segs in by_group.items()

@@ -69,16 +69,15 @@ class OneFileReader:
             self.optimizer_error = str(e)
             self._state.clear()
             groups, scalars, names = [], [], []
-        groups_of: dict[str, list[int]] = {}  # the first optimizer's group first
+        group_of: dict[str, int] = {}  # several optimizers' parameter: the first's group
         for g, members in enumerate(names):
             for name in members:
-                groups_of.setdefault(name, []).append(g)
+                group_of.setdefault(name, g)
         params = {
             name: {
                 "shape": list(t.shape),
                 "dtype": str(t.dtype).removeprefix("torch."),
-                "group": groups_of.get(name, [FROZEN_GROUP])[0],
-                "later_groups": groups_of.get(name, [])[1:],
+                "group": group_of.get(name, FROZEN_GROUP),
                 "aliases": [],
             }
             for name, t in self._weights.items()

@@ -131,6 +131,15 @@ class UnitLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def name_later_groups(self, later: dict[str, tuple[int, ...]]) -> None:
+        """Record on each slot the later optimizers' groups that hold its parameter too
+        (`later`: by the parameter's first name)."""
+        self.slots = [
+            replace(slot, later_groups=later[slot.name]) if slot.name in later else slot
+            for slot in self.slots
+        ]
+        self._segments.clear()
+
     def segments(self, start: int, end: int, groups: set[int] | None = None) -> list[Segment]:
         """Contiguous pieces of [start, end) held by one set of param groups, trainable
         groups only; with `groups`, those held by any of them. Each element is in one
@@ -199,19 +208,6 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
         )
         offset += p.local.numel()
     return slots
-
-
-def with_later_groups(layouts: Sequence[UnitLayout], later: dict[str, tuple[int, ...]]) -> None:
-    """Record on each slot the later optimizers' groups that hold its parameter too
-    (`later`: by the parameter's first name); before any segment is asked for."""
-    if not later:
-        return
-    for layout in layouts:
-        layout.slots = [
-            replace(slot, later_groups=later[slot.name]) if slot.name in later else slot
-            for slot in layout.slots
-        ]
-        layout._segments.clear()
 
 
 def _is_trainable(p: _Param, group_of: dict[int, int]) -> bool:

@@ -48,8 +48,10 @@ class ShardedEMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"The EMA decay must be in [0, 1), got {decay}; 0.999 is usual.")
         for view in self.views if views is None else views:
-            if view.alias_of is not None or not view.in_groups(groups):
-                continue  # (a later optimizer's view: the first one's holds the EMA)
+            if view.alias_of is not None:
+                continue  # a later optimizer's view: the first one's holds the EMA
+            if groups is not None and view.group_index not in groups:
+                continue
             entry = self.state.setdefault(view.param, {})
             master = view.param.detach()
             if EMA_KEY not in entry:

@@ -482,7 +482,7 @@ class ShardedOptimizer:
         for view in self.views:
             if view.group_index in groups:
                 view.param.grad = None
-        if any(view.later_groups for view in self.views):
+        if any(view.alias_of is not None for view in self.views):
             # A parameter that another optimizer steps too has no gradient for it now
             # (its .grad is None in one process): that optimizer's step holds it back.
             self._held_back = no_gradient_parts(self.views)

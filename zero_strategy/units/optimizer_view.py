@@ -21,9 +21,9 @@ class OptimizerView:
     between its uses).
 
     A parameter that several optimizers step has a view per optimizer over the same
-    elements, each with its own state: the first optimizer's names the later groups
-    (`later_groups`), each later one the first's group (`alias_of`). What is counted once
-    per element (an EMA, a norm, the weights in a checkpoint) is counted at the first."""
+    elements, each with its own state; each later optimizer's names the first's group
+    (`alias_of`). What is counted once per element (an EMA, the weights in a checkpoint)
+    is counted at the first."""
 
     unit: FlatUnit
     lo: int
@@ -31,11 +31,4 @@ class OptimizerView:
     param: nn.Parameter
     group_index: int
     grad: torch.Tensor | None = None
-    later_groups: tuple[int, ...] = ()
     alias_of: int | None = None
-
-    def in_groups(self, groups: set[int] | None) -> bool:
-        """Whether stepping `groups` (all when None) changes these elements."""
-        return (
-            groups is None or self.group_index in groups or not groups.isdisjoint(self.later_groups)
-        )
