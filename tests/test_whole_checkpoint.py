@@ -1,5 +1,5 @@
-"""`state_dict_type="full"`: each checkpoint is one torch file, written by rank 0 from the
-sharded save in bounded memory, that Lightning's loaders, `torch.load(weights_only=True)`,
+"""`state_dict_type="full"`: each checkpoint is one torch file, every rank writing its own
+ranges of it, that Lightning's loaders, `torch.load(weights_only=True)`,
 a plain optimizer and a resume at another stage all open."""
 
 from __future__ import annotations
@@ -173,14 +173,13 @@ def test_accelerate_save_state_full_writes_one_file_that_another_stage_resumes_f
 
 def _save_on_a_full_disk(rank, world, path):
     from zero_strategy.checkpoint.safe_load import CheckpointError
-    from zero_strategy.integrations import whole_checkpoint
+    from zero_strategy.checkpoint import one_file_writer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29542")
     trainer = quiet_trainer(world, _strategy(3), max_steps=1, num_sanity_val_steps=0)
     trainer.fit(lit_module_class()(), loader(n_batches=1, world=world))
-    # The sharded copy is written; then 1 KiB is left for the file.
-    whole_checkpoint.free_bytes = lambda path: 1024
+    one_file_writer.free_bytes = lambda path: 1024  # 1 KiB left for the file
     try:
         trainer.save_checkpoint(path)
     except CheckpointError as e:
@@ -189,9 +188,8 @@ def _save_on_a_full_disk(rank, world, path):
 
 
 def test_a_disk_without_room_for_the_file_is_refused_on_every_rank_naming_sharded(tmp_path):
-    """The one file is written beside the sharded copy it comes from; with no room for
-    both, every rank raises before the file is begun, naming the sharded form, and
-    nothing is left behind."""
+    """With no room for the file, every rank raises before it is begun, naming the
+    sharded form, and nothing is left behind."""
     for message, listed in run_world(_save_on_a_full_disk, 2, str(tmp_path / "last.ckpt")):
         assert message is not None and "state_dict_type='sharded'" in message, message
         assert "MiB free" in message and listed == []

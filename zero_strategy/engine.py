@@ -537,19 +537,32 @@ class ZeroEngine:
         self.groups.reset_comm_report()
 
     # ================================================================ state
-    def save_checkpoint(self, path: str | os.PathLike, client_state: dict | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        client_state: dict | None = None,
+        *,
+        one_file: bool = False,
+        keys: dict | None = None,
+    ) -> None:
         """Write a sharded checkpoint directory (collective: call on every rank). It loads
-        at any world size and stage; `client_state` must load with weights_only=True."""
+        at any world size and stage; `client_state` must load with weights_only=True.
+        `one_file`: one torch file instead, as Lightning's checkpoints are (every rank
+        writes its own ranges of it); `keys`: Fabric's names for the model and optimizers
+        in it (Lightning's layout when None)."""
         self.wait_for_parameters()
         self.reducer.wait()
         self.optim.settle_writes()
-        self._door.save(
-            path,
+        meta = dict(
             step=self.global_steps,
             compute_dtype=self.config.compute_torch_dtype,
             loss_scaler=self.optim.scaler.state_dict(),
             client_state=client_state,
         )
+        if one_file:
+            self._door.save_one_file(path, keys, **meta)
+        else:
+            self._door.save(path, **meta)
 
     def load_checkpoint(
         self, path: str | os.PathLike, load_optimizer_states: bool = True

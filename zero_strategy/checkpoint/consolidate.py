@@ -22,7 +22,6 @@ import importlib.metadata
 import json
 import os
 import struct
-import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,13 @@ from ..private_api import fake_tensor_mode
 from .one_file import ENGINE_KEY
 from .read import CheckpointReader
 from .state_keys import keys_of_group
+from .torch_archive import (
+    patch_crcs,
+    tensor_bytes,
+    tensors_in_pickle_order,
+    write_at,
+    write_skeleton,
+)
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {
@@ -201,7 +207,7 @@ class _Scratch:
         return self.buf[:numel]
 
 
-def _resolve_buffers(reader: CheckpointReader, entries: list[Entry]) -> list[Entry]:
+def resolve_buffers(reader: CheckpointReader, entries: list[Entry]) -> list[Entry]:
     """Buffers keep their own dtype and shape, read from rank 0's file header."""
     resolved = []
     for e in entries:
@@ -236,12 +242,8 @@ def write_safetensors(reader: CheckpointReader, entries: list[Entry], path: Path
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for e in entries:
-            f.write(_tensor_bytes(_values(reader, e, scratch)))
+            f.write(tensor_bytes(_values(reader, e, scratch)))
             progress.update(1)
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[Entry]]:
@@ -263,84 +265,27 @@ def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap
         fake = {e: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     entry_of = {id(tensor): e for e, tensor in fake.items()}
     obj = wrap(fake)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(obj, path)
-    with zipfile.ZipFile(path) as z:
-        infos = {i.filename: i for i in z.infolist()}
-        start_dir = z.start_dir
-    prefix = next(iter(infos)).split("/")[0]
+    records = write_skeleton(obj, path)
     scratch = _Scratch()
+    crcs: dict[str, int] = {}
     with open(path, "r+b") as f:
-        # Storages are numbered in the order pickling meets them.
-        for key, tensor in enumerate(_tensors_in_pickle_order(obj)):
+        for record, tensor in zip(records, tensors_in_pickle_order(obj)):
             entry = entry_of.get(id(tensor))
-            data = _tensor_bytes(_values(reader, entry, scratch) if entry else tensor)
-            info = infos[f"{prefix}/data/{key}"]
-            if info.file_size != len(data):
-                raise RuntimeError(
-                    f"archive record {key} has {info.file_size} bytes, not {len(data)}"
-                )
-            f.seek(info.header_offset)
-            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
-            f.seek(info.header_offset + 30 + name_len + extra_len)
-            f.write(data)
-            _patch_crc(f, info, zlib.crc32(data), start_dir)
+            data = tensor_bytes(_values(reader, entry, scratch) if entry else tensor)
+            if record.size != len(data):
+                raise RuntimeError(f"{record.name} has {record.size} bytes, not {len(data)}")
+            write_at(f.fileno(), data, record.offset)
+            crcs[record.name] = zlib.crc32(data)
             if entry:
                 progress.update(1)
-
-
-def _tensors_in_pickle_order(obj: Any) -> list[torch.Tensor]:
-    """Tensors with distinct storages, depth first in insertion order, as pickle meets them."""
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            key = (
-                id(x)
-                if x.device.type == "meta" or type(x).__name__ == "FakeTensor"
-                else x.untyped_storage().data_ptr()
-            )
-            if key not in seen:
-                seen.add(key)
-                out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(obj)
-    return out
-
-
-def _patch_crc(f, info: zipfile.ZipInfo, crc: int, start_dir: int) -> None:
-    """Keep the archive valid for zip readers that check CRCs (torch's does not)."""
-    f.seek(info.header_offset + 14)
-    f.write(struct.pack("<I", crc))
-    pos = start_dir
-    while True:
-        f.seek(pos)
-        head = f.read(46)
-        if head[:4] != b"PK\x01\x02":
-            return
-        n, m, k = struct.unpack("<HHH", head[28:34])
-        local_offset = struct.unpack("<I", head[42:46])[0]
-        if local_offset == info.header_offset or (
-            local_offset == 0xFFFFFFFF and f.read(n) == info.filename.encode()
-        ):
-            f.seek(pos + 16)
-            f.write(struct.pack("<I", crc))
-            return
-        pos += 46 + n + m + k
+    patch_crcs(path, crcs)
 
 
 def _state_dict(fake: dict[Entry, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {e.name: t for e, t in fake.items() if not e.optimizer_key}
 
 
-def _lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict[str, Any] | None):
+def lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict[str, Any] | None):
     """A Lightning checkpoint: the state dict, the trainer's saved state (the client
     state), and with the optimizer its `optimizer_states`. `keys` ({"model": name,
     "optimizers": [names]}): Fabric's layout instead, each under the name the user saved
@@ -408,7 +353,7 @@ def consolidate(
         raise ValueError("with_optimizer writes a Lightning checkpoint: use fmt='lightning'.")
     reader = CheckpointReader(checkpoint)
     chosen = plan(reader, dtype, exclude_frozen, weights, masters=with_optimizer)
-    entries = _resolve_buffers(reader, chosen)
+    entries = resolve_buffers(reader, chosen)
     if with_optimizer:
         entries += plan_optimizer(reader)
     progress = _progress(len(entries), show_progress)
@@ -437,7 +382,7 @@ def consolidate(
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             wrap = (
-                _lightning_wrapper(reader, with_optimizer, keys)
+                lightning_wrapper(reader, with_optimizer, keys)
                 if fmt == "lightning"
                 else _state_dict
             )
@@ -459,5 +404,5 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The consolidated model as (name, tensor) pairs, one tensor in memory at a time."""
     reader = CheckpointReader(checkpoint)
-    for e in _resolve_buffers(reader, plan(reader, dtype, exclude_frozen=False)):
+    for e in resolve_buffers(reader, plan(reader, dtype, exclude_frozen=False)):
         yield e.name, _values(reader, e)

@@ -71,7 +71,7 @@ def _elementwise_state(
     return {k: LazyTensor(dtype, shape, functools.partial(load, k)) for k, dtype in dtypes.items()}
 
 
-def _scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
+def scalar_state(optimizer: OptimizerSet) -> list[dict[str, Any]]:
     """Per param group: non-elementwise state (Adam's `step`), equal for all its segments."""
     groups: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
     for gi, group in enumerate(optimizer.param_groups):
@@ -123,7 +123,7 @@ def save(
     tmp = atomic_dir.staging_dir(final)
     # Offloaded shards are read in unit by unit as the file is written.
     in_memory = OneResident()
-    tensors, written, state_keys = _rank_tensors(state, in_memory)
+    tensors, written, state_keys = rank_tensors(state, in_memory)
     needed = file_bytes(tensors)
     # 1. Rank 0 clears what an interrupted save left and checks the client state; every
     #    rank learns how much its host's ranks will write.
@@ -137,7 +137,7 @@ def save(
     first = world.control_all_gather_json(
         {"error": error, "needed": needed, "host": socket.gethostname()}, state.device
     )
-    _raise_agreed([r["error"] for r in first], final, tmp if rank == 0 else None)
+    raise_agreed([r["error"] for r in first], final, tmp if rank == 0 else None)
     needed_here = sum(r["needed"] for r in first if r["host"] == socket.gethostname())
 
     # 2. Every rank writes its file. The index is built from what each rank reports it
@@ -157,22 +157,22 @@ def save(
         {
             "wrote": written,
             "keys": sorted(state_keys),
-            "scalars": _scalar_state(state.optimizer),
+            "scalars": scalar_state(state.optimizer),
             "order": param_order(state),
             "crc32": crcs,
             "error": error,
         },
         state.device,
     )
-    _raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
+    raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
 
     # 3. Rank 0 writes the client state and the index, and swaps the directory in.
     error = None
     if rank == 0:
-        index = _index(state, everyone, step, compute_dtype, loss_scaler)
+        index = build_index(state, everyone, step, compute_dtype, loss_scaler)
         error = attempt(lambda: _finish(tmp, final, index, client_bytes), tmp, final)
     errors = world.control_all_gather_json(error, state.device)
-    _raise_agreed(errors, final, tmp if rank == 0 else None)
+    raise_agreed(errors, final, tmp if rank == 0 else None)
 
 
 def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> LazyTensor:
@@ -194,7 +194,7 @@ def _master_piece(in_memory: OneResident, unit: FlatUnit, a: int, b: int) -> Laz
     return LazyTensor(unit.master_dtype, (b - a,), lambda: in_memory(unit).master[a:b].clone())
 
 
-def _rank_tensors(
+def rank_tensors(
     state: ShardedState, in_memory: OneResident
 ) -> tuple[dict[str, LazyTensor], dict[str, dict[str, Any]], set[str]]:
     """What this rank writes: (tensors by name, produced as the file is written; each
@@ -250,7 +250,7 @@ def _finish(tmp: Path, final: Path, index: dict[str, Any], client_bytes: bytes |
     atomic_dir.publish(tmp, final)
 
 
-def _raise_agreed(errors: list[str | None], final: Path, tmp: Path | None) -> None:
+def raise_agreed(errors: list[str | None], final: Path, tmp: Path | None) -> None:
     """Every rank raises the first rank's failure (so none waits in a later collective),
     after the half-written staging directory is removed (by the rank given `tmp`)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
@@ -262,7 +262,7 @@ def _raise_agreed(errors: list[str | None], final: Path, tmp: Path | None) -> No
     raise CheckpointError(f"Saving {final}: rank {r}: {message}")
 
 
-def _index(
+def build_index(
     state: ShardedState,
     reports: list[dict[str, Any]],
     step: int,

@@ -24,6 +24,7 @@ from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
 from .format import LoadedCheckpoint, ShardedState, persistent_buffers
 from .load import load
+from .one_file_writer import save_one_file
 from .pretrained import load_pretrained
 from .save import save
 
@@ -109,6 +110,11 @@ class StateDoor:
         """Write a sharded checkpoint directory (collective); `meta`: step, compute
         dtype, loss scaler and client state, as `save.save` takes them."""
         save(self._sharded_state(), path, **meta)
+
+    def save_one_file(self, path: str | os.PathLike, keys: dict | None, **meta: Any) -> int:
+        """Write a one-file checkpoint, every rank its own ranges (collective); `keys`:
+        Fabric's names for the model and optimizers, Lightning's layout when None."""
+        return save_one_file(self._sharded_state(), path, keys=keys, **meta)
 
     def load(self, path: str | os.PathLike, load_optimizer_states: bool) -> LoadedCheckpoint:
         """Read a checkpoint written at any world size and stage into the masters (and

@@ -551,14 +551,7 @@ class ZeroAccelerator(Accelerator):
             "optimizers": [f"optimizer_{i}" if i else "optimizer" for i in range(count)],
         }
         path = os.path.join(output_dir, CHECKPOINT_FILE)
-        save_whole(self.engine, path, {}, self._from_main_process, keys)
-
-    @staticmethod
-    def _from_main_process(value: Any) -> Any:
-        """The main process's `value` on every rank (Accelerate's broadcast_object_list)."""
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([value], from_process=0)[0]
+        save_whole(self.engine, path, {}, keys)
 
 
 def engine_checkpoint_in(folder: str) -> str:

@@ -313,8 +313,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
         if self.state_dict_type == "full":
-            agree = lambda error: self.broadcast(error, src=0)  # noqa: E731
-            save_whole(engine, path, client, agree, _saved_under(state, engine))
+            save_whole(engine, path, client, _saved_under(state, engine))
             return
         engine.save_checkpoint(str(path), client_state=client)
 

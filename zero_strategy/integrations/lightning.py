@@ -358,7 +358,7 @@ def make_strategy(root: str):
             filepath = self.broadcast(str(filepath), src=0)
             client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
             if self.state_dict_type == "full":
-                save_whole(self.engine, filepath, client, lambda e: self.broadcast(e, src=0))
+                save_whole(self.engine, filepath, client)
                 return
             self.engine.save_checkpoint(str(filepath), client_state=client)
 
