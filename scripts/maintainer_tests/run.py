@@ -59,6 +59,10 @@ EXTRA_DEPS = {
     "torchdata": "torchdata",
 }
 STAGES = {"ddp": None, "zero1": 1, "zero2": 2, "zero3": 3}
+# The same stages with Lightning's and Fabric's strategies built with
+# state_dict_type="full" (one checkpoint file, as DDP writes), instead of the default
+# sharded directory: what a DDP user who sets it gets.
+STAGES.update({f"{name}-full": stage for name, stage in list(STAGES.items()) if stage})
 OUTCOMES = ("passed", "failed", "error", "skipped")
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
 
@@ -165,6 +169,8 @@ def _environment(strategy: str, suite: str, work: Path) -> dict[str, str]:
     )
     if STAGES[strategy] is not None:
         env["ZERO_SWAP_STAGE"] = str(STAGES[strategy])
+    if strategy.endswith("-full"):
+        env["ZERO_SWAP_STATE_DICT_TYPE"] = "full"
     return env
 
 

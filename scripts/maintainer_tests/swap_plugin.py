@@ -39,6 +39,13 @@ import os
 from typing import Any
 
 STAGE = int(os.environ["ZERO_SWAP_STAGE"]) if os.environ.get("ZERO_SWAP_STAGE") else None
+# With ZERO_SWAP_STATE_DICT_TYPE=full, Lightning's and Fabric's ZeRO strategies write one
+# checkpoint file (state_dict_type="full") instead of the default sharded directory.
+OPTIONS = (
+    {"state_dict_type": os.environ["ZERO_SWAP_STATE_DICT_TYPE"]}
+    if os.environ.get("ZERO_SWAP_STATE_DICT_TYPE")
+    else {}
+)
 
 
 def _mark(kind: str, obj: object) -> None:
@@ -73,6 +80,7 @@ def _swap_registry(registry: Any, ddp: type, zero: type, stage: int) -> None:
                 override=True,
                 stage=stage,
                 start_method=entry["init_params"].get("start_method", "popen"),
+                **OPTIONS,
             )
 
 
@@ -120,7 +128,7 @@ def _converter(ddp_cls: type, zero_cls: type, stage: int, precision_arg: str) ->
             "process_group_backend": ddp._process_group_backend,
             "start_method": ddp._start_method,
         }
-        _become(ddp, zero_cls(stage=stage, **args), ddp_cls(**args))
+        _become(ddp, zero_cls(stage=stage, **args, **OPTIONS), ddp_cls(**args))
 
     return convert
 
