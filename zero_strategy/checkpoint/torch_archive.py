@@ -11,6 +11,7 @@ stays valid for zip readers that check them (torch's own does not).
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zipfile
@@ -128,27 +129,27 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, row) for row in matrix]
 
 
+@functools.cache
+def _zero_bytes_operator(k: int) -> tuple[int, ...]:
+    """The GF(2) matrix that carries a CRC over 2**k zero bytes (each the square of the
+    one before; the first is the one-bit operator squared three times)."""
+    if k == 0:
+        matrix = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+        for _ in range(3):
+            matrix = _gf2_square(matrix)
+        return tuple(matrix)
+    return tuple(_gf2_square(list(_zero_bytes_operator(k - 1))))
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of A + B from CRC(A), CRC(B) and len(B) (zlib's crc32_combine, which
     Python's zlib does not expose): parts written by different ranks make one record's."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four
-    while True:  # apply len2 zero bytes to crc1, squaring the operator per bit of len2
-        even = _gf2_square(odd)
+    k = 0
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(_zero_bytes_operator(k), crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        k += 1
     return crc1 ^ crc2
 
 
