@@ -82,19 +82,20 @@ def _save_both_ways(rank, world, folder, stage, moe, extra):
         engine = _trained_engine(rank, world, stage, moe, extra)
     client = {"epoch": 3, "probe": torch.arange(5.0)}
     engine.save_checkpoint(f"{folder}/sharded", client_state=client)
-    written = engine._door.save_one_file(
-        f"{folder}/one.ckpt",
-        None,
-        step=engine.global_steps,
-        compute_dtype=engine.config.compute_torch_dtype,
-        loss_scaler=engine.optim.scaler.state_dict(),
-        client_state=client,
-    )
+    before = _bytes_written()
+    engine.save_checkpoint(f"{folder}/one.ckpt", client_state=client, one_file=True)
+    written = _bytes_written() - before
     engine.close()
     if rank == 0:
         consolidate(f"{folder}/sharded", f"{folder}/ref.ckpt", "lightning", with_optimizer=True)
     dist.barrier()
     return written
+
+
+def _bytes_written() -> int:
+    """What this process has written to storage so far (the kernel's count)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
 
 
 def _assert_same(a, b, where="checkpoint"):
@@ -142,8 +143,9 @@ def test_tensor_parallel_blocks_go_through_a_sharded_copy(tmp_path):
     file is streamed from a sharded copy by rank 0 (removed after), the same file."""
     pytest.importorskip("transformers")
     written = run_world(_save_both_ways, 2, str(tmp_path), 3, False, {"tensor_parallel": True})
-    assert written == [0, 0]  # no rank wrote into the file itself
     one = _same_as_consolidated(tmp_path)
+    total = _tensor_bytes(one)
+    assert written[0] > total > written[1]  # rank 0 wrote the whole file, besides its copy
     assert "model.layers.0.self_attn.q_proj.weight" in one["state_dict"]
 
 
@@ -166,7 +168,7 @@ def test_the_file_written_in_parallel_is_the_consolidated_one(tmp_path, stage, m
     written = run_world(_save_both_ways, 2, str(tmp_path), stage, moe, extra)
     one = _same_as_consolidated(tmp_path)
     total = _tensor_bytes(one)
-    assert sum(written) <= total
+    assert sum(written) < 1.3 * total  # the data once, beside the archive's headers
     for nbytes in written:  # each rank its share, not the model
         assert 0.3 * total < nbytes < 0.7 * total, (written, total)
 
