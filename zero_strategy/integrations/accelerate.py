@@ -47,7 +47,8 @@ from zero_strategy.tensor_parallel import tensor_parallel_mesh
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
-from .pairing import model_of, one_optimizer_message
+from .joint_models import JointModels, models_trained_by
+from .pairing import one_optimizer_message
 from .private_api import mark_prepared
 from .replica_grads import ReplicatedModels
 from .whole_checkpoint import check_state_dict_type, save_whole
@@ -268,19 +269,27 @@ class ZeroAccelerator(Accelerator):
             for a in args
             if isinstance(a, torch.optim.Optimizer) and not isinstance(a, ZeroOptimizer)
         ]
-        paired: dict[int, tuple[nn.Module, list[torch.optim.Optimizer]]] = {}
-        for optimizer in optimizers:  # a model's optimizers are sharded with it, together
-            model = model_of(optimizer, fresh + self._unpaired_models)
-            if model is None:
-                self._prepare_unpaired(optimizer, fresh + self._unpaired_models)
+        # The models this call's optimizers train are sharded with them, together (by one
+        # engine, however many models and optimizers).
+        candidates = fresh + self._unpaired_models
+        trained_models: list[nn.Module] = []
+        own: list[torch.optim.Optimizer] = []
+        for optimizer in optimizers:
+            models_of_optimizer = models_trained_by(optimizer, candidates)
+            if models_of_optimizer is None:
+                self._prepare_unpaired(optimizer, candidates)
                 continue
-            paired.setdefault(id(model), (model, []))[1].append(optimizer)
-        for model, own in paired.values():
-            replaced[id(model)], wrapped = self._shard(model, own)
+            own.append(optimizer)
+            trained_models += [m for m in models_of_optimizer if not _among(m, trained_models)]
+        if trained_models:
+            trained_models.sort(key=lambda m: next(i for i, c in enumerate(candidates) if c is m))
+            prepared, wrapped = self._shard(trained_models, own)
+            replaced.update((id(m), p) for m, p in zip(trained_models, prepared))
             replaced.update((id(opt), w) for opt, w in zip(own, wrapped))
-            if model in self._unpaired_models:
-                self._unpaired_models.remove(model)
-                self._replicas.remove(self._raw(model))
+            for model in trained_models:
+                if model in self._unpaired_models:
+                    self._unpaired_models.remove(model)
+                    self._replicas.remove(self._raw(model))
         for model in fresh:
             if self._engine_of(model) is None:
                 self._unpaired_models.append(model)
@@ -307,10 +316,10 @@ class ZeroAccelerator(Accelerator):
         known = {id(p) for model in models for p in model.parameters()}
         if any(id(p) in known for p in params):
             raise ValueError(
-                "ZeroAccelerator.prepare got an optimizer over parameters of several models "
-                "(or over part of one model and tensors of no model): the engine shards one "
-                "model with the optimizer over its parameters. Give each model its own "
-                "optimizer, or make one module that holds them all."
+                "ZeroAccelerator.prepare got an optimizer over parameters of a model being "
+                "prepared and tensors of no prepared model: the engine shards the models "
+                "with the optimizer over their parameters. Pass every model the optimizer "
+                "trains to the same prepare() call (several are fine)."
             )
         warnings.warn(
             "ZeroAccelerator.prepare got an optimizer whose model was not prepared before "
@@ -335,27 +344,44 @@ class ZeroAccelerator(Accelerator):
         "two trainings)",
     )
 
-    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]):
-        """(the module to hand back, the optimizers to hand back) for a model and its
-        optimizers (several: a GAN's in one module, or two over the same weights)."""
+    def _shard(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        """(the modules to hand back, the optimizers to hand back) for the models one
+        prepare() call trains and their optimizers: one engine over the model, or over
+        several models held together (`JointModels`: a UNet and a text encoder under one
+        optimizer, a GAN's two modules with an optimizer each)."""
         if self.engine is not None:
             raise ValueError(self._ONE_MODEL)
-        if any(id(p) in self._unsharded_params for p in model.parameters()):
+        if any(id(p) in self._unsharded_params for m in models for p in m.parameters()):
             raise ValueError(
                 "ZeroAccelerator.prepare: an optimizer prepared earlier, on its own and so "
                 "unsharded, already holds parameters of this model; sharding the model now "
                 "would leave that optimizer stepping tensors the engine owns. Pass the model "
                 "and its optimizers to the same prepare() call."
             )
-        place_buffers(model, self.device)
+        if len(models) > 1 and self.zero_plugin.pretrained is not None:
+            raise ValueError(
+                f"ZeroPlugin(pretrained=...) loads one model's weights, and prepare() got "
+                f"{len(models)} models trained together "
+                f"({', '.join(type(m).__name__ for m in models)}). Load each model's weights "
+                "before prepare() (from_pretrained, or load_state_dict)."
+            )
+        root = models[0] if len(models) == 1 else JointModels(models)
+        for model in models:
+            place_buffers(model, self.device)
         self.engine = ZeroEngine(
-            model, optimizers, self.zero_config, device=self.device, device_mesh=self.device_mesh
+            root, optimizers, self.zero_config, device=self.device, device_mesh=self.device_mesh
         )
-        attach(model, self.engine)
+        for model in models:
+            attach(model, self.engine)
         if self.zero_plugin.pretrained is not None:
             self.engine.load_pretrained(self.zero_plugin.pretrained)
         # Accelerate's autocast and torch.compile, without its DDP wrap or device move.
-        prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        prepared = [
+            super(ZeroAccelerator, self).prepare_model(
+                model, device_placement=False, evaluation_mode=True
+            )
+            for model in models
+        ]
         wrapped = [ZeroOptimizer(optimizer, self.engine) for optimizer in optimizers]
         for each in wrapped:
             mark_prepared(each)  # prepare() keeps it, and lists it as Accelerate's own
@@ -503,7 +529,12 @@ class ZeroAccelerator(Accelerator):
         if not state:
             return {}
         dtype, params = engine.config.compute_torch_dtype, engine.parameter_names()
-        return {name: value.to(dtype) if name in params else value for name, value in state.items()}
+        state = {
+            name: value.to(dtype) if name in params else value for name, value in state.items()
+        }
+        if isinstance(engine.module, JointModels):  # this model's part, under its own names
+            return engine.module.own_state(self._raw(model), state)
+        return state
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw):
         # The engine's hook runs after the user's (which see `weights` aligned with `models`).
@@ -528,13 +559,14 @@ class ZeroAccelerator(Accelerator):
         weights[:] = [w for w in weights if not isinstance(w, _ShardedModel)]
 
     def _load_engine_checkpoint(self, models: list, input_dir: str) -> None:
-        kept = []
+        kept, loaded = [], []
         for model in models:
             engine = self._engine_of(model)
             if engine is None:
                 kept.append(model)
-            else:
+            elif not _among(engine, loaded):  # once for the models it shards together
                 engine.load_checkpoint(engine_checkpoint_in(input_dir))
+                loaded.append(engine)
         models[:] = kept
 
     def write_engine_checkpoint(self, output_dir: str) -> None:
@@ -564,3 +596,9 @@ def engine_checkpoint_in(folder: str) -> str:
 class _ShardedModel(dict):
     """What get_state_dict gives save_state for the sharded model: recognised (and
     dropped) by the engine's save hook, whatever other hooks did to the list."""
+
+
+def _among(item: object, items: list) -> bool:
+    """`item` is one of `items` (by identity: modules compare by identity, but engines
+    and tensors must not be compared with ==)."""
+    return any(item is each for each in items)
