@@ -194,3 +194,20 @@ def test_a_disk_without_room_for_the_file_is_refused_before_it_is_begun(tmp_path
     for message, listed in run_world(_full_disk, 2, str(tmp_path / "last.ckpt")):
         assert message is not None and "state_dict_type='sharded'" in message, message
         assert "MiB free" in message and listed == []
+
+
+def _into_a_new_folder(rank, world, path):
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    engine.save_checkpoint(path, one_file=True)
+    engine.close()
+    return os.path.isfile(path)
+
+
+def test_the_files_folder_is_made_when_missing(tmp_path):
+    """Lightning's first checkpoint goes into a folder nobody made yet."""
+    path = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
+    assert run_world(_into_a_new_folder, 2, str(path)) == [True, True]
+    assert torch.load(path, weights_only=True)["state_dict"]

@@ -120,10 +120,10 @@ def test_an_unknown_state_dict_type_is_refused_with_the_choices():
         _strategy(3, "fsdp")
 
 
-def _fabric_strategy(stage: int):
+def _fabric_strategy(stage: int, state_dict_type: str = "full"):
     from zero_strategy.integrations.fabric import ZeroFabricStrategy
 
-    return ZeroFabricStrategy(stage=stage, state_dict_type="full")
+    return ZeroFabricStrategy(stage=stage, state_dict_type=state_dict_type)
 
 
 def test_fabric_saves_one_file_that_a_plain_process_and_another_stage_load(tmp_path):
@@ -172,8 +172,8 @@ def test_accelerate_save_state_full_writes_one_file_that_another_stage_resumes_f
 
 
 def _save_on_a_full_disk(rank, world, path):
-    from zero_strategy.checkpoint.safe_load import CheckpointError
     from zero_strategy.checkpoint import one_file_writer
+    from zero_strategy.checkpoint.safe_load import CheckpointError
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29542")
@@ -240,3 +240,53 @@ def test_a_bf16_models_one_file_holds_its_fp32_masters_and_resumes_as_the_sharde
         assert from_file == from_sharded
     weights = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def _save_load_plain_and_set_up(rank, world, folder, state_dict_type):
+    """Lightning's test_ddp_save_load with state_dict_type="full": a module saved before
+    and after fabric.setup, each file loaded into a plain module (never set up) and into
+    a second set-up one (replicated: the engine shards the first), which is then saved;
+    the client entry restored each time."""
+    import lightning as L
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29543")
+    strategy = _fabric_strategy(3, state_dict_type)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model(seed=3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(f"{folder}/before_setup.ckpt", {"model": model, "tag": 7})
+    set_up = fabric.setup(model)
+    fabric.save(f"{folder}/after_setup.ckpt", {"model": set_up, "tag": 8})
+    out = []
+    for name, tag in (("before_setup", 7), ("after_setup", 8)):
+        plain = make_model(seed=4)
+        state = {"model": plain, "tag": 0}
+        fabric.load(f"{folder}/{name}.ckpt", state)
+        is_file = os.path.isfile(f"{folder}/{name}.ckpt")
+        out.append((is_file == (state_dict_type == "full"), state["tag"] == tag))
+        assert all(torch.equal(plain.state_dict()[k], v) for k, v in want.items()), name
+    other = fabric.setup(make_model(seed=4))  # replicated: the engine shards `set_up`
+    fabric.load(f"{folder}/before_setup.ckpt", {"model": other})
+    loaded = other.state_dict()  # (at stage 3 gathered for the call, on every rank)
+    out.append([k for k, v in want.items() if not torch.equal(loaded[k], v)])
+    fabric.save(f"{folder}/other.ckpt", {"model": other})  # its own weights, not set_up's
+    return out
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_fabric_saves_and_loads_modules_the_engine_does_not_shard(tmp_path, state_dict_type):
+    """A module never set up, and one set up without an optimizer while the engine shards
+    another, are saved and loaded whole (they are whole on every rank, as under DDP); the
+    second was loaded into and saved from the engine's module instead, silently."""
+    folder = str(tmp_path)
+    for before, after, set_up in run_world(_save_load_plain_and_set_up, 2, folder, state_dict_type):
+        assert before == (True, True) and after == (True, True) and set_up == [], set_up
+    if state_dict_type == "full":
+        saved = torch.load(tmp_path / "other.ckpt", weights_only=True)["model"]
+    else:
+        from zero_strategy.checkpoint.consolidate import iter_tensors
+
+        saved = dict(iter_tensors(tmp_path / "other.ckpt"))
+    assert all(torch.equal(saved[k], v) for k, v in make_model(seed=3).state_dict().items())

@@ -30,6 +30,26 @@ from .state_keys import state_key
 ENGINE_KEY = "zero_strategy"
 
 
+def split_one_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A one-file checkpoint's model state dict, and the rest of it (the client state:
+    neither the model, nor an optimizer, nor this engine's entry), for a plain module
+    (Fabric's load into a module it never set up). Read with weights_only=True and
+    mmap=True: the tensors are read as they are copied into the module."""
+    checkpoint = safe_torch_load(path, mmap=True)
+    engine = checkpoint.get(ENGINE_KEY, {}) if isinstance(checkpoint, dict) else {}
+    model_key = engine.get("model_key", "state_dict")
+    if not isinstance(checkpoint, dict) or model_key not in checkpoint:
+        raise CheckpointError(
+            f"{path} holds no model state dict under {model_key!r}: pass a checkpoint a "
+            "save wrote (a sharded directory, or one file with the model in it)."
+        )
+    optimizer_keys = engine.get("optimizer_keys")
+    if optimizer_keys is None:  # Lightning's layout
+        optimizer_keys = ["optimizer_states"]
+    drop = {model_key, ENGINE_KEY, *(k for k in optimizer_keys if k is not None)}
+    return checkpoint[model_key], {k: v for k, v in checkpoint.items() if k not in drop}
+
+
 class OneFileReader:
     """A one-file checkpoint with `CheckpointReader`'s interface. `buffer_names`: the
     model's persistent buffers, which the file's state dict holds beside the parameters."""

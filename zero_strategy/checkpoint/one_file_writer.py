@@ -188,6 +188,7 @@ def _write_skeleton(
     known = _KnownState(partial, index, names, client, buffers)
     entries = _entries(known)
     needed = sum(e.nbytes for e in entries)
+    partial.parent.mkdir(parents=True, exist_ok=True)  # (Lightning's first checkpoint)
     free = free_bytes(partial.parent)
     if needed > free:
         raise CheckpointError(
@@ -199,7 +200,6 @@ def _write_skeleton(
         fake = {e: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     entry_of = {id(t): e for e, t in fake.items()}
     obj = lightning_wrapper(known, True, keys)(fake)
-    partial.parent.mkdir(parents=True, exist_ok=True)
     records = write_skeleton(obj, partial)
     by_source: dict[str, list[list]] = {}
     own: list[list] = []

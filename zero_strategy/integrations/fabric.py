@@ -22,6 +22,7 @@ from torch import nn
 from zero_strategy import ZeroConfig, ZeroEngine, init_on_meta
 from zero_strategy.checkpoint.consolidate import iter_tensors
 from zero_strategy.checkpoint.load import client_state_of
+from zero_strategy.checkpoint.one_file import split_one_file
 from zero_strategy.checkpoint.safe_load import safe_torch_load
 from zero_strategy.comm.shutdown import destroy_default_group_at_exit
 from zero_strategy.tensor_parallel import tensor_parallel_mesh
@@ -249,14 +250,19 @@ class ZeroFabricStrategy(DDPStrategy):
                 return
 
     def _never_set_up(self, state: Any) -> nn.Module | None:
-        """The module in `state` if this strategy never saw it (not set up with Fabric):
-        saved and loaded whole, as under DDP."""
+        """The module in `state` if the engine does not shard it: one this strategy never
+        saw (not set up with Fabric), or one set up without an optimizer while the engine
+        shards another. Either is whole on every rank, so it is saved and loaded whole,
+        as under DDP. (A module set up without an optimizer before any is sharded is
+        sharded for evaluation instead: `_shard_for_evaluation`.)"""
         values = state.values() if isinstance(state, Mapping) else [state]
         modules = [m for m in values if isinstance(m, nn.Module)]
         sharded = self.engine.module if self.engine is not None else None
-        if modules and not any(m in self._pending or m is sharded for m in modules):
-            return modules[0]
-        return None
+        if not modules or any(m is sharded for m in modules):
+            return None
+        if self.engine is None and any(m in self._pending for m in modules):
+            return None
+        return modules[0]
 
     def _require_engine(self, call: str) -> ZeroEngine:
         if self.engine is None:
@@ -308,7 +314,8 @@ class ZeroFabricStrategy(DDPStrategy):
         client = client_state(state, drop_types=(nn.Module, torch.optim.Optimizer))
         plain = self._never_set_up(state)
         if plain is not None:
-            _save_unsharded(plain, path, client, self._config(), self.root_device)
+            full = self.state_dict_type == "full"
+            _save_unsharded(plain, state, path, client, self._config(), self.root_device, full)
             return
         self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
@@ -332,6 +339,10 @@ class ZeroFabricStrategy(DDPStrategy):
             isinstance(v, torch.optim.Optimizer) for v in state.values()
         )
         plain = self._never_set_up(state or {})
+        if plain is not None and Path(path).is_file():  # a one-file checkpoint, read whole
+            weights, client = split_one_file(path)
+            plain.load_state_dict(weights, strict=strict)
+            return _restore_client(path, state, client, strict)
         if plain is not None:  # a module Fabric never set up: the full model, as DDP loads
             plain.load_state_dict(dict(iter_tensors(path)), strict=strict)
             return _restore_client(path, state, client_state_of(path), strict)
@@ -370,13 +381,18 @@ def _restore_client(path, state: dict | None, client: dict | None, strict: bool)
     return client
 
 
-def _save_unsharded(module: nn.Module, path, client, config, device) -> None:
-    """`fabric.save` of a module never set up: the same sharded directory a set-up one
-    writes (it loads at any world size), from a throwaway engine over a copy of it."""
+def _save_unsharded(module: nn.Module, state, path, client, config, device, full: bool) -> None:
+    """`fabric.save` of a module never set up: the same checkpoint a set-up one writes
+    (the sharded directory, or with `full` the one file; either loads at any world size),
+    from a throwaway engine over a copy of it."""
     copy = deepcopy(module)
     engine = ZeroEngine(copy, stand_in_optimizer(copy), config, device=device)
     try:
-        engine.save_checkpoint(str(path), client_state=client)
+        if full:  # the module's entry in `state` names the model in the file
+            keys = {"model": next(k for k, v in state.items() if v is module), "optimizers": []}
+            engine.save_checkpoint(str(path), client_state=client, one_file=True, keys=keys)
+        else:
+            engine.save_checkpoint(str(path), client_state=client)
     finally:
         engine.close()
 
