@@ -334,15 +334,21 @@ def make_strategy(root: str):
         def restore_checkpoint_after_setup(self) -> bool:
             return True
 
+        # Without an engine in this process (the main process after a spawned fit, which
+        # got rank 0's trained weights back in a plain module), the module is whole on
+        # its own: it is saved and restored as DDP does it, one file through the
+        # checkpoint IO.
         @property
         def lightning_restore_optimizer(self) -> bool:
-            return False  # the engine restores its own sharded optimizer state
+            return self.engine is None  # else the engine restores its sharded state
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
+            if self.engine is None:
+                return super().lightning_module_state_dict()
             return {}  # the parameters live in the engine's sharded files
 
         def optimizer_state(self, optimizer) -> dict[str, Any]:
-            return {}
+            return super().optimizer_state(optimizer) if self.engine is None else {}
 
         def save_checkpoint(
             self, checkpoint: dict[str, Any], filepath, storage_options=None
@@ -355,6 +361,9 @@ def make_strategy(root: str):
             # Rank 0's path, as Lightning's FSDP and DeepSpeed strategies take it: ranks
             # may name different ones (each its own temporary directory), and the
             # sharded files must land together.
+            if self.engine is None:
+                super().save_checkpoint(checkpoint, filepath)
+                return
             filepath = self.broadcast(str(filepath), src=0)
             client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
             if self.state_dict_type == "full":
@@ -365,6 +374,8 @@ def make_strategy(root: str):
         def load_checkpoint(
             self, checkpoint_path, weights_only: bool | None = None
         ) -> dict[str, Any]:
+            if self.engine is None:
+                return super().load_checkpoint(checkpoint_path, weights_only)
             # Evaluation runs hold a stand-in optimizer: read the model alone.
             fitting = self.lightning_module.trainer.state.fn == "fit"
             client = self.engine.load_checkpoint(str(checkpoint_path), fitting) or {}
@@ -372,7 +383,9 @@ def make_strategy(root: str):
             return client
 
         def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-            pass  # loaded by load_checkpoint, sharded
+            if self.engine is None:
+                super().load_model_state_dict(checkpoint, strict)
+            # else loaded by load_checkpoint, sharded
 
         def load_optimizer_state_dict(self, checkpoint) -> None:
             pass
