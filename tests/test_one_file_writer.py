@@ -211,3 +211,27 @@ def test_the_files_folder_is_made_when_missing(tmp_path):
     path = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt"
     assert run_world(_into_a_new_folder, 2, str(path)) == [True, True]
     assert torch.load(path, weights_only=True)["state_dict"]
+
+
+def _unsafe_client_state(rank, world, path):
+    from zero_strategy import ZeroConfig, ZeroEngine
+    from zero_strategy.checkpoint.safe_load import CheckpointError
+
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
+    try:
+        engine.save_checkpoint(path, client_state={"sampler": random.Random(0)}, one_file=True)
+    except CheckpointError as e:
+        return str(e), sorted(os.listdir(os.path.dirname(path)))
+    finally:
+        engine.close()
+    return None, []
+
+
+def test_a_client_state_a_safe_load_refuses_is_refused_and_nothing_is_left(tmp_path):
+    """The file is serialized once (torch.save counts as under DDP: once, on rank 0) and
+    read back whole with weights_only=True before any rank writes into it."""
+    for message, listed in run_world(_unsafe_client_state, 2, str(tmp_path / "last.ckpt")):
+        assert message is not None and "weights_only=True" in message, message
+        assert "Keep only tensors, numbers, strings, lists and dicts" in message
+        assert listed == []

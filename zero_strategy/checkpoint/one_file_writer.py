@@ -22,7 +22,6 @@ system (Lustre, GPFS) does; NFS across nodes may not: save "sharded" there.
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import socket
@@ -46,7 +45,7 @@ from .format import ShardedState, param_order, persistent_buffers
 from .safe_load import CheckpointError
 from .safetensors_io import LazyTensor
 from .save import build_index, raise_agreed, rank_tensors, save, scalar_state
-from .save_agreement import client_state_bytes, failure_message
+from .save_agreement import check_safe_load, failure_message
 from .torch_archive import (
     Record,
     patch_crcs,
@@ -139,6 +138,7 @@ def save_one_file(
             try:
                 places = _write_skeleton(state, index, reports, client_state, partial, keys)
             except Exception as e:
+                partial.unlink(missing_ok=True)
                 error = failure_message(e, partial, target)
         shared = world.control_all_gather_json({"error": error, "places": places}, state.device)
         raise_agreed([r["error"] for r in shared], target, None)
@@ -181,8 +181,7 @@ def _write_skeleton(
     (tensors of the client state, Adam's step counts), which it writes now. Returns
     {"records": {record: [offset, size]}, "by_source": {rank tensor name: [[record,
     dtype]]}, "written": [[record, start, length, crc]]}."""
-    client_bytes = client_state_bytes(client_state)  # refused now if it cannot load safely
-    client = torch.load(io.BytesIO(client_bytes), weights_only=True) if client_bytes else None
+    client = dict(client_state) if client_state is not None else None
     buffers = {name: b.detach().cpu() for name, b in persistent_buffers(state.module)}
     names = {n for r in reports for n in r["tensors"]}
     known = _KnownState(partial, index, names, client, buffers)
@@ -201,6 +200,9 @@ def _write_skeleton(
     entry_of = {id(t): e for e, t in fake.items()}
     obj = lightning_wrapper(known, True, keys)(fake)
     records = write_skeleton(obj, partial)
+    # One serialization, checked whole (the client state with it) as a load will read it;
+    # the holes read as zeros.
+    check_safe_load(lambda: torch.load(partial, weights_only=True, mmap=True))
     by_source: dict[str, list[list]] = {}
     own: list[list] = []
     with open(partial, "r+b") as f:

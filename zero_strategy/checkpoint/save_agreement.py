@@ -87,12 +87,18 @@ def client_state_bytes(client_state: dict | None) -> bytes | None:
         return None
     buffer = io.BytesIO()
     torch.save(client_state, buffer)
+    check_safe_load(lambda: torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    return buffer.getvalue()
+
+
+def check_safe_load(load: Callable[[], object]) -> None:
+    """Run `load` (a torch.load with weights_only=True of what a save wrote); refused,
+    naming what a safe load takes, when it cannot read it back."""
     try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        load()
     except Exception as e:
         cause = (str(e).splitlines() or [type(e).__name__])[0]  # EOFError() says nothing
         raise ValueError(
             f"the client state holds objects that a safe load (weights_only=True) refuses: "
             f"{cause}. Keep only tensors, numbers, strings, lists and dicts in it"
         ) from e
-    return buffer.getvalue()
