@@ -51,7 +51,7 @@ from .joint_models import JointModels, models_trained_by
 from .pairing import one_optimizer_message
 from .private_api import mark_prepared
 from .replica_grads import ReplicatedModels
-from .whole_checkpoint import check_state_dict_type, save_whole
+from .whole_checkpoint import check_state_dict_type
 
 ENV_STAGE = "ZERO_STRATEGY_STAGE"
 ENV_EXPERT_PARALLEL = "ZERO_STRATEGY_EXPERT_PARALLEL_SIZE"
@@ -583,7 +583,7 @@ class ZeroAccelerator(Accelerator):
             "optimizers": [f"optimizer_{i}" if i else "optimizer" for i in range(count)],
         }
         path = os.path.join(output_dir, CHECKPOINT_FILE)
-        save_whole(self.engine, path, {}, keys)
+        self.engine.save_checkpoint(path, client_state={}, one_file=True, keys=keys)
 
 
 def engine_checkpoint_in(folder: str) -> str:

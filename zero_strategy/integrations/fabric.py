@@ -37,7 +37,7 @@ from .strategy_config import (
     register_zero_names,
     zero_config_from,
 )
-from .whole_checkpoint import check_state_dict_type, save_whole
+from .whole_checkpoint import check_state_dict_type
 
 
 class _EngineSyncControl(backward_sync_control_base()):
@@ -320,7 +320,8 @@ class ZeroFabricStrategy(DDPStrategy):
         self._shard_for_evaluation(state)
         engine = self._require_engine("fabric.save()")
         if self.state_dict_type == "full":
-            save_whole(engine, path, client, _saved_under(state, engine))
+            keys = _saved_under(state, engine)
+            engine.save_checkpoint(str(path), client_state=client, one_file=True, keys=keys)
             return
         engine.save_checkpoint(str(path), client_state=client)
 

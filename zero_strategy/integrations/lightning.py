@@ -49,7 +49,7 @@ from .strategy_config import (
     signature_with_config_fields,
     zero_config_from,
 )
-from .whole_checkpoint import check_state_dict_type, save_whole
+from .whole_checkpoint import check_state_dict_type
 
 
 def make_precision(root: str):
@@ -358,16 +358,16 @@ def make_strategy(root: str):
                     "The ZeRO strategy writes its own sharded directory; storage_options are "
                     "not supported. Drop them or use a CheckpointIO with strategy='ddp'."
                 )
-            # Rank 0's path, as Lightning's FSDP and DeepSpeed strategies take it: ranks
-            # may name different ones (each its own temporary directory), and the
-            # sharded files must land together.
             if self.engine is None:
                 super().save_checkpoint(checkpoint, filepath)
                 return
+            # Rank 0's path, as Lightning's FSDP and DeepSpeed strategies take it: ranks
+            # may name different ones (each its own temporary directory), and the
+            # sharded files must land together.
             filepath = self.broadcast(str(filepath), src=0)
             client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
             if self.state_dict_type == "full":
-                save_whole(self.engine, filepath, client)
+                self.engine.save_checkpoint(filepath, client_state=client, one_file=True)
                 return
             self.engine.save_checkpoint(str(filepath), client_state=client)
 

@@ -10,9 +10,6 @@ and stage (`checkpoint/one_file.py`).
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 STATE_DICT_TYPES = ("sharded", "full")
 
 
@@ -23,15 +20,3 @@ def check_state_dict_type(value: str, entry: str) -> str:
             "shards, the default) or 'full' (one file, every rank writing its own part)."
         )
     return value
-
-
-def save_whole(
-    engine: Any,
-    path: str | os.PathLike,
-    client_state: dict[str, Any],
-    keys: dict[str, Any] | None = None,
-) -> None:
-    """Write the engine's model and optimizer state, with `client_state`, to the one file
-    `path` (collective). `keys`: where the model and optimizer state go (Fabric's names;
-    Lightning's `state_dict` and `optimizer_states` by default)."""
-    engine.save_checkpoint(path, client_state=client_state, one_file=True, keys=keys)
