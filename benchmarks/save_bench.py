@@ -65,7 +65,10 @@ def _worker(size: str, rounds: int, out: str, folder: str) -> None:
                 compute_dtype=engine.config.compute_torch_dtype,
                 loss_scaler=engine.optim.scaler.state_dict(),
             )
-            _through_a_sharded_copy(engine._door._sharded_state(), Path(path), None, None, meta)
+            target = Path(path)
+            partial = target.with_name(f".{target.name}.partial")
+            state = engine._door._sharded_state()
+            _through_a_sharded_copy(state, target, partial, None, None, meta)
 
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     sizes_on_disk: dict[str, int] = {}

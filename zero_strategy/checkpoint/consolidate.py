@@ -37,6 +37,7 @@ from .one_file import ENGINE_KEY
 from .read import CheckpointReader
 from .state_keys import keys_of_group
 from .torch_archive import (
+    Record,
     patch_crcs,
     tensor_bytes,
     tensors_in_pickle_order,
@@ -258,19 +259,28 @@ def _shards(entries: list[Entry], max_shard_size: str | int) -> dict[str, list[E
 
 
 # ============================================================================ torch.save
-def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap, progress) -> None:
-    """torch.save(wrap(tensors by entry)) without holding the tensors: the archive is
-    written from fake tensors, then each data record is filled with the real bytes."""
+def entry_skeleton(
+    entries: list[Entry], wrap, path: Path
+) -> list[tuple[Record, Entry | None, torch.Tensor]]:
+    """torch.save(wrap(tensors by entry)) with every storage's bytes left as a hole, from
+    fake tensors: each record with the entry whose bytes go there, or None and the real
+    tensor of the rest of the object (the client state's, Adam's step counts)."""
     with fake_tensor_mode():
         fake = {e: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     entry_of = {id(tensor): e for e, tensor in fake.items()}
     obj = wrap(fake)
     records = write_skeleton(obj, path)
+    return [(r, entry_of.get(id(t)), t) for r, t in zip(records, tensors_in_pickle_order(obj))]
+
+
+def write_torch(reader: CheckpointReader, entries: list[Entry], path: Path, wrap, progress) -> None:
+    """torch.save(wrap(tensors by entry)) without holding the tensors: the archive is
+    written from fake tensors, then each data record is filled with the real bytes."""
     scratch = _Scratch()
     crcs: dict[str, int] = {}
+    skeleton = entry_skeleton(entries, wrap, path)
     with open(path, "r+b") as f:
-        for record, tensor in zip(records, tensors_in_pickle_order(obj)):
-            entry = entry_of.get(id(tensor))
+        for record, entry, tensor in skeleton:
             data = tensor_bytes(_values(reader, entry, scratch) if entry else tensor)
             if record.size != len(data):
                 raise RuntimeError(f"{record.name} has {record.size} bytes, not {len(data)}")

@@ -24,41 +24,50 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..private_api import fake_tensor_mode
 from ..units.flat_unit import OneResident
 from .consolidate import (
     Entry,
     consolidate,
+    entry_skeleton,
     lightning_wrapper,
     plan,
     plan_optimizer,
     resolve_buffers,
 )
-from .format import ShardedState, param_order, persistent_buffers
+from .format import ShardedState, persistent_buffers
 from .safe_load import CheckpointError
 from .safetensors_io import LazyTensor
-from .save import build_index, raise_agreed, rank_tensors, save, scalar_state
+from .save import build_index, owned_report, raise_agreed, rank_tensors, save
 from .save_agreement import check_safe_load, failure_message
 from .torch_archive import (
     Record,
     patch_crcs,
     record_crc,
     tensor_bytes,
-    tensors_in_pickle_order,
     write_at,
-    write_skeleton,
 )
 
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+def _refuse_without_room(needed: int, folder: Path, beside: str, sharded_is: str) -> None:
+    """Refused before the file is begun when `folder`'s disk cannot hold `needed` bytes,
+    naming the sharded form (`sharded_is`: what it spares)."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise CheckpointError(
+            f"the file needs about {needed / 2**20:.0f} MiB and the disk has "
+            f"{free / 2**20:.0f} MiB free{beside}. Free some space, or save with "
+            f"state_dict_type='sharded' ({sharded_is})."
+        )
 
 
 class _KnownState:
@@ -115,20 +124,12 @@ def save_one_file(
     rank = world.rank
     meta = dict(step=step, compute_dtype=compute_dtype, loss_scaler=loss_scaler)
     if any(s.tensor_sharded for u in state.units for s in u.layout.slots):
-        return _through_a_sharded_copy(state, target, client_state, keys, meta)
+        return _through_a_sharded_copy(state, target, partial, client_state, keys, meta)
     in_memory = OneResident()
     try:
         tensors, written, state_keys = rank_tensors(state, in_memory)
         reports = world.control_all_gather_json(
-            {
-                "wrote": written,
-                "keys": sorted(state_keys),
-                "tensors": sorted(tensors),
-                "scalars": scalar_state(state.optimizer),
-                "order": param_order(state),
-                "crc32": {},
-                "host": socket.gethostname(),
-            },
+            {**owned_report(state, written, state_keys), "tensors": sorted(tensors), "crc32": {}},
             state.device,
         )
         index = build_index(state, reports, step, compute_dtype, loss_scaler)
@@ -188,26 +189,15 @@ def _write_skeleton(
     entries = _entries(known)
     needed = sum(e.nbytes for e in entries)
     partial.parent.mkdir(parents=True, exist_ok=True)  # (Lightning's first checkpoint)
-    free = free_bytes(partial.parent)
-    if needed > free:
-        raise CheckpointError(
-            f"the file needs about {needed / 2**20:.0f} MiB and the disk has "
-            f"{free / 2**20:.0f} MiB free. Free some space, or save with "
-            "state_dict_type='sharded' (each rank its own file)."
-        )
-    with fake_tensor_mode():
-        fake = {e: torch.empty(e.shape, dtype=e.dtype) for e in entries}
-    entry_of = {id(t): e for e, t in fake.items()}
-    obj = lightning_wrapper(known, True, keys)(fake)
-    records = write_skeleton(obj, partial)
+    _refuse_without_room(needed, partial.parent, "", "each rank its own file")
+    skeleton = entry_skeleton(entries, lightning_wrapper(known, True, keys), partial)
     # One serialization, checked whole (the client state with it) as a load will read it;
     # the holes read as zeros.
     check_safe_load(lambda: torch.load(partial, weights_only=True, mmap=True))
     by_source: dict[str, list[list]] = {}
     own: list[list] = []
     with open(partial, "r+b") as f:
-        for record, tensor in zip(records, tensors_in_pickle_order(obj)):
-            entry = entry_of.get(id(tensor))
+        for record, entry, tensor in skeleton:
             if entry is not None:
                 dtype = str(entry.dtype).removeprefix("torch.")
                 by_source.setdefault(_source_key(entry), []).append([record.name, dtype])
@@ -216,7 +206,7 @@ def _write_skeleton(
             write_at(f.fileno(), data, record.offset)
             own.append([record.name, 0, len(data), zlib.crc32(data)])
     return {
-        "records": {r.name: [r.offset, r.size] for r in records},
+        "records": {r.name: [r.offset, r.size] for r, _, _ in skeleton},
         "by_source": by_source,
         "written": own,
     }
@@ -274,6 +264,7 @@ def _finish(partial: Path, target: Path, places: dict[str, Any], parts: list[lis
 def _through_a_sharded_copy(
     state: ShardedState,
     target: Path,
+    partial: Path,
     client_state: dict | None,
     keys: dict[str, Any] | None,
     meta: dict[str, Any],
@@ -285,16 +276,10 @@ def _through_a_sharded_copy(
     save(state, staging, client_state=client_state, **meta)
     error = None
     if state.world.rank == 0:
-        partial = target.with_name(f".{target.name}.partial")
         try:
             needed = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
-            free = free_bytes(target.parent)
-            if needed > free:
-                raise CheckpointError(
-                    f"the file needs about {needed / 2**20:.0f} MiB and the disk has "
-                    f"{free / 2**20:.0f} MiB free beside the sharded copy it is written "
-                    "from. Free some space, or save with state_dict_type='sharded' (no copy)."
-                )
+            beside = " beside the sharded copy it is written from"
+            _refuse_without_room(needed, target.parent, beside, "no copy")
             consolidate(
                 staging, partial, "lightning", with_optimizer=True, show_progress=False, keys=keys
             )

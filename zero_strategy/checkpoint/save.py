@@ -154,14 +154,7 @@ def save(
     tensors.clear()
     recorded.clear()
     everyone = world.control_all_gather_json(
-        {
-            "wrote": written,
-            "keys": sorted(state_keys),
-            "scalars": scalar_state(state.optimizer),
-            "order": param_order(state),
-            "crc32": crcs,
-            "error": error,
-        },
+        {**owned_report(state, written, state_keys), "crc32": crcs, "error": error},
         state.device,
     )
     raise_agreed([r["error"] for r in everyone], final, tmp if rank == 0 else None)
@@ -173,6 +166,19 @@ def save(
         error = attempt(lambda: _finish(tmp, final, index, client_bytes), tmp, final)
     errors = world.control_all_gather_json(error, state.device)
     raise_agreed(errors, final, tmp if rank == 0 else None)
+
+
+def owned_report(
+    state: ShardedState, written: dict[str, dict[str, Any]], state_keys: set[str]
+) -> dict[str, Any]:
+    """What this rank tells the others of what it owns (`rank_tensors`' ranges and state
+    keys, the scalar state, its parameters' order): every rank's make the index."""
+    return {
+        "wrote": written,
+        "keys": sorted(state_keys),
+        "scalars": scalar_state(state.optimizer),
+        "order": param_order(state),
+    }
 
 
 def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> LazyTensor:
