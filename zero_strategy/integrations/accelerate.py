@@ -47,8 +47,8 @@ from zero_strategy.tensor_parallel import tensor_parallel_mesh
 from .accelerate_env import take_deepspeed_env
 from .devices import place_buffers, require_cpu_or_cuda
 from .engine_of import attach, engine_of
-from .joint_models import JointModels, models_trained_by
-from .pairing import one_optimizer_message
+from .joint_models import JointModels
+from .pairing import models_trained_by, one_optimizer_message
 from .private_api import mark_prepared
 from .replica_grads import ReplicatedModels
 from .whole_checkpoint import check_state_dict_type

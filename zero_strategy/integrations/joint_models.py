@@ -10,7 +10,7 @@ calls (its parameters are sharded in place) and nobody calls the container, whos
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -30,19 +30,3 @@ class JointModels(nn.ModuleList):
         """`model`'s entries of the joint state dict, under its own names."""
         prefix = self.prefix_of(model)
         return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-
-
-def models_trained_by(
-    optimizer: torch.optim.Optimizer, models: Iterable[nn.Module]
-) -> list[nn.Module] | None:
-    """The models among `models` that hold parameters of `optimizer` (one, or several
-    when it trains several models together), or None when it also holds a parameter that
-    none of them has."""
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    found = []
-    for model in models:
-        held = wanted & {id(p) for p in model.parameters()}
-        if held:
-            found.append(model)
-            wanted -= held
-    return found if found and not wanted else None

@@ -38,6 +38,22 @@ def model_of(optimizer: torch.optim.Optimizer, models: Iterable[nn.Module]) -> n
     return None
 
 
+def models_trained_by(
+    optimizer: torch.optim.Optimizer, models: Iterable[nn.Module]
+) -> list[nn.Module] | None:
+    """The models among `models` that hold parameters of `optimizer` (one, or several
+    when it trains several models together), or None when it also holds a parameter that
+    none of them has."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = []
+    for model in models:
+        held = wanted & {id(p) for p in model.parameters()}
+        if held:
+            found.append(model)
+            wanted -= held
+    return found if found and not wanted else None
+
+
 def stand_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """A learning-rate-0 SGD for a model that is only evaluated (Lightning's validate or
     test, Fabric's load into a model set up without an optimizer): the engine still owns,
