@@ -58,6 +58,17 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs, phase):
     # The heap forked from pytest (every module it imported) is left out of this rank's
     # collections: a full one (the engine's close runs one) would walk it, ~0.1 s each.
     gc.freeze()
+    # The rank holds the world group it makes until its own end, and lets go of it from
+    # Python. Otherwise a function that destroys the default group (Accelerate's
+    # `end_training()` does) while a torch DDP module is alive leaves the DDP Reducer with
+    # the group's last reference; at the function's return the Reducer is freed holding the
+    # GIL, and `~ProcessGroupGloo` waits for a gloo worker thread that waits for the GIL (to
+    # free a Python object in a finished work's thread-local state): torch's deadlock, the
+    # hangs CI saw in the DDP halves of the Accelerate tests. Released from Python, the
+    # group's binding lets go of the GIL while its threads are joined. (It shows only where
+    # the parent imported DeepSpeed: imported in the rank, DeepSpeed's
+    # `barrier(group=GroupMember.WORLD)` default holds the world group for the rank's life.)
+    world_group = None
     try:
         # A hung rank's stacks, on ask, to the process's own stderr: the test's may be a
         # capture with no file descriptor (capsys), where registering would fail.
@@ -69,6 +80,7 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs, phase):
             world_size=world_size,
             timeout=timedelta(seconds=120),
         )
+        world_group = dist.group.WORLD
         _note_first_line(getattr(fn, "__code__", None), phase)
         result = fn(rank, world_size, *args, **kwargs)
         phase.value = _RETURNED
@@ -84,6 +96,7 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs, phase):
         conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        del world_group
 
 
 def run_world(
@@ -100,13 +113,13 @@ def run_world(
     "ok", "error" (an exception) or "died" (the process was killed, e.g. by an abort).
 
     A world whose hung ranks all stood outside the function (before its first line, or
-    after it returned, sending the result) is started once more, with a note on stderr:
-    twice in CI and once here a forked rank stood still there, its main thread waiting at
-    a call with no Python frame above `_worker` and one other thread with a Python state
-    and none (a C++ thread of the rank's own), a hazard of forking a process that has run
-    torch, which a user's launcher never does (torchrun and Lightning start fresh
-    interpreters). A hang inside the function fails. Either way the hung ranks' Python
-    stacks and, where gdb is installed, their native stacks go to stderr."""
+    after it returned, sending the result) is started once more, with a note on stderr.
+    Those hangs (twice in CI, once here) had the look of torch's Reducer deadlock that
+    `_worker` now avoids (a main thread with no Python frame above `_worker`, one gloo
+    thread with a Python state waiting for the GIL), reached by a garbage collection
+    rather than a return; the retry stays for a cause not yet seen. A hang inside the
+    function fails. Either way the hung ranks' Python stacks and, where gdb is installed,
+    their native stacks go to stderr."""
     try:
         results = _run_once(fn, world_size, args, kwargs, timeout)
     except _HarnessHang as e:
