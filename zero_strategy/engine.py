@@ -549,7 +549,8 @@ class ZeroEngine:
         at any world size and stage; `client_state` must load with weights_only=True.
         `one_file`: one torch file instead, as Lightning's checkpoints are (every rank
         writes its own ranges of it); `keys`: Fabric's names for the model and optimizers
-        in it (Lightning's layout when None)."""
+        in it (Lightning's layout when None; {"model": name}: Lightning's, the model
+        under `name`)."""
         self.wait_for_parameters()
         self.reducer.wait()
         self.optim.settle_writes()

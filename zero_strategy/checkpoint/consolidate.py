@@ -299,11 +299,14 @@ def lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict
     """A Lightning checkpoint: the state dict, the trainer's saved state (the client
     state), and with the optimizer its `optimizer_states`. `keys` ({"model": name,
     "optimizers": [names]}): Fabric's layout instead, each under the name the user saved
-    it by, and no Lightning entries added."""
+    it by, and no Lightning entries added; {"model": name} alone: Lightning's, with the
+    model under `name` (where a callback moved it)."""
     extra = reader.client_state() or {}
     model_key = keys["model"] if keys else "state_dict"
+    optimizer_keys = keys.get("optimizers") if keys else None
+    lightning = optimizer_keys is None
     extra = {k: v for k, v in extra.items() if k not in (model_key, "optimizer_states")}
-    if keys is None:
+    if lightning:
         extra.setdefault("epoch", 0)
         extra.setdefault("global_step", reader.index["step"])
         try:  # the installed Lightning's version, read without importing Lightning
@@ -321,17 +324,17 @@ def lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict
             if e.optimizer_key:
                 elementwise.setdefault(e.source, {})[e.optimizer_key] = t
         states = optimizer_states(reader.index, elementwise)
-        if keys is None:
+        if lightning:
             out["optimizer_states"] = states
         else:
-            out.update((k, s) for k, s in zip(keys["optimizers"], states) if k is not None)
+            out.update((k, s) for k, s in zip(optimizer_keys, states) if k is not None)
         index = reader.index
         out[ENGINE_KEY] = {  # what a resume reads beside the framework's keys
             "step": index["step"],
             "loss_scaler": index["loss_scaler"],
             "optimizer_class": index["optimizer"]["class"],
             "model_key": model_key,
-            "optimizer_keys": keys["optimizers"] if keys else None,
+            "optimizer_keys": optimizer_keys,
         }
         return out
 

@@ -34,6 +34,7 @@ from .lightning_callbacks import (
     shards_parameters,
     user_hooks_between_steps,
 )
+from .lightning_model_state import EngineModelState, after_loading, for_saving, model_key
 from .pairing import stand_in_optimizer
 from .private_api import (
     give_device_mesh,
@@ -345,7 +346,9 @@ def make_strategy(root: str):
         def lightning_module_state_dict(self) -> dict[str, Any]:
             if self.engine is None:
                 return super().lightning_module_state_dict()
-            return {}  # the parameters live in the engine's sharded files
+            # Empty (the engine saves the model from its shards); a marker that a
+            # callback moving the state dict carries along (lightning_model_state.py).
+            return EngineModelState()
 
         def optimizer_state(self, optimizer) -> dict[str, Any]:
             return super().optimizer_state(optimizer) if self.engine is None else {}
@@ -365,9 +368,12 @@ def make_strategy(root: str):
             # may name different ones (each its own temporary directory), and the
             # sharded files must land together.
             filepath = self.broadcast(str(filepath), src=0)
-            client = client_state(checkpoint, drop_keys=("state_dict", "optimizer_states"))
+            key = model_key(checkpoint)
+            leave_out, added = for_saving(checkpoint, key)
+            client = {**client_state(checkpoint, drop_keys=leave_out), **added}
             if self.state_dict_type == "full":
-                self.engine.save_checkpoint(filepath, client_state=client, one_file=True)
+                keys = None if key == "state_dict" else {"model": key}
+                self.engine.save_checkpoint(filepath, client, one_file=True, keys=keys)
                 return
             self.engine.save_checkpoint(str(filepath), client_state=client)
 
@@ -379,13 +385,17 @@ def make_strategy(root: str):
             # Evaluation runs hold a stand-in optimizer: read the model alone.
             fitting = self.lightning_module.trainer.state.fn == "fit"
             client = self.engine.load_checkpoint(str(checkpoint_path), fitting) or {}
-            client.setdefault("state_dict", {})
+            after_loading(client, self.lightning_module)
             return client
 
         def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+            state = checkpoint.get("state_dict")
             if self.engine is None:
                 super().load_model_state_dict(checkpoint, strict)
-            # else loaded by load_checkpoint, sharded
+            elif state and not isinstance(state, EngineModelState):
+                # A callback's in place of the model's (WeightAveraging's averaged
+                # weights): loaded as DDP loads it; the engine loaded the model already.
+                self.lightning_module.load_state_dict(state, strict=strict)
 
         def load_optimizer_state_dict(self, checkpoint) -> None:
             pass
