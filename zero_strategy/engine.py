@@ -405,7 +405,7 @@ class ZeroEngine:
         if self.stage == 3:  # the parameters the full gradients belong to are re-sharded
             self._full_grads.hide(faces=False)
         # The fused kernel wrote the compute copies in the same pass.
-        self._publish_parameters(copies_written=copies_written, after_step=True)
+        self.schedule.publish(copies_written=copies_written, after_step=True)
         self.global_steps += 1
         return True
 
@@ -418,18 +418,6 @@ class ZeroEngine:
         self.reducer.wait()
         if self.optim.zero_grad(optimizer):
             self.reducer.zero_grad()
-
-    def _publish_parameters(self, copies_written: bool = False, after_step: bool = False) -> None:
-        """Make the updated shards visible: compute copies (unless the fused step wrote
-        them; `after_step`, only those of units the step can change: a frozen unit's
-        master is not stepped), then (stages 1-2) every rank's full parameters, (stage 3)
-        units that stay gathered."""
-        for unit in self.units:
-            changed = unit.layout.trainable or not after_step
-            if unit.layout.numel and changed and not copies_written:
-                unit.sync_compute_from_master()
-        self._reads.drop_unwritten()  # gathered by a read: old values, freed unwritten
-        self.schedule.publish()
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:
@@ -560,10 +548,7 @@ class ZeroEngine:
             loss_scaler=self.optim.scaler.state_dict(),
             client_state=client_state,
         )
-        if one_file:
-            self._door.save_one_file(path, keys, **meta)
-        else:
-            self._door.save(path, **meta)
+        self._door.save(path, one_file, keys, **meta)
 
     def load_checkpoint(
         self, path: str | os.PathLike, load_optimizer_states: bool = True
@@ -598,7 +583,7 @@ class ZeroEngine:
     def refresh_from_masters(self) -> None:
         """After the fp32 masters were written from outside (checkpoint, pretrained
         weights): rebuild the compute copies and the full parameters each rank holds."""
-        self._publish_parameters()
+        self.schedule.publish()
         self.wait_for_parameters()
 
     def full_state_dict(

@@ -106,15 +106,21 @@ class StateDoor:
             self.groups.tensor.rank if self.groups.tensor is not None else 0,
         )
 
-    def save(self, path: str | os.PathLike, **meta: Any) -> None:
-        """Write a sharded checkpoint directory (collective); `meta`: step, compute
-        dtype, loss scaler and client state, as `save.save` takes them."""
-        save(self._sharded_state(), path, **meta)
-
-    def save_one_file(self, path: str | os.PathLike, keys: dict | None, **meta: Any) -> int:
-        """Write a one-file checkpoint, every rank its own ranges (collective); `keys`:
-        Fabric's names for the model and optimizers, Lightning's layout when None."""
-        return save_one_file(self._sharded_state(), path, keys=keys, **meta)
+    def save(
+        self,
+        path: str | os.PathLike,
+        one_file: bool = False,
+        keys: dict | None = None,
+        **meta: Any,
+    ) -> None:
+        """Write a sharded checkpoint directory, or with `one_file` one torch file, every
+        rank its own ranges (collective). `meta`: step, compute dtype, loss scaler and
+        client state, as `save.save` takes them; `keys`: the one file's layout (Fabric's
+        names for the model and optimizers; Lightning's when None)."""
+        if one_file:
+            save_one_file(self._sharded_state(), path, keys=keys, **meta)
+        else:
+            save(self._sharded_state(), path, **meta)
 
     def load(self, path: str | os.PathLike, load_optimizer_states: bool) -> LoadedCheckpoint:
         """Read a checkpoint written at any world size and stage into the masters (and
