@@ -30,4 +30,4 @@ def test_a_rank_holds_its_world_group_so_a_ddp_reducer_never_frees_it():
     thread: the hangs CI saw. The rank's own reference keeps the group, and its threads,
     alive until the harness lets go of it from Python. (Without it, this world hangs.)"""
     for result in run_world(_ddp_outlives_the_default_group, 2, timeout=60):
-        assert result["after destroy"] == result["after ddp"] == 2
+        assert result["after destroy"] == result["after ddp"] > 0

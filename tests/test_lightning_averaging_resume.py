@@ -28,7 +28,7 @@ def _strategy(name: str):
     return ZeroStrategy(stage=int(stage), state_dict_type=state_dict_type or "sharded")
 
 
-def _ema(rank, world, strategy, ckpt_dir, resume=None):
+def _ema(rank, world, strategy, ckpt_dir, resume=None, precision="32-true"):
     """EMA over 4 epochs of 4 steps, a checkpoint after each epoch; from `resume`'s."""
     import lightning as L
 
@@ -52,6 +52,7 @@ def _ema(rank, world, strategy, ckpt_dir, resume=None):
         num_sanity_val_steps=0,
         enable_checkpointing=True,
         callbacks=[ema, saves, Record()],
+        precision=precision,
     )
     module = lit_module_class()()
     trainer.fit(
@@ -72,11 +73,24 @@ def _close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "zero3-full", "zero1", "ddp"])
-def test_an_ema_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(strategy, tmp_path):
-    through = run_world(_ema, 2, strategy, str(tmp_path / "through"))[0]
+@pytest.mark.parametrize(
+    ("strategy", "precision"),
+    [
+        ("zero3", "32-true"),
+        ("zero3-full", "32-true"),
+        ("zero1", "32-true"),
+        ("ddp", "32-true"),
+        # bf16 compute copies over fp32 masters: the live weights handed back are the
+        # masters, not the copies (which would round them)
+        ("zero3", "bf16-true"),
+    ],
+)
+def test_an_ema_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(
+    strategy, precision, tmp_path
+):
+    through = run_world(_ema, 2, strategy, str(tmp_path / "through"), None, precision)[0]
     saved = str(tmp_path / "through" / f"epoch={SAVED_AT - 1}.ckpt")
-    resumed = run_world(_ema, 2, strategy, str(tmp_path / "again"), saved)[0]
+    resumed = run_world(_ema, 2, strategy, str(tmp_path / "again"), saved, precision)[0]
     (val, final, averaged), (val_through, final_through, averaged_through) = resumed, through
     torch.testing.assert_close(val, val_through[SAVED_AT:], rtol=1e-5, atol=1e-6)
     _close(final, final_through)  # the live weights (the averaged ones go in at the end)
@@ -97,3 +111,29 @@ def test_the_one_file_holds_the_averaged_weights_where_ddp_does(tmp_path):
     _close(zero["averaging_state"], want["averaging_state"])
     model = lit_module_class().load_from_checkpoint(tmp_path / "zero" / name)
     _close(model.state_dict(), want["state_dict"])
+
+
+def test_a_consolidated_sharded_checkpoint_is_the_one_file_and_resumes(tmp_path):
+    """`zero-strategy consolidate --format lightning` of the sharded checkpoint puts the
+    model where the callback moved it, as the one-file save does; and a one-file
+    checkpoint DDP wrote resumes under zero3 as under DDP."""
+    from zero_strategy.checkpoint.consolidate import consolidate
+
+    run_world(_ema, 2, "zero3", str(tmp_path / "sharded"))
+    run_world(_ema, 2, "zero3-full", str(tmp_path / "full"))
+    name = f"epoch={SAVED_AT - 1}.ckpt"
+    out = tmp_path / "consolidated.ckpt"
+    consolidate(
+        tmp_path / "sharded" / name, out, "lightning", show_progress=False, with_optimizer=True
+    )
+    got = torch.load(out, weights_only=True)
+    want = torch.load(tmp_path / "full" / name, weights_only=True)
+    for key in ("state_dict", "current_model_state", "averaging_state"):
+        _close(got[key], want[key])
+
+    ddp_dir = tmp_path / "ddp"
+    through = run_world(_ema, 2, "ddp", str(ddp_dir))[0]
+    resumed = run_world(_ema, 2, "zero3", str(tmp_path / "again"), str(ddp_dir / name))[0]
+    torch.testing.assert_close(resumed[0], through[0][SAVED_AT:], rtol=1e-5, atol=1e-6)
+    _close(resumed[1], through[1])
+    _close(resumed[2], through[2])

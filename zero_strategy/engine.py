@@ -186,6 +186,7 @@ class ZeroEngine:
             side.norm.note_landed,
             self._on_backward_end,
             written=self._reads,
+            on_masters_changed=self._reads.drop_unwritten,  # freed unwritten: old values
         )
         self.staging, tiers = steps.disk_tiers(  # 8
             cfg, self.units, self.stage, self.groups.global_rank, self._memory.sample
@@ -537,8 +538,7 @@ class ZeroEngine:
         at any world size and stage; `client_state` must load with weights_only=True.
         `one_file`: one torch file instead, as Lightning's checkpoints are (every rank
         writes its own ranges of it); `keys`: Fabric's names for the model and optimizers
-        in it (Lightning's layout when None; {"model": name}: Lightning's, the model
-        under `name`)."""
+        in it (Lightning's layout when None)."""
         self.wait_for_parameters()
         self.reducer.wait()
         self.optim.settle_writes()
@@ -548,7 +548,7 @@ class ZeroEngine:
             loss_scaler=self.optim.scaler.state_dict(),
             client_state=client_state,
         )
-        self._door.save(path, one_file, keys, **meta)
+        self._door.save(path, one_file=one_file, keys=keys, **meta)
 
     def load_checkpoint(
         self, path: str | os.PathLike, load_optimizer_states: bool = True

@@ -33,7 +33,7 @@ import torch
 from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
 from ..private_api import fake_tensor_mode
-from .one_file import ENGINE_KEY
+from .one_file import ENGINE_KEY, MODEL_AT
 from .read import CheckpointReader
 from .state_keys import keys_of_group
 from .torch_archive import (
@@ -297,16 +297,14 @@ def _state_dict(fake: dict[Entry, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict[str, Any] | None):
     """A Lightning checkpoint: the state dict, the trainer's saved state (the client
-    state), and with the optimizer its `optimizer_states`. `keys` ({"model": name,
-    "optimizers": [names]}): Fabric's layout instead, each under the name the user saved
-    it by, and no Lightning entries added; {"model": name} alone: Lightning's, with the
-    model under `name` (where a callback moved it)."""
+    state), and with the optimizer its `optimizer_states`; the model under "state_dict",
+    or where the client state's `MODEL_AT` says a callback moved it. `keys` ({"model":
+    name, "optimizers": [names]}): Fabric's layout instead, each under the name the user
+    saved it by, and no Lightning entries added."""
     extra = reader.client_state() or {}
-    model_key = keys["model"] if keys else "state_dict"
-    optimizer_keys = keys.get("optimizers") if keys else None
-    lightning = optimizer_keys is None
+    model_key = keys["model"] if keys else extra.get(MODEL_AT, "state_dict")
     extra = {k: v for k, v in extra.items() if k not in (model_key, "optimizer_states")}
-    if lightning:
+    if keys is None:
         extra.setdefault("epoch", 0)
         extra.setdefault("global_step", reader.index["step"])
         try:  # the installed Lightning's version, read without importing Lightning
@@ -324,17 +322,17 @@ def lightning_wrapper(reader: CheckpointReader, with_optimizer: bool, keys: dict
             if e.optimizer_key:
                 elementwise.setdefault(e.source, {})[e.optimizer_key] = t
         states = optimizer_states(reader.index, elementwise)
-        if lightning:
+        if keys is None:
             out["optimizer_states"] = states
         else:
-            out.update((k, s) for k, s in zip(optimizer_keys, states) if k is not None)
+            out.update((k, s) for k, s in zip(keys["optimizers"], states) if k is not None)
         index = reader.index
         out[ENGINE_KEY] = {  # what a resume reads beside the framework's keys
             "step": index["step"],
             "loss_scaler": index["loss_scaler"],
             "optimizer_class": index["optimizer"]["class"],
             "model_key": model_key,
-            "optimizer_keys": optimizer_keys,
+            "optimizer_keys": keys["optimizers"] if keys else None,
         }
         return out
 

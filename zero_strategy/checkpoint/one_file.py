@@ -28,6 +28,9 @@ from .state_keys import state_key
 # Where a one-file checkpoint written by this project keeps what a Lightning checkpoint
 # has no place for (read back by `OneFileReader`; Lightning ignores the key).
 ENGINE_KEY = "zero_strategy"
+# A Lightning checkpoint's client-state entry naming the key its model is under, where a
+# callback moved it from "state_dict" (`integrations/lightning_model_state.py`).
+MODEL_AT = "zero_strategy_model_at"
 
 
 def split_one_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -118,8 +118,7 @@ def save_one_file(
 ) -> int:
     """Write the one-file checkpoint `path` (collective). `keys`: Fabric's layout (the
     model and each optimizer under the names the user saved them by); Lightning's when
-    None, or with only {"model": name}, the model under `name`. Returns the bytes of
-    tensor data this rank wrote."""
+    None. Returns the bytes of tensor data this rank wrote."""
     world, target = state.world, Path(path)
     partial = target.with_name(f".{target.name}.partial")
     rank = world.rank

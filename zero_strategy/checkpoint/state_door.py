@@ -109,6 +109,7 @@ class StateDoor:
     def save(
         self,
         path: str | os.PathLike,
+        *,
         one_file: bool = False,
         keys: dict | None = None,
         **meta: Any,

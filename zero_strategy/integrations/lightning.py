@@ -371,11 +371,8 @@ def make_strategy(root: str):
             key = model_key(checkpoint)
             leave_out, added = for_saving(checkpoint, key)
             client = {**client_state(checkpoint, drop_keys=leave_out), **added}
-            if self.state_dict_type == "full":
-                keys = None if key == "state_dict" else {"model": key}
-                self.engine.save_checkpoint(filepath, client, one_file=True, keys=keys)
-                return
-            self.engine.save_checkpoint(str(filepath), client_state=client)
+            one_file = self.state_dict_type == "full"
+            self.engine.save_checkpoint(str(filepath), client, one_file=one_file)
 
         def load_checkpoint(
             self, checkpoint_path, weights_only: bool | None = None
@@ -385,7 +382,7 @@ def make_strategy(root: str):
             # Evaluation runs hold a stand-in optimizer: read the model alone.
             fitting = self.lightning_module.trainer.state.fn == "fit"
             client = self.engine.load_checkpoint(str(checkpoint_path), fitting) or {}
-            after_loading(client, self.lightning_module)
+            after_loading(client, lambda: self.engine.full_state_dict(rank0_only=False))
             return client
 
         def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

@@ -53,7 +53,6 @@ class WrittenValues(Protocol):
     def adopt_unit(
         self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None
     ) -> None: ...
-    def drop_unwritten(self) -> None: ...
 
 
 class _NothingWritten:
@@ -61,9 +60,6 @@ class _NothingWritten:
         return {}
 
     def adopt_unit(self, unit: FlatUnit, written: dict[int, torch.Tensor] | None = None) -> None:
-        pass
-
-    def drop_unwritten(self) -> None:
         pass
 
 

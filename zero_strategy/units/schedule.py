@@ -40,10 +40,11 @@ class UnitSchedule:
         on_grads_landed: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
         written: WrittenValues | None = None,
+        on_masters_changed: Callable[[], None] = lambda: None,
     ):
         self.units = units
         self._on_backward_end = on_backward_end  # the engine's: the gradients are in
-        self._written = written
+        self._on_masters_changed = on_masters_changed
         self.reducer = GradReducer(
             units,
             stage,
@@ -125,16 +126,15 @@ class UnitSchedule:
     def publish(self, copies_written: bool = False, after_step: bool = False) -> None:
         """The masters changed (a step, a load): the compute copies follow (unless the
         fused step wrote them; `after_step`, only those of units the step can change: a
-        frozen unit's master is not stepped), what a read gathered is dropped unwritten
-        (old values), and every rank's whole parameters follow. Stages 1-2 start gathering
-        every unit (the next forward waits per module); stage 3 frees what was held
-        gathered and refreshes the units that stay gathered."""
+        frozen unit's master is not stepped), `on_masters_changed` is told (what a read
+        gathered holds old values), and every rank's whole parameters follow. Stages 1-2
+        start gathering every unit (the next forward waits per module); stage 3 frees what
+        was held gathered and refreshes the units that stay gathered."""
         for unit in self.units:
             changed = unit.layout.trainable or not after_step
             if unit.layout.numel and changed and not copies_written:
                 unit.sync_compute_from_master()
-        if self._written is not None:
-            self._written.drop_unwritten()
+        self._on_masters_changed()
         if self.publisher is not None:
             self.publisher.launch()
         elif self.gather is not None:
