@@ -68,6 +68,7 @@ def _worker(fn, rank, world_size, init_file, conn, args, kwargs, phase):
     # group's binding lets go of the GIL while its threads are joined. (It shows only where
     # the parent imported DeepSpeed: imported in the rank, DeepSpeed's
     # `barrier(group=GroupMember.WORLD)` default holds the world group for the rank's life.)
+    # Only the world group is held: a subgroup destroyed under a live DDP could hang so too.
     world_group = None
     try:
         # A hung rank's stacks, on ask, to the process's own stderr: the test's may be a
