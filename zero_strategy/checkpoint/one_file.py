@@ -33,24 +33,33 @@ ENGINE_KEY = "zero_strategy"
 MODEL_AT = "zero_strategy_model_at"
 
 
+def _layout(checkpoint: Any) -> tuple[str, list[str | None] | None, set[str]]:
+    """Where a one-file checkpoint keeps its model and optimizers (this engine's entry
+    says; Lightning's layout without one): the model's key, the optimizers' keys (None:
+    Lightning's list under "optimizer_states"), and every key that is not client state."""
+    engine = checkpoint.get(ENGINE_KEY, {}) if isinstance(checkpoint, dict) else {}
+    model_key = engine.get("model_key", "state_dict")
+    optimizer_keys = engine.get("optimizer_keys")
+    if optimizer_keys is None:
+        named = ["optimizer_states"]
+    else:
+        named = [k for k in optimizer_keys if k is not None]
+    return model_key, optimizer_keys, {model_key, ENGINE_KEY, *named}
+
+
 def split_one_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A one-file checkpoint's model state dict, and the rest of it (the client state:
     neither the model, nor an optimizer, nor this engine's entry), for a plain module
     (Fabric's load into a module it never set up). Read with weights_only=True and
     mmap=True: the tensors are read as they are copied into the module."""
     checkpoint = safe_torch_load(path, mmap=True)
-    engine = checkpoint.get(ENGINE_KEY, {}) if isinstance(checkpoint, dict) else {}
-    model_key = engine.get("model_key", "state_dict")
+    model_key, _, whole_keys = _layout(checkpoint)
     if not isinstance(checkpoint, dict) or model_key not in checkpoint:
         raise CheckpointError(
             f"{path} holds no model state dict under {model_key!r}: pass a checkpoint a "
             "save wrote (a sharded directory, or one file with the model in it)."
         )
-    optimizer_keys = engine.get("optimizer_keys")
-    if optimizer_keys is None:  # Lightning's layout
-        optimizer_keys = ["optimizer_states"]
-    drop = {model_key, ENGINE_KEY, *(k for k in optimizer_keys if k is not None)}
-    return checkpoint[model_key], {k: v for k, v in checkpoint.items() if k not in drop}
+    return checkpoint[model_key], {k: v for k, v in checkpoint.items() if k not in whole_keys}
 
 
 class OneFileReader:
@@ -66,20 +75,17 @@ class OneFileReader:
         self.path = Path(path)
         self._order = order  # per param group, the engine's parameter names in order
         self.checkpoint = safe_torch_load(self.path, mmap=True)
+        model_key, optimizer_keys, self._whole_keys = _layout(self.checkpoint)
         engine = self.checkpoint.get(ENGINE_KEY, {}) if isinstance(self.checkpoint, dict) else {}
-        model_key = engine.get("model_key", "state_dict")
         if not isinstance(self.checkpoint, dict) or model_key not in self.checkpoint:
             raise CheckpointError(
                 f"{self.path} is not a checkpoint this engine can load: a one-file checkpoint "
                 "is a dict with a 'state_dict' (and 'optimizer_states' to resume), as "
                 "Lightning writes it. Pass the directory a sharded save wrote, or such a file."
             )
-        optimizer_keys = engine.get("optimizer_keys")
         if optimizer_keys is None:  # Lightning's layout: a list under one key
-            self._whole_keys = {model_key, "optimizer_states", ENGINE_KEY}
             optimizers = self.checkpoint.get("optimizer_states")
         else:  # Fabric's: each optimizer under the name it was saved by
-            self._whole_keys = {model_key, *optimizer_keys, ENGINE_KEY}
             optimizers = [self.checkpoint[k] for k in optimizer_keys if k is not None]
         self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
