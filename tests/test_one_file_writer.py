@@ -173,21 +173,28 @@ def test_the_file_written_in_parallel_is_the_consolidated_one(tmp_path, stage, m
         assert 0.3 * total < nbytes < 0.7 * total, (written, total)
 
 
-def _full_disk(rank, world, path):
+def _refused_save(path: str, client_state: dict | None = None):
+    """A one-file save at stage 3 that should be refused: its message, and what the
+    folder holds afterwards (None, [] when it was not refused)."""
     from zero_strategy import ZeroConfig, ZeroEngine
-    from zero_strategy.checkpoint import one_file_writer
     from zero_strategy.checkpoint.safe_load import CheckpointError
 
     model = make_model()
     engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
-    one_file_writer.free_bytes = lambda path: 1024
     try:
-        engine.save_checkpoint(path, one_file=True)
+        engine.save_checkpoint(path, client_state=client_state, one_file=True)
     except CheckpointError as e:
         return str(e), sorted(os.listdir(os.path.dirname(path)))
     finally:
         engine.close()
     return None, []
+
+
+def _full_disk(rank, world, path):
+    from zero_strategy.checkpoint import one_file_writer
+
+    one_file_writer.free_bytes = lambda path: 1024
+    return _refused_save(path)
 
 
 def test_a_disk_without_room_for_the_file_is_refused_before_it_is_begun(tmp_path):
@@ -214,18 +221,7 @@ def test_the_files_folder_is_made_when_missing(tmp_path):
 
 
 def _unsafe_client_state(rank, world, path):
-    from zero_strategy import ZeroConfig, ZeroEngine
-    from zero_strategy.checkpoint.safe_load import CheckpointError
-
-    model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3))
-    try:
-        engine.save_checkpoint(path, client_state={"sampler": random.Random(0)}, one_file=True)
-    except CheckpointError as e:
-        return str(e), sorted(os.listdir(os.path.dirname(path)))
-    finally:
-        engine.close()
-    return None, []
+    return _refused_save(path, client_state={"sampler": random.Random(0)})
 
 
 def test_a_client_state_a_safe_load_refuses_is_refused_and_nothing_is_left(tmp_path):
@@ -233,5 +229,6 @@ def test_a_client_state_a_safe_load_refuses_is_refused_and_nothing_is_left(tmp_p
     read back whole with weights_only=True before any rank writes into it."""
     for message, listed in run_world(_unsafe_client_state, 2, str(tmp_path / "last.ckpt")):
         assert message is not None and "weights_only=True" in message, message
+        assert listed == []
         assert "Keep only tensors, numbers, strings, lists and dicts" in message
         assert listed == []
