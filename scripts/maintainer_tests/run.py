@@ -193,6 +193,27 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float, log: Path) -> int
             proc.wait()
 
 
+def _parametrizations(nodes: list[str], cwd: Path, rootdir: Path, env: dict, work: Path):
+    """Each parametrization of the standalone tests `nodes`, to run in a pytest of its own as
+    Lightning's run_standalone_tests.sh does. Run together, the parametrizations of one
+    function launch their rank-1 processes afresh in each case (Lightning's test fixtures
+    restore the environment the launcher marks itself in), and those run every case from
+    the first, pairing with rank 0's later cases. A node that cannot be collected is kept
+    whole, so that its error is reported."""
+    if not nodes:
+        return []
+    log = work / "collect.log"
+    cmd = [*_pytest_cmd(nodes, rootdir, 60), "--collect-only"]
+    _run(cmd, cwd, env, 600, log)
+    collected = [line.strip() for line in log.read_text().splitlines() if "::" in line]
+    collected = [line for line in collected if not line.startswith("$ ")]
+    expanded = []
+    for node in nodes:
+        cases = [c for c in collected if c == node or c.startswith(node + "[")]
+        expanded += cases or [node]
+    return expanded
+
+
 def _pytest_cmd(targets: list[str], rootdir: Path, per_test: int) -> list[str]:
     return [
         sys.executable,
@@ -295,9 +316,10 @@ def run_pytest_suite(
         if rc is None:
             run.notes.append(f"the pytest run passed its {args.run_timeout}s limit and was killed")
     standalone_env = {**env, "PL_RUN_STANDALONE_TESTS": "1", "ZERO_SWAP_FILTERS": "{}"}
-    for entry in (e for e in entries if e.kind == "standalone"):
+    standalone = [e.target for e in entries if e.kind == "standalone"]
+    for test_id in _parametrizations(standalone, root, rootdir, standalone_env, work):
         _run(
-            _pytest_cmd([entry.target], rootdir, args.per_test_timeout),
+            _pytest_cmd([test_id], rootdir, args.per_test_timeout),
             root,
             standalone_env,
             args.per_test_timeout + 60,
