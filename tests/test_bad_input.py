@@ -85,23 +85,6 @@ class Lion(torch.optim.Optimizer):
                     p.data.add_(p.grad.sign(), alpha=-group["lr"])
 
 
-def _wrap_zero_redundancy_optimizer(rank, world):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = nn.Linear(4, 2)
-    zero_1 = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
-    ZeroEngine(model, zero_1)
-
-
-def test_torchs_zero_redundancy_optimizer_is_refused_naming_the_optimizer_it_wraps():
-    for status, message in run_world(_wrap_zero_redundancy_optimizer, 2, expect_errors=True):
-        assert status == "error"
-        assert (
-            "ZeroRedundancyOptimizer" in message
-            and "torch.optim.Adam(model.parameters()" in message
-        )
-
-
 def test_unknown_optimizer_is_refused_unless_opted_in():
     model = make_model()
     with pytest.raises(UnsupportedOptimizerError, match="allow_untested_optimizer=True"):

@@ -78,6 +78,7 @@ from ..optim.shard_views import (
     group_index_of_params,
     repoint_optimizer,
 )
+from ..optim.zero_redundancy import stepping_optimizer
 from ..tensor_parallel import check_head_counts
 from ..tensor_parallel import check_parameters as check_tensor_parameters
 from ..units.flat_unit import FlatUnit
@@ -89,7 +90,8 @@ from .compiled import unwrap_compiled
 @dataclass
 class Prepared:
     config: ZeroConfig
-    optimizers: list[torch.optim.Optimizer]
+    optimizers: list[torch.optim.Optimizer]  # what steps
+    facing: list[torch.optim.Optimizer]  # the user's objects (`OptimizerSet.facing`)
     optimizer_set: OptimizerSet
     params: list  # partition.ModelParam, each parameter once (tied ones too)
     device: torch.device
@@ -111,10 +113,11 @@ def prepare(
     evaluation_only = optimizer is None
     if evaluation_only and isinstance(model, nn.Module):
         optimizer = torch.optim.SGD(list(model.parameters()), lr=0.0)
-    optimizers = optimizer_list(optimizer, cfg)
+    facing = optimizer_list(optimizer, cfg)
+    optimizers = [stepping_optimizer(opt) for opt in facing]
     for opt in optimizers:
         check_optimizer(opt, cfg.allow_untested_optimizer)
-    optimizer_set = OptimizerSet(optimizers)
+    optimizer_set = OptimizerSet(optimizers, facing)
     if not isinstance(model, nn.Module):
         raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
     model, runner = unwrap_compiled(model)  # sharded under the model's own names
@@ -126,7 +129,9 @@ def prepare(
             "train. Pass the model that holds the trainable parameters."
         )
     device = _resolve_device(params, device)
-    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner, evaluation_only)
+    return Prepared(
+        cfg, optimizers, facing, optimizer_set, params, device, model, runner, evaluation_only
+    )
 
 
 def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:

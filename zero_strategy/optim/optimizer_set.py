@@ -61,8 +61,16 @@ class OptimizerSet:
     """The optimizers of one engine, in order; `group_offsets[k]` is the index of
     optimizer k's first group in the combined `param_groups`."""
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        facing: Sequence[torch.optim.Optimizer] | None = None,
+    ):
         self.optimizers = list(optimizers)
+        # The user's objects, one per optimizer: each is the optimizer, but a torch
+        # ZeroRedundancyOptimizer, which the optimizer it wraps steps for
+        # (`zero_redundancy.py`); the frameworks hold and name these.
+        self.facing = list(facing) if facing is not None else list(optimizers)
         self.group_offsets: list[int] = []
         total = 0
         for opt in self.optimizers:
@@ -83,8 +91,8 @@ class OptimizerSet:
         return "+".join(type(opt).__name__ for opt in self.optimizers)
 
     def index_of(self, optimizer: torch.optim.Optimizer) -> int:
-        for k, opt in enumerate(self.optimizers):
-            if opt is optimizer:
+        for k, (opt, facing) in enumerate(zip(self.optimizers, self.facing)):
+            if optimizer is opt or optimizer is facing:
                 return k
         raise ValueError(
             f"This {type(optimizer).__name__} is not one of the engine's optimizers; step "

@@ -11,7 +11,6 @@ new value depends on that element alone); others are refused unless the user opt
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -48,14 +47,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             "vectors, which cannot be partitioned across ranks. Use an elementwise optimizer "
             "such as AdamW, or train LBFGS without ZeRO (strategy 'ddp')."
         )
-    if _is_zero_redundancy_optimizer(optimizer):
-        inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", "Adam")
-        raise UnsupportedOptimizerError(
-            "torch's ZeroRedundancyOptimizer shards the optimizer state over DDP (ZeRO stage "
-            "1) itself, and ZeroEngine does that sharding: pass the optimizer it wraps, "
-            f"built directly (e.g. torch.optim.{inner}(model.parameters(), lr=...)), and "
-            "choose the stage with the strategy ('zero1' is ZeroRedundancyOptimizer's)."
-        )
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise UnsupportedOptimizerError(
@@ -64,13 +55,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             "its update depends only on each element's own gradient and state, set "
             "ZeroConfig(allow_untested_optimizer=True)."
         )
-
-
-def _is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Read without importing `torch.distributed.optim` (0.2 s of TorchScript compiling
-    per process): an instance exists only once its module has been imported."""
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def check_host_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:

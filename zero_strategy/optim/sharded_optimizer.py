@@ -295,6 +295,9 @@ class ShardedOptimizer:
         )
         self.expose_grads()
         self._run_user_hooks(chosen, before=False)
+        for k in chosen:  # an LR scheduler built on a ZeroRedundancyOptimizer watches it
+            if self.optimizer_set.facing[k] is not self.optimizers[k]:
+                private_api.mark_stepped(self.optimizer_set.facing[k])
         self.scaler.update(False)
         self.grads_unscaled = False
         self._norms.clear()

@@ -1,0 +1,50 @@
+"""torch's `ZeroRedundancyOptimizer` handed to the engine.
+
+It is ZeRO stage 1 over DDP: each rank steps its own part of the parameters and
+broadcasts them. Under the engine that sharding is the engine's, so the optimizer class it
+wraps does the steps, built over the wrapper's own param group dicts (the same dicts, so
+an LR scheduler built on the wrapper changes the learning rate that steps). The wrapper
+stays the user's object: the frameworks hold it, step it and zero it through the engine.
+A DDP user's `configure_optimizers` that returns one trains unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from .shard_views import UnsupportedOptimizerError
+
+
+def is_zero_redundancy_optimizer(optimizer: object) -> bool:
+    """Read without importing `torch.distributed.optim` (0.2 s of TorchScript compiling
+    per process): an instance exists only once its module has been imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that takes `optimizer`'s steps: itself, or for a
+    ZeroRedundancyOptimizer one of the class it wraps, over all of its param groups."""
+    if not is_zero_redundancy_optimizer(optimizer):
+        return optimizer
+    local = getattr(optimizer, "optim", None)  # this rank's part, in the wrapped class
+    if not isinstance(local, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's gradient "
+            "hook, which the ZeRO engine replaces. Build it without overlap_with_ddp, or "
+            "pass the optimizer it wraps, built directly (e.g. torch.optim.AdamW("
+            "model.parameters(), lr=...))."
+        )
+    if local.state:
+        raise UnsupportedOptimizerError(
+            "This ZeroRedundancyOptimizer has stepped already: its state is spread over the "
+            "ranks as DDP's ZeRO-1 keeps it and would be lost. Hand it to the engine before "
+            "its first step, or load its state after, through the engine's checkpoint."
+        )
+    cls = type(local)
+    accepted = inspect.signature(cls).parameters
+    defaults = {k: v for k, v in local.defaults.items() if k in accepted}
+    return cls(optimizer.param_groups, **defaults)
