@@ -3,6 +3,7 @@ optimizer it wraps, and an LR scheduler built on it drives the steps."""
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import pytest
@@ -16,19 +17,22 @@ from zero_strategy import UnsupportedOptimizerError, ZeroConfig, ZeroEngine
 STEPS = 4
 
 
-def _train(rank: int, world: int, stage: int, wrapped: bool):
+def _train(rank: int, world: int, stage: int, wrapped: bool, name: str, offload: str):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     model = make_model()
     groups = decay_groups(model)
+    cls = getattr(torch.optim, name)
     if wrapped:
-        optimizer = ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, lr=LR, betas=(0.9, 0.95)
-        )
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=LR)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95))
+        optimizer = cls(groups, lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+    hooked = []  # a step hook of the user's, on the object it holds
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: hooked.append(opt is optimizer))
+    directory = tempfile.mkdtemp() if offload == "disk" else None
+    config = ZeroConfig(stage=stage, offload_optimizer=offload, offload_dir=directory)
+    engine = ZeroEngine(model, optimizer, config)
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -47,19 +51,26 @@ def _train(rank: int, world: int, stage: int, wrapped: bool):
         "losses": losses,
         "state": state if rank == 0 else None,
         "stepping": type(engine.optim.optimizers[0]).__name__,
+        "hooked": hooked,
         "held": engine.optimizer is optimizer,
         "learning_rates": learning_rates,
         "scheduler_warnings": scheduler_warnings,
     }
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_trains_as_the_optimizer_it_wraps_with_its_scheduler(stage):
-    wrapped = run_world(_train, 2, stage, True)
-    plain = run_world(_train, 2, stage, False)
+@pytest.mark.parametrize(
+    ("stage", "name", "offload"),
+    [(1, "AdamW", "none"), (3, "AdamW", "none"), (1, "Adagrad", "none"), (2, "AdamW", "disk")],
+)
+def test_trains_as_the_optimizer_it_wraps_with_its_scheduler(stage, name, offload):
+    """Adagrad makes its state when built; offload_optimizer="disk" steps in tiles, the
+    user's hooks run around them."""
+    wrapped = run_world(_train, 2, stage, True, name, offload)
+    plain = run_world(_train, 2, stage, False, name, offload)
     for ours, theirs in zip(wrapped, plain):
         assert ours["losses"] == theirs["losses"]
-        assert ours["stepping"] == "AdamW" and ours["held"]
+        assert ours["stepping"] == name and ours["held"]
+        assert ours["hooked"] == theirs["hooked"] == [True] * STEPS
         assert ours["learning_rates"] == [LR * 0.5**STEPS] * 2  # the scheduler's, applied
         assert ours["scheduler_warnings"] == theirs["scheduler_warnings"] == []
     for name, tensor in plain[0]["state"].items():
@@ -76,6 +87,22 @@ def _overlapped(rank, world):
     with pytest.raises(UnsupportedOptimizerError, match="overlap_with_ddp") as error:
         ZeroEngine(model, optimizer, ZeroConfig(stage=1))
     return str(error.value)
+
+
+def _bucket_view(rank, world):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = make_model()
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, parameters_as_bucket_view=True
+    )
+    with pytest.raises(UnsupportedOptimizerError, match="without parameters_as_bucket_view"):
+        ZeroEngine(model, optimizer, ZeroConfig(stage=3))
+
+
+def test_parameters_as_bucket_view_is_refused():
+    """Its buckets would hold a whole copy of the model on each rank."""
+    run_world(_bucket_view, 2)
 
 
 def test_overlap_with_ddp_is_refused_naming_the_fix():

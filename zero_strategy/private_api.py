@@ -173,18 +173,20 @@ def mark_sharded_for_generate(module: torch.nn.Module) -> None:
 
 # ---------------------------------------------------------------- optimizer step hooks
 def user_step_hooks(
-    optimizer: torch.optim.Optimizer, own_hook: int
+    optimizer: torch.optim.Optimizer, own_hook: int, with_global: bool = True
 ) -> tuple[list[Callable], list[Callable]]:
     """The pre- and post-step hooks `optimizer.step()` would run, in torch's order
     (global then own pre-hooks, own then global post-hooks), less the engine's guard
-    (handle id `own_hook`). Read only; torch has no public listing of them."""
+    (handle id `own_hook`); with `with_global=False` its own alone. Read only; torch has
+    no public listing of them."""
+    every = with_global
     pre = [
-        *torch_optimizer._global_optimizer_pre_hooks.values(),
+        *(torch_optimizer._global_optimizer_pre_hooks.values() if every else ()),
         *(h for k, h in optimizer._optimizer_step_pre_hooks.items() if k != own_hook),
     ]
     post = [
         *optimizer._optimizer_step_post_hooks.values(),
-        *torch_optimizer._global_optimizer_post_hooks.values(),
+        *(torch_optimizer._global_optimizer_post_hooks.values() if every else ()),
     ]
     return pre, post
 

@@ -307,14 +307,16 @@ class ShardedOptimizer:
         """With the state offloaded, each optimizer's step runs in tiles: the user's step
         hooks run here instead, once, with every gradient in place, as around one
         `optimizer.step()` (torch's order: global then own pre-hooks, own then global
-        post-hooks)."""
-        if not self.stepped_in_parts:
-            return  # optimizer.step() runs them
-        hooks = [
-            (self.optimizers[k], hook)
-            for k in chosen
-            for hook in user_step_hooks(self.optimizers[k], self.guards[k].id)[0 if before else 1]
-        ]
+        post-hooks). A ZeroRedundancyOptimizer's own hooks always run here: the optimizer
+        stepping for it has none."""
+        hooks = []
+        for k in chosen:
+            facing = self.optimizer_set.facing[k]
+            if self.stepped_in_parts or facing is not self.optimizers[k]:
+                # Whole steps: `optimizer.step()` of the stepping one runs the global hooks.
+                every = self.stepped_in_parts
+                found = user_step_hooks(facing, self.guards[k].id, with_global=every)
+                hooks += [(facing, hook) for hook in found[0 if before else 1]]
         if not hooks:
             return
         with self._every_grad_in_memory(chosen):

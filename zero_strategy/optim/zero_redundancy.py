@@ -38,7 +38,13 @@ def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
             "pass the optimizer it wraps, built directly (e.g. torch.optim.AdamW("
             "model.parameters(), lr=...))."
         )
-    if local.state:
+    if getattr(optimizer, "parameters_as_bucket_view", False):
+        raise UnsupportedOptimizerError(
+            "ZeroRedundancyOptimizer(parameters_as_bucket_view=True) keeps every parameter "
+            "in buckets of its own, a whole copy of the model on each rank beside the "
+            "engine's shards. Build it without parameters_as_bucket_view."
+        )
+    if any(_has_stepped(state) for state in local.state.values()):
         raise UnsupportedOptimizerError(
             "This ZeroRedundancyOptimizer has stepped already: its state is spread over the "
             "ranks as DDP's ZeRO-1 keeps it and would be lost. Hand it to the engine before "
@@ -46,5 +52,11 @@ def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
         )
     cls = type(local)
     accepted = inspect.signature(cls).parameters
-    defaults = {k: v for k, v in local.defaults.items() if k in accepted}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in local.defaults.items() if takes_any or k in accepted}
     return cls(optimizer.param_groups, **defaults)
+
+
+def _has_stepped(state: dict) -> bool:
+    """Adagrad makes its state (a zero step count, the initial sums) when it is built."""
+    return float(state["step"]) > 0 if "step" in state else bool(state)
