@@ -79,7 +79,7 @@ class ZeroEngine:
         prepared = steps.prepare(model, optimizer, config, device)
         model, self._runner = prepared.module, prepared.runner  # out of a compiled wrapper
         self.config, self.device, self.module = prepared.config, prepared.device, model
-        self.optimizers = prepared.facing  # the user's objects
+        self.optimizers = prepared.optimizer_set.facing  # the user's objects
         self.optimizer = self.optimizers[0]
         experts, homes = self._assemble_units(
             model, prepared, placement, device_mesh, param_init_fn

@@ -179,14 +179,13 @@ def user_step_hooks(
     (global then own pre-hooks, own then global post-hooks), less the engine's guard
     (handle id `own_hook`); with `with_global=False` its own alone. Read only; torch has
     no public listing of them."""
-    every = with_global
     pre = [
-        *(torch_optimizer._global_optimizer_pre_hooks.values() if every else ()),
+        *(torch_optimizer._global_optimizer_pre_hooks.values() if with_global else ()),
         *(h for k, h in optimizer._optimizer_step_pre_hooks.items() if k != own_hook),
     ]
     post = [
         *optimizer._optimizer_step_post_hooks.values(),
-        *(torch_optimizer._global_optimizer_post_hooks.values() if every else ()),
+        *(torch_optimizer._global_optimizer_post_hooks.values() if with_global else ()),
     ]
     return pre, post
 

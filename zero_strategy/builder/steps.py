@@ -90,8 +90,7 @@ from .compiled import unwrap_compiled
 @dataclass
 class Prepared:
     config: ZeroConfig
-    optimizers: list[torch.optim.Optimizer]  # what steps
-    facing: list[torch.optim.Optimizer]  # the user's objects (`OptimizerSet.facing`)
+    optimizers: list[torch.optim.Optimizer]  # what steps (the user's: `optimizer_set.facing`)
     optimizer_set: OptimizerSet
     params: list  # partition.ModelParam, each parameter once (tied ones too)
     device: torch.device
@@ -129,9 +128,7 @@ def prepare(
             "train. Pass the model that holds the trainable parameters."
         )
     device = _resolve_device(params, device)
-    return Prepared(
-        cfg, optimizers, facing, optimizer_set, params, device, model, runner, evaluation_only
-    )
+    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner, evaluation_only)
 
 
 def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:

@@ -99,6 +99,11 @@ class OptimizerSet:
             "the optimizers given to ZeroEngine (or returned by configure_optimizers)."
         )
 
+    def wrapper_of(self, k: int) -> torch.optim.Optimizer | None:
+        """The ZeroRedundancyOptimizer optimizer k steps for, or None (it is the user's)."""
+        facing = self.facing[k]
+        return None if facing is self.optimizers[k] else facing
+
     def groups_of(self, k: int) -> range:
         """Combined group indices of optimizer k."""
         return range(

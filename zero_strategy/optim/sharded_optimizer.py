@@ -296,8 +296,8 @@ class ShardedOptimizer:
         self.expose_grads()
         self._run_user_hooks(chosen, before=False)
         for k in chosen:  # an LR scheduler built on a ZeroRedundancyOptimizer watches it
-            if self.optimizer_set.facing[k] is not self.optimizers[k]:
-                private_api.mark_stepped(self.optimizer_set.facing[k])
+            if (wrapper := self.optimizer_set.wrapper_of(k)) is not None:
+                private_api.mark_stepped(wrapper)
         self.scaler.update(False)
         self.grads_unscaled = False
         self._norms.clear()
@@ -312,7 +312,7 @@ class ShardedOptimizer:
         hooks = []
         for k in chosen:
             facing = self.optimizer_set.facing[k]
-            if self.stepped_in_parts or facing is not self.optimizers[k]:
+            if self.stepped_in_parts or self.optimizer_set.wrapper_of(k) is not None:
                 # Whole steps: `optimizer.step()` of the stepping one runs the global hooks.
                 every = self.stepped_in_parts
                 found = user_step_hooks(facing, self.guards[k].id, with_global=every)
