@@ -32,6 +32,17 @@ class _HarnessHang(TimeoutError):
     returned, sending the result): the harness's fork, not the code the test is about."""
 
 
+class _TransportFailure(RuntimeError):
+    """A rank's gloo connections to its peers failed while a group was made ("Gloo
+    connectFullMesh failed ... Connection closed by peer", once in CI with 8 ranks on the
+    runner's cores), and the ranks still connecting waited for it until the harness's
+    deadline: the machine's loopback transport, not the code the test is about."""
+
+
+# gloo's message when a rank could not connect to its peers while a group was made.
+_TRANSPORT_FAILURE = "connectFullMesh failed"
+
+
 def _note_first_line(code, phase) -> None:
     """Set `phase` to _IN_FUNCTION when the frame of `code` runs its first line (tracing
     stops there); at once for a callable without code of its own."""
@@ -120,10 +131,12 @@ def run_world(
     thread with a Python state waiting for the GIL), reached by a garbage collection
     rather than a return; the retry stays for a cause not yet seen. A hang inside the
     function fails. Either way the hung ranks' Python stacks and, where gdb is installed,
-    their native stacks go to stderr."""
+    their native stacks go to stderr. A world where gloo could not connect a rank to its
+    peers (`_TransportFailure`) is started once more too."""
     try:
         results = _run_once(fn, world_size, args, kwargs, timeout)
-    except _HarnessHang as e:
+        _raise_on_transport_failure(results)
+    except (_HarnessHang, _TransportFailure) as e:
         print(f"run_world: {e}; starting the world once more", file=sys.__stderr__)
         results = _run_once(fn, world_size, args, kwargs, timeout)
     if expect_errors:
@@ -172,11 +185,14 @@ def _run_once(
                         results[r] = ("died", f"exit code {p.exitcode}")
                 if time.monotonic() > deadline and len(results) < world_size:
                     hung = [r for r in range(world_size) if r not in results]
+                    # Read before the dump, which takes seconds (gdb): a rank may move on.
+                    where = {r: phases[r].value for r in hung}
                     _dump_stacks([procs[r] for r in hung])
                     message = f"ranks {hung} did not finish within {timeout}s (hang)"
-                    if all(phases[r].value != _IN_FUNCTION for r in hung):
-                        where = {r: _PHASE_NAMES[phases[r].value] for r in hung}
+                    if _IN_FUNCTION not in where.values():
+                        where = {r: _PHASE_NAMES[phase] for r, phase in where.items()}
                         raise _HarnessHang(f"{message}, outside the function: {where}")
+                    _raise_on_transport_failure(results, message)
                     raise TimeoutError(message)
         finally:
             for p in procs:
@@ -189,6 +205,14 @@ def _run_once(
 
 
 _PHASE_NAMES = {_BEFORE: "before its first line", _RETURNED: "after it returned"}
+
+
+def _raise_on_transport_failure(results: dict[int, tuple[str, Any]], hang: str = "") -> None:
+    """Raise _TransportFailure where a rank failed because gloo could not connect it."""
+    for r, (status, payload) in sorted(results.items()):
+        if status == "error" and _TRANSPORT_FAILURE in payload:
+            first = payload.splitlines()[0][:300]
+            raise _TransportFailure(f"{hang + '; ' if hang else ''}rank {r}: {first}")
 
 
 def _dump_stacks(procs: list) -> None:
