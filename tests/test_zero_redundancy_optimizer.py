@@ -258,3 +258,44 @@ def test_accelerate_prepare_takes_one():
     for rank in range(2):
         assert len(ours[rank]) == STEPS
         assert ours[rank] == plain[rank]
+
+
+def _state_calls(rank, world, stage):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = make_model()
+    optimizer = ZeroRedundancyOptimizer(
+        decay_groups(model), optimizer_class=torch.optim.AdamW, lr=LR
+    )
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    errors = {}
+    for call, args in [
+        ("consolidate_state_dict", (0,)),
+        ("state_dict", ()),
+        ("load_state_dict", ({},)),
+    ]:
+        try:
+            getattr(optimizer, call)(*args)
+        except RuntimeError as e:
+            errors[call] = str(e)
+    other = make_model()
+    plain = torch.optim.AdamW(other.parameters(), lr=LR)  # any other optimizer: untouched
+    ZeroEngine(other, plain, ZeroConfig(stage=stage)).close()
+    engine.close()
+    return errors, "state_dict" in vars(plain)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_its_own_state_calls_are_refused_naming_the_engines_checkpoint(stage):
+    """Under DDP a save calls consolidate_state_dict() then state_dict(); here they would
+    hand out the never-stepped inner optimizer's empty state (a resume would restart the
+    moments from zero without a word). Each raises, naming engine.save_checkpoint."""
+    for errors, plain_touched in run_world(_state_calls, 2, stage):
+        assert set(errors) == {"consolidate_state_dict", "state_dict", "load_state_dict"}
+        for call, message in errors.items():
+            assert f"ZeroRedundancyOptimizer.{call}()" in message
+            assert "engine.save_checkpoint(dir)" in message
+        assert not plain_touched

@@ -4,6 +4,8 @@
   (Hugging Face's Trainer, many plain loops) are routed to the engine: at stages 2-3 the
   parameters hold no `.grad` for them to clear. Each optimizer clears its own
   parameters' gradients, the model all of them.
+- A ZeroRedundancyOptimizer's own state calls raise, naming the engine's checkpoint
+  (`optim/zero_redundancy.py`).
 - The root's forward hooks: the engine's bookkeeping before and after every forward
   (written values adopted first, before stage 3 gathers).
 - With several optimizers, `requires_grad` followed before each module's forward (a GAN's
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..model_view.parameter_reads import ParameterReads
 from ..model_view.routed_zero_grad import route_zero_grad
+from ..optim.zero_redundancy import refuse_state_calls
 from ..units.flat_unit import FlatUnit
 from ..units.module_hooks import EngineHook
 
@@ -51,6 +54,7 @@ def wire_model(
     """Install the hooks (`reads`: stage 3's read faces, None at stages 0-2)."""
     for opt in optimizers:
         route_zero_grad(opt, functools.partial(calls.zero_grad, optimizer=opt))
+        refuse_state_calls(opt)
     route_zero_grad(model, calls.zero_grad)
     handles = []
     if len(optimizers) > 1:

@@ -6,10 +6,15 @@ wraps does the steps, built over the wrapper's own param group dicts (the same d
 an LR scheduler built on the wrapper changes the learning rate that steps). The wrapper
 stays the user's object: the frameworks hold it, step it and zero it through the engine.
 A DDP user's `configure_optimizers` that returns one trains unchanged.
+
+Its own `consolidate_state_dict()`, `state_dict()` and `load_state_dict()` would speak for
+the optimizer torch built inside it, which never steps here: a save through them would
+keep an empty state without a word. They raise instead, naming the engine's checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
@@ -60,3 +65,25 @@ def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
 def _has_stepped(state: dict) -> bool:
     """Adagrad makes its state (a zero step count, the initial sums) when it is built."""
     return float(state["step"]) > 0 if "step" in state else bool(state)
+
+
+# The wrapper's calls that read or write the state of the optimizer torch built inside it.
+_STATE_CALLS = ("consolidate_state_dict", "state_dict", "load_state_dict")
+
+
+def refuse_state_calls(optimizer: torch.optim.Optimizer) -> None:
+    """From now on, a ZeroRedundancyOptimizer's state calls raise (see the module's
+    docstring); any other optimizer is left as it is."""
+    if is_zero_redundancy_optimizer(optimizer):
+        for name in _STATE_CALLS:
+            setattr(optimizer, name, functools.partial(_refuse, name))
+
+
+def _refuse(name: str, *args: object, **kwargs: object) -> None:
+    raise RuntimeError(
+        f"ZeroRedundancyOptimizer.{name}() speaks for the optimizer torch built inside it, "
+        "which never steps under the ZeRO engine (the engine shards and steps the state "
+        "itself), so it would save or load nothing. Save and load the optimizer state with "
+        "the engine's checkpoint: engine.save_checkpoint(dir) and engine.load_checkpoint("
+        "dir), which Lightning's, Fabric's and Accelerate's checkpoints call for you."
+    )
