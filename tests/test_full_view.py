@@ -129,7 +129,7 @@ def _clipped_grads_zero(rank, world, stage, clip):
     asked.update({f"blocks.1.{n}": g for n, g in per_module.items()})
     engine.step()
     engine.zero_grad()
-    cleared = all(p.grad is None for p in engine.module.parameters()) or stage < 2
+    cleared = all(p.grad is None for p in engine.module.parameters())
     engine.close()
     return shown, asked, cleared
 
@@ -145,6 +145,52 @@ def test_full_gradients_after_clipping_match_ddp(stage):
         for name, ref in reference.items():
             torch.testing.assert_close(shown[name], ref, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(asked[name], ref, rtol=1e-5, atol=1e-7)
+
+
+def _grad_lifecycle(rank, world, stage):
+    """What a DDP user's loop reads of `.grad`: None before the first backward and after
+    `zero_grad()`, zeros after `zero_grad(set_to_none=False)`, and the averaged gradient
+    after a backward, also when `zero_grad()` came between the forward and the backward
+    (Lightning's manual optimization) and when two backwards accumulate."""
+    if stage is None:
+        model = torch.nn.parallel.DistributedDataParallel(make_model())
+        optimizer = make_optimizer(model.module)
+        params, forward = list(model.module.parameters()), model
+        backward, zero_grad = torch.Tensor.backward, optimizer.zero_grad
+    else:
+        engine = _engine(stage)
+        params, forward = list(engine.module.parameters()), engine
+        backward, zero_grad = engine.backward, engine.zero_grad
+    seen = {"before": [p.grad is None for p in params]}
+    x, y = local_batch(0, 0, rank, world)
+    backward(forward(x, y))
+    seen["after_backward"] = [p.grad.clone() for p in params]
+    zero_grad()
+    seen["after_zero_grad"] = [p.grad is None for p in params]
+    loss = forward(x, y)
+    zero_grad()  # between the forward and its backward
+    backward(loss)
+    seen["zeroed_before_backward"] = [p.grad.clone() for p in params]
+    x2, y2 = local_batch(0, 1, rank, world)
+    backward(forward(x2, y2))  # accumulates onto the last one
+    seen["accumulated"] = [p.grad.clone() for p in params]
+    zero_grad(set_to_none=False)
+    seen["zeros"] = [p.grad is not None and not p.grad.any() for p in params]
+    if stage is not None:
+        engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_grad_reads_as_a_ddp_models_through_zero_grad_at_stages_0_and_1(stage):
+    ddp = run_world(_grad_lifecycle, 2, None)
+    zero = run_world(_grad_lifecycle, 2, stage)
+    for ours, reference in zip(zero, ddp):
+        for key in ("before", "after_zero_grad", "zeros"):
+            assert ours[key] == reference[key] == [True] * len(reference[key]), key
+        for key in ("after_backward", "zeroed_before_backward", "accumulated"):
+            for got, want in zip(ours[key], reference[key]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def _grads_without_option(rank, world, stage):

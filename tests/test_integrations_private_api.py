@@ -29,6 +29,23 @@ def test_layer_sync_is_what_sync_batchnorm_sets():
     assert "_layer_sync" in inspect.getsource(accelerator_connector)
 
 
+@pytest.mark.parametrize("root", ["lightning.pytorch", "pytorch_lightning"])
+def test_the_wrappers_optimizers_hands_out_run_the_optimizers_own_zero_grad(root):
+    import importlib
+
+    strategies = importlib.import_module(f"{root}.strategies")
+    module = importlib.import_module(f"{root}.core.module")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    calls = []
+    opt.zero_grad = lambda *args, **kwargs: calls.append((args, kwargs))
+    strategy = strategies.SingleDeviceStrategy(device="cpu")
+    strategy.optimizers = [opt]
+    api.route_lightning_optimizers_zero_grad(strategy)
+    strategy._lightning_optimizers[0].zero_grad(set_to_none=False)
+    assert calls == [((), {"set_to_none": False})]
+    assert "_lightning_optimizers" in inspect.getsource(module.LightningModule.optimizers)
+
+
 def test_a_modules_device_mesh_dtype_and_device_are_what_it_reports():
     module = L.LightningModule()
     mesh = object()

@@ -176,6 +176,11 @@ def _gan(rank, world, strategy, shared=False):
     from lightning_helpers import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
+    def cleared(optimizer, model_params) -> tuple[bool, bool]:
+        """Whether the optimizer's parameters, and the model's it steps, read .grad None."""
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        return all(p.grad is None for p in held), all(p.grad is None for p in model_params)
+
     class GAN(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -188,6 +193,7 @@ def _gan(rank, world, strategy, shared=False):
             )
             self.automatic_optimization = False
             self.losses: list[float] = []
+            self.cleared: list[list[bool]] = []  # .grad is None after each zero_grad()
 
         def training_step(self, batch, batch_idx):
             (real,) = batch
@@ -203,6 +209,7 @@ def _gan(rank, world, strategy, shared=False):
             self.clip_gradients(opt_g, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
             opt_g.step()
             opt_g.zero_grad()
+            self.cleared.append(cleared(opt_g, self.g_params()))
             self.untoggle_optimizer(opt_g)
             self.toggle_optimizer(opt_d)
             d_loss = bce(self.discriminator(real), torch.ones(real.shape[0], 1)) + bce(
@@ -211,15 +218,19 @@ def _gan(rank, world, strategy, shared=False):
             self.manual_backward(d_loss)
             opt_d.step()
             opt_d.zero_grad()
+            self.cleared.append(cleared(opt_d, self.discriminator.parameters()))
             self.untoggle_optimizer(opt_d)
             self.losses.append((g_loss.item(), d_loss.item()))
 
-        def configure_optimizers(self):
+        def g_params(self) -> list[torch.nn.Parameter]:
             g_params = list(self.generator.parameters())
             if shared:
                 g_params += list(self.discriminator[0].parameters())
+            return g_params
+
+        def configure_optimizers(self):
             return (
-                torch.optim.Adam(g_params, lr=1e-2),
+                torch.optim.Adam(self.g_params(), lr=1e-2),
                 torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9),
             )
 
@@ -228,7 +239,7 @@ def _gan(rank, world, strategy, shared=False):
     trainer = quiet_trainer(world, strategy, max_epochs=1)
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=4))
     final = final_parameters(trainer, module)
-    return module.losses, final
+    return module.losses, final, module.cleared
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["disjoint", "shared"])
@@ -236,7 +247,10 @@ def _gan(rank, world, strategy, shared=False):
 def test_two_optimizers_with_manual_optimization_match_ddp(stage, shared):
     ddp = run_world(_gan, 2, "ddp_find_unused_parameters_true", shared)
     ours = run_world(_gan, 2, f"zero{stage}", shared)
-    assert_matches_ddp(ours, ddp, n_losses=6)
+    assert_matches_ddp([r[:2] for r in ours], [r[:2] for r in ddp], n_losses=6)
+    for (*_, cleared), (*_, ddp_cleared) in zip(ours, ddp):
+        assert cleared == ddp_cleared  # each optimizer's zero_grad() leaves None, as DDP's
+        assert ddp_cleared == [(True, True)] * 12
 
 
 def _fit_twice(rank, world, strategy):
@@ -285,7 +299,7 @@ def _manual(rank, world, strategy):
     return module.losses, module.grads_after_step
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_manual_optimization_with_one_optimizer_matches_ddp(stage):
     ddp = run_world(_manual, 2, "ddp")
     ours = run_world(_manual, 2, f"zero{stage}")

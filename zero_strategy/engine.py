@@ -413,12 +413,12 @@ class ZeroEngine:
     def zero_grad(
         self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
-        """Zero the gradient buffers: all, or those of `optimizer`'s parameters (what its
-        own `zero_grad()` does). They are kept allocated; `set_to_none` is accepted for
-        API compatibility."""
+        """Zero the gradients: all, or those of `optimizer`'s parameters (what its own
+        `zero_grad()` does). The buffers stay allocated; `.grad` reads None afterwards
+        (zeros at stages 0-1 with `set_to_none=False`), as a DDP model's does."""
         self.reducer.wait()
-        if self.optim.zero_grad(optimizer):
-            self.reducer.zero_grad()
+        if self.optim.zero_grad(optimizer, set_to_none):
+            self.reducer.zero_grad(set_to_none)
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:

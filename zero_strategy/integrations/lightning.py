@@ -39,6 +39,7 @@ from .pairing import stand_in_optimizer
 from .private_api import (
     give_device_mesh,
     layer_sync,
+    route_lightning_optimizers_zero_grad,
     run_after_closure,
 )
 from .strategy_config import (
@@ -263,6 +264,8 @@ def make_strategy(root: str):
                 device_mesh=self._device_mesh,
             )
             attach(model, self.engine)
+            if trainer.state.fn == "fit":  # opt.zero_grad() in a step: the engine's at once
+                route_lightning_optimizers_zero_grad(self)
             self.model = model
             if self.pretrained is not None and existing is None:
                 self.engine.load_pretrained(self.pretrained)

@@ -39,6 +39,15 @@ def layer_sync(strategy: Any) -> Any:
     return strategy._layer_sync
 
 
+def route_lightning_optimizers_zero_grad(strategy: Any) -> None:
+    """`Strategy._lightning_optimizers`: the `LightningOptimizer`s that
+    `LightningModule.optimizers()` hands out. A wrapper runs the optimizer class's methods
+    on itself, so the `zero_grad` the engine put on the optimizer object is not what
+    `opt.zero_grad()` in a training step runs: each wrapper gets its optimizer's."""
+    for wrapper in strategy._lightning_optimizers:
+        wrapper.zero_grad = wrapper.optimizer.zero_grad
+
+
 def give_device_mesh(module: Any, mesh: Any) -> None:
     """`LightningModule._device_mesh`: what `self.device_mesh` reads in `configure_model`
     (a read-only property, written the same way by Lightning's ModelParallelStrategy)."""

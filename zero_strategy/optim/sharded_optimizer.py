@@ -454,7 +454,7 @@ class ShardedOptimizer:
             )
 
     # ---------------------------------------------------------------- zero_grad
-    def zero_grad(self, optimizer=None) -> bool:
+    def zero_grad(self, optimizer=None, set_to_none: bool = True) -> bool:
         """Zero the gradient shards of `optimizer`'s groups here; returns True when every
         group is to be zeroed (the engine then also zeroes the reducer's buffers)."""
         self.mirror.hide()
@@ -462,6 +462,10 @@ class ShardedOptimizer:
         self._norms.clear()
         if groups is not None:
             self.zero_groups(groups)
+            if set_to_none and self.stage < 2:
+                for unit in self.units:
+                    if unit.grad_full is not None:
+                        unit.detach_param_grads(groups)
             return False
         self.norm.clear()
         for view in self.views:

@@ -210,8 +210,6 @@ class FlatUnit:
             # them (a freshly built engine, pretrained weights loading into it).
             self._grad_opt = self._on_host(None, fill=False)
             self._grads_untouched = True
-        if self.grad_full is not None:
-            self.attach_param_grads()
 
     def gather_input(self, target: torch.Tensor) -> torch.Tensor:
         """Stage 3: this rank's shard on the training device, as the input of its gather
@@ -388,11 +386,22 @@ class FlatUnit:
             self.on_freed(self)
 
     def attach_param_grads(self) -> None:
-        """Stages 0-1: each trainable param's .grad is a view of the flat gradient buffer,
-        so autograd accumulates in place and the bucket is reduced without a copy."""
+        """Stages 0-1: each trainable param's .grad that reads None becomes a view of the
+        flat gradient buffer, so autograd accumulates in place and the bucket is reduced
+        without a copy. A `.grad` autograd has just written is left for the reducer to
+        copy in."""
         for slot, p in zip(self.layout.slots, self.params):
-            if slot.trainable:
+            if slot.trainable and p.grad is None:
                 set_local_grad(p, self.grad_full[slot.offset : slot.end].view(slot.shape))
+
+    def detach_param_grads(self, groups: set[int] | None = None) -> None:
+        """Stages 0-1: `.grad` reads None (for the params in any of `groups`, or all), as
+        a DDP model's does after `zero_grad()`, until the next backward attaches the views.
+        A parameter two optimizers step loses its gradient to either's `zero_grad()`, as
+        its one `.grad` does in one process."""
+        for slot, p in zip(self.layout.slots, self.params):
+            if slot.trainable and (groups is None or not groups.isdisjoint(slot.groups)):
+                set_local_grad(p, None)
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """Every distinct gradient tensor of this unit, each element once: scaling or

@@ -250,6 +250,8 @@ class GradReducer:
             self._callback_queued = True
             for unit in self.units:  # (the first backward writes them first)
                 unit.prepare_grads()
+                if self.stage < 2 and unit.grad_full is not None:
+                    unit.attach_param_grads()  # None since zero_grad(): the views again
             queue_backward_callback(self._finish_backward)
             self._turns = self._start_turns() if self.sync else None
             if self.sync:
@@ -658,7 +660,9 @@ class GradReducer:
         waiting = sum(_nbytes(t) for t in self._waiting_turn())
         return self._sent_bytes + filling + waiting, self.pool.free_bytes
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget every gradient. At stages 0-1 the buffers stay allocated and `.grad`
+        reads None (`set_to_none`) or zeros until the next backward."""
         # A backward that raised half way left its per-backward state (its end-of-backward
         # callback never ran): finish what it sent and start the next one clean.
         self.wait()
@@ -678,7 +682,10 @@ class GradReducer:
                 self._written.pop(unit.layout.index, None)
             elif unit.grad_full is not None:
                 fill_no_gradient(unit.grad_full)
-                unit.attach_param_grads()
+                if set_to_none:
+                    unit.detach_param_grads()
+                else:
+                    unit.attach_param_grads()
 
 
 def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):
