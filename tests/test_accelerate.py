@@ -110,6 +110,27 @@ def test_accumulate_reduces_gradients_once_per_step():
     assert accumulated == single > 0
 
 
+def _grad_after_zero_grad(rank, world, kind, stage):
+    accelerator = _accelerator(kind, stage, accum=1)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    seen = []
+    for set_to_none in (True, False):
+        x, y = local_batch(0, 0, rank, world)
+        accelerator.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        grads = [p.grad for p in model.parameters()]
+        seen.append(all(g is None if set_to_none else not g.any() for g in grads))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1])  # (stages 2-3 read None after either)
+def test_zero_grad_leaves_none_or_zeros_as_under_plain_accelerate(stage):
+    ddp = run_world(_grad_after_zero_grad, 2, "ddp", stage)
+    assert run_world(_grad_after_zero_grad, 2, "zero", stage) == ddp == [[True, True]] * 2
+
+
 def test_save_state_then_load_state_continues_exactly(tmp_path):
     ckpt = str(tmp_path / "state")
     full = run_world(_loop, 2, "zero", 3, range(STEPS), ckpt)

@@ -170,7 +170,8 @@ class ZeroOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
-            self.engine.zero_grad(optimizer=self._own())
+            to_none = True if set_to_none is None else set_to_none  # torch's default
+            self.engine.zero_grad(set_to_none=to_none, optimizer=self._own())
 
     def _own(self) -> torch.optim.Optimizer | None:
         """The optimizer to step or clear: this one where the engine has several (a
