@@ -166,11 +166,7 @@ class ShardedOptimizer:
         cleared |= self.mirror.cleared()
         if self.stage < 2:
             cleared |= {
-                gi
-                for u in self.units
-                for s, p in zip(u.layout.slots, u.params)
-                if s.trainable and p.grad is None
-                for gi in s.groups
+                gi for u in self.units for s in u.grads_cleared_elsewhere() for gi in s.groups
             }
         return cleared
 

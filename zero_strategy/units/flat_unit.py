@@ -99,6 +99,7 @@ class FlatUnit:
         self._grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
         self._grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self._grads_untouched = False  # its memory taken, not yet written (`grad_opt`)
+        self._detached: set[int] = set()  # stages 0-1: params whose .grad the engine hid
         self._persistent = stage < 3  # stage 3: the scheduler's residency rule
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
@@ -393,15 +394,24 @@ class FlatUnit:
         for slot, p in zip(self.layout.slots, self.params):
             if slot.trainable and p.grad is None:
                 set_local_grad(p, self.grad_full[slot.offset : slot.end].view(slot.shape))
+        self._detached.clear()
 
     def detach_param_grads(self, groups: set[int] | None = None) -> None:
         """Stages 0-1: `.grad` reads None (for the params in any of `groups`, or all), as
         a DDP model's does after `zero_grad()`, until the next backward attaches the views.
         A parameter two optimizers step loses its gradient to either's `zero_grad()`, as
         its one `.grad` does in one process."""
-        for slot, p in zip(self.layout.slots, self.params):
+        for index, (slot, p) in enumerate(zip(self.layout.slots, self.params)):
             if slot.trainable and (groups is None or not groups.isdisjoint(slot.groups)):
                 set_local_grad(p, None)
+                self._detached.add(index)
+
+    def grads_cleared_elsewhere(self) -> Iterator[ParamSlot]:
+        """Stages 0-1: the slots whose `.grad` went None since the views were attached, by
+        a `zero_grad()` or `p.grad = None` that did not come through the engine."""
+        for index, (slot, p) in enumerate(zip(self.layout.slots, self.params)):
+            if slot.trainable and p.grad is None and index not in self._detached:
+                yield slot
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """Every distinct gradient tensor of this unit, each element once: scaling or
