@@ -166,7 +166,7 @@ class ShardedOptimizer:
         cleared |= self.mirror.cleared()
         if self.stage < 2:
             cleared |= {
-                gi for u in self.units for s in u.grads_cleared_elsewhere() for gi in s.groups
+                gi for u in self.units for s in u.param_grads.cleared_elsewhere() for gi in s.groups
             }
         return cleared
 
@@ -461,7 +461,7 @@ class ShardedOptimizer:
             if set_to_none and self.stage < 2:
                 for unit in self.units:
                     if unit.grad_full is not None:
-                        unit.detach_param_grads(groups)
+                        unit.param_grads.hide(groups)
             return False
         self.norm.clear()
         for view in self.views:

@@ -32,9 +32,9 @@ from ..tensor_parallel import (
     local_tensor,
     match_local_dtype,
     on_storage_of_its_own,
-    set_local_grad,
 )
 from .no_gradient import fill_no_gradient, no_gradient
+from .param_grads import ParamGradViews
 from .storage_pool import StoragePool
 
 
@@ -99,7 +99,7 @@ class FlatUnit:
         self._grad_full: torch.Tensor | None = None  # compute dtype, padded_numel
         self._grad_opt: torch.Tensor | None = None  # master dtype over [opt_start, opt_end)
         self._grads_untouched = False  # its memory taken, not yet written (`grad_opt`)
-        self._detached: set[int] = set()  # stages 0-1: params whose .grad the engine hid
+        self.param_grads = ParamGradViews(layout.slots, params)  # stages 0-1: `.grad` views
         self._persistent = stage < 3  # stage 3: the scheduler's residency rule
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         # Stage 3: what each freed parameter shows, made once (`_free_storage_views`).
@@ -385,33 +385,6 @@ class FlatUnit:
             copy.untyped_storage().resize_(0)
         if self.on_freed is not None:
             self.on_freed(self)
-
-    def attach_param_grads(self) -> None:
-        """Stages 0-1: each trainable param's .grad that reads None becomes a view of the
-        flat gradient buffer, so autograd accumulates in place and the bucket is reduced
-        without a copy. A `.grad` autograd has just written is left for the reducer to
-        copy in."""
-        for slot, p in zip(self.layout.slots, self.params):
-            if slot.trainable and p.grad is None:
-                set_local_grad(p, self.grad_full[slot.offset : slot.end].view(slot.shape))
-        self._detached.clear()
-
-    def detach_param_grads(self, groups: set[int] | None = None) -> None:
-        """Stages 0-1: `.grad` reads None (for the params in any of `groups`, or all), as
-        a DDP model's does after `zero_grad()`, until the next backward attaches the views.
-        A parameter two optimizers step loses its gradient to either's `zero_grad()`, as
-        its one `.grad` does in one process."""
-        for index, (slot, p) in enumerate(zip(self.layout.slots, self.params)):
-            if slot.trainable and (groups is None or not groups.isdisjoint(slot.groups)):
-                set_local_grad(p, None)
-                self._detached.add(index)
-
-    def grads_cleared_elsewhere(self) -> Iterator[ParamSlot]:
-        """Stages 0-1: the slots whose `.grad` went None since the views were attached, by
-        a `zero_grad()` or `p.grad = None` that did not come through the engine."""
-        for index, (slot, p) in enumerate(zip(self.layout.slots, self.params)):
-            if slot.trainable and p.grad is None and index not in self._detached:
-                yield slot
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """Every distinct gradient tensor of this unit, each element once: scaling or

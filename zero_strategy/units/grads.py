@@ -251,7 +251,7 @@ class GradReducer:
             for unit in self.units:  # (the first backward writes them first)
                 unit.prepare_grads()
                 if self.stage < 2 and unit.grad_full is not None:
-                    unit.attach_param_grads()  # None since zero_grad(): the views again
+                    unit.param_grads.show(unit.grad_full)  # hidden since zero_grad()
             queue_backward_callback(self._finish_backward)
             self._turns = self._start_turns() if self.sync else None
             if self.sync:
@@ -683,9 +683,9 @@ class GradReducer:
             elif unit.grad_full is not None:
                 fill_no_gradient(unit.grad_full)
                 if set_to_none:
-                    unit.detach_param_grads()
+                    unit.param_grads.hide()
                 else:
-                    unit.attach_param_grads()
+                    unit.param_grads.show(unit.grad_full)
 
 
 def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):

@@ -1,0 +1,48 @@
+"""Stages 0-1: each parameter's `.grad` as a view of its unit's flat gradient buffer.
+
+Autograd then accumulates in place and the buffer is reduced without a copy. From a
+`zero_grad()` to the next backward the views are hidden (`.grad` reads None, as a DDP
+model's does); which ones the engine hid is remembered, so that they are not taken for a
+`zero_grad()` or `p.grad = None` that bypassed the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..layout.partition import ParamSlot
+from ..tensor_parallel import set_local_grad
+
+
+class ParamGradViews:
+    def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter]):
+        self._slots = slots
+        self._params = params  # aligned with slots
+        self._hidden: set[int] = set()
+
+    def show(self, buffer: torch.Tensor) -> None:
+        """Each trainable param's `.grad` that reads None becomes its view of `buffer`. A
+        `.grad` autograd has just written is left for the reducer to copy in."""
+        for slot, p in zip(self._slots, self._params):
+            if slot.trainable and p.grad is None:
+                set_local_grad(p, buffer[slot.offset : slot.end].view(slot.shape))
+        self._hidden.clear()
+
+    def hide(self, groups: set[int] | None = None) -> None:
+        """`.grad` reads None for the params in any of `groups` (all when None) until the
+        next `show`. A parameter two optimizers step loses its gradient to either's
+        `zero_grad()`, as its one `.grad` does in one process."""
+        for index, (slot, p) in enumerate(zip(self._slots, self._params)):
+            if slot.trainable and (groups is None or not groups.isdisjoint(slot.groups)):
+                set_local_grad(p, None)
+                self._hidden.add(index)
+
+    def cleared_elsewhere(self) -> Iterator[ParamSlot]:
+        """The slots whose `.grad` went None since the last `show`, other than by `hide`:
+        a `zero_grad()` or `p.grad = None` that did not come through the engine."""
+        for index, (slot, p) in enumerate(zip(self._slots, self._params)):
+            if slot.trainable and p.grad is None and index not in self._hidden:
+                yield slot
