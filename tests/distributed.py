@@ -35,8 +35,9 @@ class _HarnessHang(TimeoutError):
 class _TransportFailure(RuntimeError):
     """A rank's gloo connections to its peers failed while a group was made ("Gloo
     connectFullMesh failed ... Connection closed by peer", once in CI: a 4-rank world
-    beside another test's on the runner's cores), and the ranks still connecting waited for it until the harness's
-    deadline: the machine's loopback transport, not the code the test is about."""
+    beside another test's on the runner's cores), and the ranks still connecting waited
+    for it until the harness's deadline: the machine's loopback transport, not the code
+    the test is about."""
 
 
 # gloo's message when a rank could not connect to its peers while a group was made.

@@ -193,7 +193,7 @@ def _gan(rank, world, strategy, shared=False):
             )
             self.automatic_optimization = False
             self.losses: list[float] = []
-            self.cleared: list[list[bool]] = []  # .grad is None after each zero_grad()
+            self.cleared: list[tuple[bool, bool]] = []  # after each zero_grad()
 
         def training_step(self, batch, batch_idx):
             (real,) = batch
