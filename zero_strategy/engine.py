@@ -598,6 +598,23 @@ class ZeroEngine:
         self.optim.settle_writes()
         return self._door.full_state_dict(rank0_only, trainable_only)
 
+    def full_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = True
+    ) -> dict[str, Any]:
+        """`optimizer`'s whole state as torch's `state_dict()` of it unsharded has it
+        (parameters numbered as torch numbers them), in CPU memory, assembled one
+        parameter at a time; empty on other ranks when `rank0_only`. Collective.
+        `optimizer`: which of the engine's, when it has several."""
+        positions, _ = self.optim.chosen(optimizer)
+        if len(positions) != 1:
+            raise ValueError(
+                f"The engine has {len(positions)} optimizers: name the one whose state you "
+                "want, full_optimizer_state_dict(optimizer)."
+            )
+        self.wait_for_parameters()
+        self.optim.settle_writes()
+        return self._door.full_optimizer_states(rank0_only)[positions[0]]
+
     # ================================================================ lifecycle
     def close(self, wait: bool = True) -> None:
         """Finish the work in flight and destroy the engine's process groups (local, not

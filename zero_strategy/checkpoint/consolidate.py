@@ -156,10 +156,11 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
             hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
             groups.append({**hyper, "params": list(names[g])})
             for name in names[g]:
-                first = index["params"][name]["group"]
+                first_group = index["params"][name]["group"]
+                stored_keys = list(elementwise.get(name, ()))
                 own = {
                     key: elementwise[name][stored]
-                    for stored, key in keys_of_group(list(elementwise.get(name, ())), g, first)
+                    for stored, key in keys_of_group(stored_keys, g, first_group)
                 }
                 if own:  # a tensor of its own each: Adam steps it in place
                     scalars = {

@@ -70,7 +70,7 @@ def _refuse_without_room(needed: int, folder: Path, beside: str, sharded_is: str
         )
 
 
-class _KnownState:
+class KnownState:
     """What consolidation's planning asks of a checkpoint (its index, which state each
     parameter has, the client state, the buffers), answered from what the ranks reported
     before anything is written."""
@@ -92,7 +92,7 @@ class _KnownState:
         return self._buffers[name]
 
 
-def _entries(known: _KnownState) -> list[Entry]:
+def _entries(known: KnownState) -> list[Entry]:
     """What the file holds: the model in its masters' precision, then every optimizer's
     elementwise state (consolidation's plan, so the two writers make the same file)."""
     weights = resolve_buffers(known, plan(known, None, False, masters=True))
@@ -185,7 +185,7 @@ def _write_skeleton(
     client = dict(client_state) if client_state is not None else None
     buffers = {name: b.detach().cpu() for name, b in persistent_buffers(state.module)}
     names = {n for r in reports for n in r["tensors"]}
-    known = _KnownState(partial, index, names, client, buffers)
+    known = KnownState(partial, index, names, client, buffers)
     entries = _entries(known)
     needed = sum(e.nbytes for e in entries)
     partial.parent.mkdir(parents=True, exist_ok=True)  # (Lightning's first checkpoint)

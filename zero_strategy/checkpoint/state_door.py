@@ -23,6 +23,7 @@ from ..tensor_parallel import full_tensor, match_local_dtype
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
 from .format import LoadedCheckpoint, ShardedState, persistent_buffers
+from .full_optimizer import full_optimizer_states
 from .load import load
 from .one_file_writer import save_one_file
 from .pretrained import load_pretrained
@@ -158,6 +159,10 @@ class StateDoor:
         for name, buf in persistent_buffers(self.module):
             out[name] = buf.detach().to("cpu", copy=True)
         return out
+
+    def full_optimizer_states(self, rank0_only: bool = True) -> list[dict[str, Any]]:
+        """torch's `state_dict()` of each optimizer, whole, in CPU memory (collective)."""
+        return full_optimizer_states(self._sharded_state(), rank0_only)
 
     def _add_unit(
         self,
