@@ -46,6 +46,43 @@ def test_the_wrappers_optimizers_hands_out_run_the_optimizers_own_zero_grad(root
     assert "_lightning_optimizers" in inspect.getsource(module.LightningModule.optimizers)
 
 
+@pytest.mark.parametrize("root", ["lightning.pytorch", "pytorch_lightning"])
+def test_a_checkpoint_being_dumped_is_told_from_a_users_call(root, tmp_path):
+    """Lightning's save asks the strategy for the model's and optimizers' state from
+    `_CheckpointConnector.dump_checkpoint`; a user's own call does not come from there."""
+    import importlib
+
+    pl = importlib.import_module(root)
+    demos = importlib.import_module(f"{root}.demos.boring_classes")
+    asked = []
+
+    class Probe(pl.strategies.SingleDeviceStrategy):
+        def lightning_module_state_dict(self):
+            asked.append(("model", api.dumping_a_checkpoint()))
+            return super().lightning_module_state_dict()
+
+        def optimizer_state(self, optimizer):
+            asked.append(("optimizer", api.dumping_a_checkpoint()))
+            return super().optimizer_state(optimizer)
+
+    trainer = pl.Trainer(
+        strategy=Probe(device="cpu"),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = demos.BoringModel()
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    assert asked == [("model", True), ("optimizer", True)]
+    asked.clear()
+    trainer.strategy.lightning_module_state_dict()
+    trainer.strategy.optimizer_state(trainer.optimizers[0])
+    assert asked == [("model", False), ("optimizer", False)]
+
+
 def test_a_modules_device_mesh_dtype_and_device_are_what_it_reports():
     module = L.LightningModule()
     mesh = object()

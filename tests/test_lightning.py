@@ -528,6 +528,47 @@ def test_model_summary_and_state_dict_after_fit_see_the_full_model():
             assert torch.equal(value, result["masters"][name]), name
 
 
+def _strategy_state_after_fit(rank, world, strategy, ckpt):
+    from lightning_helpers import lit_module_class, loader, quiet_trainer
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    if strategy != "ddp":
+        strategy = ZeroStrategy(stage=int(strategy[-1]), state_dict_type="full")
+    module = lit_module_class()()
+    trainer = quiet_trainer(world, strategy, max_steps=3)
+    trainer.fit(module, loader(n_batches=3, world=world))
+    state = trainer.strategy.lightning_module_state_dict()
+    optimizer = trainer.strategy.optimizer_state(module.optimizers())
+    trainer.save_checkpoint(ckpt)  # a save after the user's calls writes the same
+    return state, optimizer
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_strategys_model_and_optimizer_state_are_ddps_on_rank_0(stage, tmp_path):
+    """`trainer.strategy.lightning_module_state_dict()` and `.optimizer_state(opt)` called
+    by user code hand the whole state, as DDP's (in its order, torch's numbering), on rank
+    0 and nothing elsewhere, as FSDPStrategy's "full"; Lightning's own save still gets the
+    marker and writes from the shards: the checkpoint holds what was handed out."""
+    ddp = run_world(_strategy_state_after_fit, 2, "ddp", str(tmp_path / "ddp.ckpt"))
+    path = tmp_path / "zero.ckpt"
+    (state, optimizer), rest = run_world(_strategy_state_after_fit, 2, f"zero{stage}", str(path))
+    assert rest == ({}, {})
+    ddp_state, ddp_optimizer = ddp[0]
+    assert list(state) == list(ddp_state)
+    torch.testing.assert_close(state, ddp_state, rtol=1e-5, atol=1e-6)
+    assert optimizer["param_groups"] == ddp_optimizer["param_groups"]
+    torch.testing.assert_close(optimizer["state"], ddp_optimizer["state"], rtol=1e-4, atol=1e-7)
+    saved = torch.load(path, weights_only=True)
+    torch.testing.assert_close(saved["state_dict"], state, rtol=0, atol=0)
+    by_name = saved["optimizer_states"][0]["state"]
+    names = [n for g in saved["optimizer_states"][0]["param_groups"] for n in g["params"]]
+    for i, name in enumerate(names):
+        torch.testing.assert_close(by_name[name], optimizer["state"][i], rtol=0, atol=0)
+
+
 def _validate_from_a_checkpoint_in_a_fresh_trainer(rank, world, ckpt):
     from lightning_helpers import lit_module_class, loader, quiet_trainer
 

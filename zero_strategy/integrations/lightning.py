@@ -34,9 +34,16 @@ from .lightning_callbacks import (
     shards_parameters,
     user_hooks_between_steps,
 )
-from .lightning_model_state import EngineModelState, after_loading, for_saving, model_key
+from .lightning_model_state import (
+    EngineModelState,
+    after_loading,
+    for_saving,
+    in_module_order,
+    model_key,
+)
 from .pairing import stand_in_optimizer
 from .private_api import (
+    dumping_a_checkpoint,
     give_device_mesh,
     layer_sync,
     route_lightning_optimizers_zero_grad,
@@ -347,14 +354,26 @@ def make_strategy(root: str):
             return self.engine is None  # else the engine restores its sharded state
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
+            """The whole model's state on rank 0 (fp32, in CPU memory, gathered one unit
+            at a time; empty elsewhere), as FSDPStrategy's "full" hands it. Collective.
+            When Lightning fills a checkpoint with it: an empty marker that a callback
+            moving the state dict carries along (`lightning_model_state.py`), the engine
+            writing the model from its shards."""
             if self.engine is None:
                 return super().lightning_module_state_dict()
-            # Empty (the engine saves the model from its shards); a marker that a
-            # callback moving the state dict carries along (lightning_model_state.py).
-            return EngineModelState()
+            if dumping_a_checkpoint():
+                return EngineModelState()
+            return in_module_order(self.engine.full_state_dict(), self.lightning_module)
 
         def optimizer_state(self, optimizer) -> dict[str, Any]:
-            return super().optimizer_state(optimizer) if self.engine is None else {}
+            """torch's `state_dict()` of `optimizer` unsharded, on rank 0 (empty
+            elsewhere). Collective. Empty when a checkpoint is filled: the engine writes
+            the optimizer state from its shards."""
+            if self.engine is None:
+                return super().optimizer_state(optimizer)
+            if dumping_a_checkpoint():
+                return {}
+            return self.engine.full_optimizer_state_dict(optimizer)
 
         def save_checkpoint(
             self, checkpoint: dict[str, Any], filepath, storage_options=None

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch import nn
+
 from ..checkpoint.one_file import MODEL_AT
 
 # Where the model goes when a callback replaced "state_dict" and kept no marker.
@@ -29,6 +31,22 @@ _LIVE_WEIGHTS = "current_model_state"
 class EngineModelState(dict):
     """Empty: the model is in the engine's shards. Found by type among the checkpoint's
     top-level entries."""
+
+
+def in_module_order(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """`state`'s entries in the order `module.state_dict()` lists them (each module's
+    parameters, then its buffers, then its children's), which `engine.full_state_dict()`
+    does not keep (it goes unit by unit)."""
+    order: dict[str, None] = {}
+    for prefix, child in module.named_modules(remove_duplicate=False):
+        head = f"{prefix}." if prefix else ""
+        named = (
+            *child.named_parameters(recurse=False, remove_duplicate=False),
+            *child.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        order.update((head + name, None) for name, _ in named)
+    listed = {name: state[name] for name in order if name in state}
+    return {**listed, **state}  # (anything else after)
 
 
 def model_key(checkpoint: Mapping[str, Any]) -> str:

@@ -20,6 +20,7 @@ Two process-wide effects remain, each because no public route exists:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 CHECKED_AGAINST = {"lightning": "2.6.6", "accelerate": "1.16.0", "transformers": "5.24.0"}
@@ -46,6 +47,24 @@ def route_lightning_optimizers_zero_grad(strategy: Any) -> None:
     `opt.zero_grad()` in a training step runs: each wrapper gets its optimizer's."""
     for wrapper in strategy._lightning_optimizers:
         wrapper.zero_grad = wrapper.optimizer.zero_grad
+
+
+def dumping_a_checkpoint(max_depth: int = 8) -> bool:
+    """Whether Lightning's `_CheckpointConnector.dump_checkpoint` is asking (its frame
+    within `max_depth` of the caller's): there `Strategy.lightning_module_state_dict()`
+    and `optimizer_state()` fill the checkpoint `Strategy.save_checkpoint` then gets,
+    which the ZeRO strategy writes from the shards, so it hands markers instead of
+    gathering the whole state. Lightning tells a strategy no other way; its FSDP and
+    DeepSpeed strategies gather there, or drop what they were given."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        own = frame.f_locals.get("self") if frame.f_code.co_name == "dump_checkpoint" else None
+        if type(own).__name__ == "_CheckpointConnector":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def give_device_mesh(module: Any, mesh: Any) -> None:
