@@ -54,6 +54,32 @@ def test_fabric_zero3_matches_ddp():
         assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b, strict=True))
 
 
+def _optimizer_state_after_steps(rank, world, strategy):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model))
+    for step in range(2):
+        fabric.backward(model(*local_batch(step, 0, rank, world)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric.strategy.get_optimizer_state(optimizer)
+
+
+def test_fabric_get_optimizer_state_is_ddps_on_rank_0():
+    """`fabric.strategy.get_optimizer_state(optimizer)`: torch's state dict of the whole
+    optimizer on rank 0 (empty elsewhere), as DDP's, not this rank's shards."""
+    ddp = run_world(_optimizer_state_after_steps, 2, "ddp")
+    ours, rest = run_world(_optimizer_state_after_steps, 2, "zero3")
+    assert rest == {}
+    assert ours["param_groups"] == ddp[0]["param_groups"]
+    import torch
+
+    torch.testing.assert_close(ours["state"], ddp[0]["state"], rtol=1e-4, atol=1e-7)
+
+
 def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     full = run_world(_loop, 2, "zero3", 10, ckpt)

@@ -193,6 +193,61 @@ def test_grad_reads_as_a_ddp_models_through_zero_grad_at_stages_0_and_1(stage):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+class _PartlyUsed(torch.nn.Module):
+    """`unused` takes part in no forward; `rank0_only` in rank 0's alone (globally used)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 4)
+        self.rank0_only = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        if dist.get_rank() == 0:
+            h = self.rank0_only(h)
+        return h.square().mean()
+
+
+def _unused_grads(rank, world, stage):
+    model = _PartlyUsed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if stage is None:
+        forward = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        step = optimizer.step
+    else:
+        forward = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+        step = forward.step
+    names = [n for n, _ in model.named_parameters()]
+    seen = []
+    for i in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
+        forward(x).backward()
+        seen.append({n: p.grad is None for n, p in zip(names, model.parameters())})
+        step()
+        optimizer.zero_grad() if stage is None else forward.zero_grad()
+    if stage is not None:
+        forward.wait_for_parameters()  # the last step's gathers (stages 1-2)
+    weights = {n: p.detach().clone() for n, p in zip(names, model.parameters())}
+    if stage is not None:
+        forward.close()
+    return seen, weights
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage):
+    """DDP (`find_unused_parameters=True`) leaves `.grad` None for a parameter no rank's
+    forward used, and gives one used on some ranks only its averaged gradient everywhere;
+    the optimizer then leaves the unused one as it is."""
+    ddp = run_world(_unused_grads, 2, None)
+    ours = run_world(_unused_grads, 2, stage)
+    for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
+        assert seen == ddp_seen
+        assert all(seen[0][n] == n.startswith("unused.") for n in seen[0])
+        torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
+
+
 def _grads_without_option(rank, world, stage):
     engine = _engine(stage)
     x, y = local_batch(0, 0, rank, world)

@@ -303,6 +303,14 @@ class ZeroFabricStrategy(DDPStrategy):
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
         self._require_engine("fabric.clip_gradients()").clip_grad_value_(float(clip_val), optimizer)
 
+    def get_optimizer_state(self, optimizer) -> dict[str, Any]:
+        """torch's `state_dict()` of `optimizer` unsharded, on rank 0 (empty elsewhere),
+        as Fabric's FSDP strategy hands a full state. Collective. Before the model is
+        sharded, the optimizer's own (it holds the whole state then)."""
+        if self.engine is None:
+            return super().get_optimizer_state(optimizer)
+        return self.engine.full_optimizer_state_dict(optimizer)
+
     def save_checkpoint(
         self, path, state: dict[str, Any], storage_options=None, filter=None
     ) -> None:

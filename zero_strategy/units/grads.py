@@ -44,7 +44,7 @@ from ..private_api import (
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 from .flat_unit import FlatUnit
 from .host_landing import HostLandings
-from .no_gradient import fill_no_gradient, no_gradient
+from .no_gradient import fill_no_gradient, got_no_gradient, no_gradient
 from .reduction_order import MISSING, Entry, ReductionOrder, Turns
 
 # Stages 2-3: at most this many full-size gradient buffers are being reduced at once;
@@ -401,10 +401,27 @@ class GradReducer:
             self.wait()
             self._launched.clear()
             self.order.agree()
+            if self.stage < 2:
+                self._hide_ungiven()
         self._turns = None
         self._direct.clear()
         self._ready.clear()
         self.on_backward_end()
+
+    def _hide_ungiven(self) -> None:
+        """Stages 0-1, a synchronised backward's gradients in: a parameter no rank gave a
+        gradient to since `zero_grad()` (its reduced range all "no gradient") reads None,
+        as DDP leaves a globally unused parameter's `.grad`. One host sync, after the
+        reductions (`got_no_gradient`)."""
+        shown = [
+            (unit, index, piece)
+            for unit in self.units
+            if unit.grad_full is not None
+            for index, piece in unit.param_grads.shown_ranges(unit.grad_full)
+        ]
+        for (unit, index, _), none in zip(shown, got_no_gradient([p for _, _, p in shown])):
+            if none:
+                unit.param_grads.hide_at(index)
 
     # ---------------------------------------------------------------- reduction
     def _reduces_directly(self, unit: FlatUnit) -> bool:

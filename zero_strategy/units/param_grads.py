@@ -2,7 +2,8 @@
 
 Autograd then accumulates in place and the buffer is reduced without a copy. From a
 `zero_grad()` to the next backward the views are hidden (`.grad` reads None, as a DDP
-model's does); which ones the engine hid is remembered, so that they are not taken for a
+model's does), and after a synchronised backward so are those of the parameters no rank
+gave a gradient to (as DDP with `find_unused_parameters=True` leaves them); which ones the engine hid is remembered, so that they are not taken for a
 `zero_grad()` or `p.grad = None` that bypassed the engine.
 """
 
@@ -39,6 +40,20 @@ class ParamGradViews:
             if slot.trainable and (groups is None or not groups.isdisjoint(slot.groups)):
                 set_local_grad(p, None)
                 self._hidden.add(index)
+
+    def shown_ranges(self, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(index, its range of `buffer`) of each trainable param whose `.grad` is shown."""
+        return [
+            (index, buffer[slot.offset : slot.end])
+            for index, (slot, p) in enumerate(zip(self._slots, self._params))
+            if slot.trainable and p.grad is not None
+        ]
+
+    def hide_at(self, index: int) -> None:
+        """`.grad` reads None for the param at `index` until the next `show`: no rank
+        gave it a gradient, and DDP leaves a globally unused parameter's `.grad` None."""
+        set_local_grad(self._params[index], None)
+        self._hidden.add(index)
 
     def cleared_elsewhere(self) -> Iterator[ParamSlot]:
         """The slots whose `.grad` went None since the last `show`, other than by `hide`:
