@@ -20,7 +20,7 @@ from .consolidate import optimizer_states, plan_optimizer
 from .format import ShardedState
 from .one_file_writer import KnownState
 from .safe_load import CheckpointError
-from .save import build_index, owned_report, rank_tensors
+from .save import build_index, reported_tensors
 
 
 def full_optimizer_states(state: ShardedState, rank0_only: bool = True) -> list[dict[str, Any]]:
@@ -36,11 +36,7 @@ def full_optimizer_states(state: ShardedState, rank0_only: bool = True) -> list[
     keep = not rank0_only or world.rank == 0
     in_memory = OneResident()
     try:
-        tensors, written, state_keys = rank_tensors(state, in_memory)
-        reports = world.control_all_gather_json(
-            {**owned_report(state, written, state_keys), "tensors": sorted(tensors), "crc32": {}},
-            state.device,
-        )
+        tensors, written, reports = reported_tensors(state, in_memory)
         index = build_index(state, reports, 0, torch.float32, {})
         names = {n for r in reports for n in r["tensors"]}
         known = KnownState(None, index, names, None, {})

@@ -43,7 +43,7 @@ from .consolidate import (
 from .format import ShardedState, persistent_buffers
 from .safe_load import CheckpointError
 from .safetensors_io import LazyTensor
-from .save import build_index, owned_report, raise_agreed, rank_tensors, save
+from .save import build_index, raise_agreed, reported_tensors, save
 from .save_agreement import check_safe_load, failure_message
 from .torch_archive import (
     Record,
@@ -127,11 +127,7 @@ def save_one_file(
         return _through_a_sharded_copy(state, target, partial, client_state, keys, meta)
     in_memory = OneResident()
     try:
-        tensors, written, state_keys = rank_tensors(state, in_memory)
-        reports = world.control_all_gather_json(
-            {**owned_report(state, written, state_keys), "tensors": sorted(tensors), "crc32": {}},
-            state.device,
-        )
+        tensors, written, reports = reported_tensors(state, in_memory)
         index = build_index(state, reports, step, compute_dtype, loss_scaler)
         # 2. Rank 0: the skeleton, and where each rank's tensors go.
         places, error = {}, None

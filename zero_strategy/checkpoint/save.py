@@ -181,6 +181,19 @@ def owned_report(
     }
 
 
+def reported_tensors(
+    state: ShardedState, in_memory: OneResident
+) -> tuple[dict[str, LazyTensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """This rank's tensors and ranges (`rank_tensors`), and every rank's report of them
+    (collective): what the writers of whole tensors (one file, or memory) plan from."""
+    tensors, written, state_keys = rank_tensors(state, in_memory)
+    reports = state.world.control_all_gather_json(
+        {**owned_report(state, written, state_keys), "tensors": sorted(tensors), "crc32": {}},
+        state.device,
+    )
+    return tensors, written, reports
+
+
 def _recording(name: str, value: LazyTensor, crcs: dict[str, list[int]]) -> LazyTensor:
     """`value`, whose chunk checksums land in `crcs[name]` when it is produced."""
 
