@@ -194,19 +194,24 @@ def test_grad_reads_as_a_ddp_models_through_zero_grad_at_stages_0_and_1(stage):
 
 
 class _PartlyUsed(torch.nn.Module):
-    """`unused` takes part in no forward; `rank0_only` in rank 0's alone (globally used)."""
+    """`unused` takes part in no forward; `rank0_only` in rank 0's alone (globally used);
+    `early` in the first two steps only."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Linear(4, 4)
         self.rank0_only = torch.nn.Linear(4, 4)
+        self.early = torch.nn.Linear(4, 4)
         self.unused = torch.nn.Linear(4, 4)
+        self.step = 0
 
     def forward(self, x):
         h = self.body(x)
         if dist.get_rank() == 0:
             h = self.rank0_only(h)
+        if self.step < 2:
+            h = self.early(h)
         return h.square().mean()
 
 
@@ -221,12 +226,15 @@ def _unused_grads(rank, world, stage):
         step = forward.step
     names = [n for n, _ in model.named_parameters()]
     seen = []
-    for i in range(2):
+    for i in range(3):
+        model.step = i
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
         forward(x).backward()
         seen.append({n: p.grad is None for n, p in zip(names, model.parameters())})
         step()
-        optimizer.zero_grad() if stage is None else forward.zero_grad()
+        to_none = i != 1  # zeros after the second step: `early` then steps with zeros
+        optimizer.zero_grad(to_none) if stage is None else forward.zero_grad(to_none)
+        seen.append({n: p.grad is None for n, p in zip(names, model.parameters())})
     if stage is not None:
         forward.wait_for_parameters()  # the last step's gathers (stages 1-2)
     weights = {n: p.detach().clone() for n, p in zip(names, model.parameters())}
@@ -239,12 +247,15 @@ def _unused_grads(rank, world, stage):
 def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage):
     """DDP (`find_unused_parameters=True`) leaves `.grad` None for a parameter no rank's
     forward used, and gives one used on some ranks only its averaged gradient everywhere;
-    the optimizer then leaves the unused one as it is."""
+    the optimizer then leaves the unused one as it is. After `zero_grad(set_to_none=False)`
+    a parameter that had a gradient keeps its zeros through a backward that leaves it out,
+    and Adam steps it with them (its momentum moves it); one that had none stays None."""
     ddp = run_world(_unused_grads, 2, None)
     ours = run_world(_unused_grads, 2, stage)
     for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
         assert seen == ddp_seen
         assert all(seen[0][n] == n.startswith("unused.") for n in seen[0])
+        assert not seen[4]["early.weight"] and seen[3]["unused.weight"]
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
 
 

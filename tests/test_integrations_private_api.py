@@ -65,8 +65,18 @@ def test_a_checkpoint_being_dumped_is_told_from_a_users_call(root, tmp_path):
             asked.append(("optimizer", api.dumping_a_checkpoint()))
             return super().optimizer_state(optimizer)
 
+    class AskingCallback(pl.Callback):  # user code asking during a save
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            trainer.strategy.lightning_module_state_dict()
+            trainer.strategy.optimizer_state(trainer.optimizers[0])
+
+    class Subclass(Probe):  # a user's subclass: its super() chain is still the save's
+        def lightning_module_state_dict(self):
+            return super().lightning_module_state_dict()
+
     trainer = pl.Trainer(
-        strategy=Probe(device="cpu"),
+        strategy=Subclass(device="cpu"),
+        callbacks=[AskingCallback()],
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -76,7 +86,7 @@ def test_a_checkpoint_being_dumped_is_told_from_a_users_call(root, tmp_path):
     model = demos.BoringModel()
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "a.ckpt")
-    assert asked == [("model", True), ("optimizer", True)]
+    assert asked == [("model", True), ("optimizer", True), ("model", False), ("optimizer", False)]
     asked.clear()
     trainer.strategy.lightning_module_state_dict()
     trainer.strategy.optimizer_state(trainer.optimizers[0])

@@ -613,7 +613,7 @@ class ZeroEngine:
             )
         self.wait_for_parameters()
         self.optim.settle_writes()
-        return self._door.full_optimizer_states(rank0_only)[positions[0]]
+        return self._door.full_optimizer_state(positions[0], rank0_only)
 
     # ================================================================ lifecycle
     def close(self, wait: bool = True) -> None:

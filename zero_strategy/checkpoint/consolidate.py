@@ -110,13 +110,16 @@ def plan(
     return out
 
 
-def plan_optimizer(reader: CheckpointReader) -> list[Entry]:
+def plan_optimizer(reader: CheckpointReader, groups: range | None = None) -> list[Entry]:
     """Every parameter's elementwise optimizer state (masters' dtype), group by group in
-    the optimizer's order (a parameter that two optimizers step: each one's state)."""
+    the optimizer's order (a parameter that two optimizers step: each one's state); of
+    the param groups `groups` alone when given."""
     params = reader.index["params"]
     keys = reader.index["optimizer"]["elementwise_state"]
     out: list[Entry] = []
     for g, names in enumerate(_group_names(reader.index)):
+        if groups is not None and g not in groups:
+            continue
         for name in names:
             meta = params[name]
             dtype = _master_dtype(meta)

@@ -7,6 +7,12 @@ for a save, and each tensor is assembled from them one at a time (a sum of disjo
 ranges), so no rank holds more than one parameter's state besides what it returns. The
 scalar state (Adam's `step`) is its param group's; parameters are numbered as torch
 numbers them, group after group.
+
+Where it is not torch's: the engine steps each param group's shard whole, so a parameter
+that no rank ever gave a gradient has an entry (zero moments) where torch has none, and
+the step count is the group's (torch counts per parameter: a parameter skipped in some
+steps has fewer). The hyperparameters are those a checkpoint records (JSON: a tensor
+learning rate comes back a float).
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from .safe_load import CheckpointError
 from .save import build_index, reported_tensors
 
 
-def full_optimizer_states(state: ShardedState, rank0_only: bool = True) -> list[dict[str, Any]]:
-    """torch's `state_dict()` of each of the engine's optimizers, in CPU memory (empty
-    dicts on ranks other than 0 when `rank0_only`). Collective."""
+def full_optimizer_state(
+    state: ShardedState, position: int, rank0_only: bool = True
+) -> dict[str, Any]:
+    """torch's `state_dict()` of the engine's optimizer at `position`, in CPU memory (an
+    empty dict on ranks other than 0 when `rank0_only`). Collective."""
     if any(s.tensor_sharded for u in state.units for s in u.layout.slots):
         raise CheckpointError(
             "The whole optimizer state of a tensor-parallel model is not assembled in "
@@ -40,8 +48,11 @@ def full_optimizer_states(state: ShardedState, rank0_only: bool = True) -> list[
         index = build_index(state, reports, 0, torch.float32, {})
         names = {n for r in reports for n in r["tensors"]}
         known = KnownState(None, index, names, None, {})
+        counts = index["optimizer"]["groups_per_optimizer"]
+        first = sum(counts[:position])
+        groups = range(first, first + counts[position])
         elementwise: dict[str, dict[str, torch.Tensor]] = {}
-        for entry in plan_optimizer(known):  # the same order on every rank
+        for entry in plan_optimizer(known, groups):  # the same order on every rank
             numel = 1
             for s in entry.shape:
                 numel *= s
@@ -59,8 +70,8 @@ def full_optimizer_states(state: ShardedState, rank0_only: bool = True) -> list[
     finally:
         in_memory.close()
     if not keep:
-        return [{} for _ in state.optimizer.optimizers]
-    return [numbered(s) for s in optimizer_states(index, elementwise)]
+        return {}
+    return numbered(optimizer_states(index, elementwise)[position])
 
 
 def numbered(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from ..tensor_parallel import full_tensor, match_local_dtype
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
 from .format import LoadedCheckpoint, ShardedState, persistent_buffers
-from .full_optimizer import full_optimizer_states
+from .full_optimizer import full_optimizer_state
 from .load import load
 from .one_file_writer import save_one_file
 from .pretrained import load_pretrained
@@ -160,9 +160,10 @@ class StateDoor:
             out[name] = buf.detach().to("cpu", copy=True)
         return out
 
-    def full_optimizer_states(self, rank0_only: bool = True) -> list[dict[str, Any]]:
-        """torch's `state_dict()` of each optimizer, whole, in CPU memory (collective)."""
-        return full_optimizer_states(self._sharded_state(), rank0_only)
+    def full_optimizer_state(self, position: int, rank0_only: bool = True) -> dict[str, Any]:
+        """torch's `state_dict()` of the optimizer at `position`, whole, in CPU memory
+        (collective)."""
+        return full_optimizer_state(self._sharded_state(), position, rank0_only)
 
     def _add_unit(
         self,

@@ -49,22 +49,24 @@ def route_lightning_optimizers_zero_grad(strategy: Any) -> None:
         wrapper.zero_grad = wrapper.optimizer.zero_grad
 
 
-def dumping_a_checkpoint(max_depth: int = 8) -> bool:
-    """Whether Lightning's `_CheckpointConnector.dump_checkpoint` is asking (its frame
-    within `max_depth` of the caller's): there `Strategy.lightning_module_state_dict()`
-    and `optimizer_state()` fill the checkpoint `Strategy.save_checkpoint` then gets,
-    which the ZeRO strategy writes from the shards, so it hands markers instead of
-    gathering the whole state. Lightning tells a strategy no other way; its FSDP and
-    DeepSpeed strategies gather there, or drop what they were given."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return False
-        own = frame.f_locals.get("self") if frame.f_code.co_name == "dump_checkpoint" else None
-        if type(own).__name__ == "_CheckpointConnector":
-            return True
-        frame = frame.f_back
-    return False
+def dumping_a_checkpoint() -> bool:
+    """Whether Lightning's `_CheckpointConnector` asks, filling a checkpoint: the caller
+    of the strategy method calling this (past a subclass's `super()` chain of it) is
+    `_get_lightning_module_state_dict` or `dump_checkpoint`. There the ZeRO strategy
+    hands markers (the checkpoint `Strategy.save_checkpoint` then gets is written from
+    the shards) instead of gathering the whole state; a callback's or the module's
+    `on_save_checkpoint` asking during the same save gets the whole state, as any user
+    code does. Lightning tells a strategy no other way."""
+    method = sys._getframe(1)
+    caller = method.f_back
+    while caller is not None and caller.f_code.co_name == method.f_code.co_name:
+        caller = caller.f_back
+    if caller is None or caller.f_code.co_name not in _CHECKPOINT_CONNECTOR_ASKS:
+        return False
+    return type(caller.f_locals.get("self")).__name__ == "_CheckpointConnector"
+
+
+_CHECKPOINT_CONNECTOR_ASKS = ("_get_lightning_module_state_dict", "dump_checkpoint")
 
 
 def give_device_mesh(module: Any, mesh: Any) -> None:

@@ -168,6 +168,9 @@ class ShardedOptimizer:
             cleared |= {
                 gi for u in self.units for s in u.param_grads.cleared_elsewhere() for gi in s.groups
             }
+            if cleared:  # and the groups showing no gradient at all (unused parameters)
+                live = {gi for u in self.units for gi in u.param_grads.live_groups()}
+                cleared |= set(range(len(self.optimizer_set.param_groups))) - live
         return cleared
 
     def follow_requires_grad(self) -> None:

@@ -409,15 +409,16 @@ class GradReducer:
         self.on_backward_end()
 
     def _hide_ungiven(self) -> None:
-        """Stages 0-1, a synchronised backward's gradients in: a parameter no rank gave a
-        gradient to since `zero_grad()` (its reduced range all "no gradient") reads None,
-        as DDP leaves a globally unused parameter's `.grad`. One host sync, after the
+        """Stages 0-1, a synchronised backward's gradients in: a parameter whose `.grad`
+        read None before these backwards and that no rank gave a gradient to (its reduced
+        range all "no gradient") reads None again, as DDP leaves a globally unused
+        parameter's `.grad` (one that read zeros keeps them). One host sync, after the
         reductions (`got_no_gradient`)."""
         shown = [
             (unit, index, piece)
             for unit in self.units
             if unit.grad_full is not None
-            for index, piece in unit.param_grads.shown_ranges(unit.grad_full)
+            for index, piece in unit.param_grads.take_attached(unit.grad_full)
         ]
         for (unit, index, _), none in zip(shown, got_no_gradient([p for _, _, p in shown])):
             if none:
@@ -679,7 +680,8 @@ class GradReducer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient. At stages 0-1 the buffers stay allocated and `.grad`
-        reads None (`set_to_none`) or zeros until the next backward."""
+        reads None (`set_to_none`) or, as torch's, zeros where it was shown, until the
+        next backward."""
         # A backward that raised half way left its per-backward state (its end-of-backward
         # callback never ran): finish what it sent and start the next one clean.
         self.wait()
@@ -702,7 +704,7 @@ class GradReducer:
                 if set_to_none:
                     unit.param_grads.hide()
                 else:
-                    unit.param_grads.show(unit.grad_full)
+                    unit.param_grads.zero_shown()
 
 
 def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):

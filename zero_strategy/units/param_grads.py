@@ -23,14 +23,26 @@ class ParamGradViews:
         self._slots = slots
         self._params = params  # aligned with slots
         self._hidden: set[int] = set()
+        # Views attached from None since the last synchronised backward: DDP leaves such
+        # a `.grad` None when no rank gives the parameter a gradient.
+        self._attached: set[int] = set()
 
     def show(self, buffer: torch.Tensor) -> None:
         """Each trainable param's `.grad` that reads None becomes its view of `buffer`. A
         `.grad` autograd has just written is left for the reducer to copy in."""
-        for slot, p in zip(self._slots, self._params):
+        for index, (slot, p) in enumerate(zip(self._slots, self._params)):
             if slot.trainable and p.grad is None:
                 set_local_grad(p, buffer[slot.offset : slot.end].view(slot.shape))
+                self._attached.add(index)
         self._hidden.clear()
+
+    def zero_shown(self) -> None:
+        """`zero_grad(set_to_none=False)`: each shown `.grad` holds real zeros, which the
+        step takes as a gradient (as torch steps a zeroed `.grad`); a hidden one stays
+        None, as torch leaves a None `.grad`."""
+        for slot, p in zip(self._slots, self._params):
+            if slot.trainable and p.grad is not None:
+                p.grad.zero_()
 
     def hide(self, groups: set[int] | None = None) -> None:
         """`.grad` reads None for the params in any of `groups` (all when None) until the
@@ -41,13 +53,17 @@ class ParamGradViews:
                 set_local_grad(p, None)
                 self._hidden.add(index)
 
-    def shown_ranges(self, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """(index, its range of `buffer`) of each trainable param whose `.grad` is shown."""
-        return [
-            (index, buffer[slot.offset : slot.end])
-            for index, (slot, p) in enumerate(zip(self._slots, self._params))
-            if slot.trainable and p.grad is not None
+    def take_attached(self, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(index, its range of `buffer`) of each param whose view was attached from None
+        since the last synchronised backward, which this one ends. A tensor-parallel
+        block is left shown: its position alone cannot tell (its block may be empty)."""
+        attached = [
+            (index, buffer[self._slots[index].offset : self._slots[index].end])
+            for index in sorted(self._attached)
+            if self._params[index].grad is not None and not self._slots[index].tensor_sharded
         ]
+        self._attached.clear()
+        return attached
 
     def hide_at(self, index: int) -> None:
         """`.grad` reads None for the param at `index` until the next `show`: no rank
@@ -61,3 +77,12 @@ class ParamGradViews:
         for index, (slot, p) in enumerate(zip(self._slots, self._params)):
             if slot.trainable and p.grad is None and index not in self._hidden:
                 yield slot
+
+    def live_groups(self) -> set[int]:
+        """The param groups of the params whose `.grad` shows a gradient buffer."""
+        return {
+            g
+            for slot, p in zip(self._slots, self._params)
+            if p.grad is not None
+            for g in slot.groups
+        }
