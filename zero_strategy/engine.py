@@ -112,19 +112,8 @@ class ZeroEngine:
         self._backward_pending = False
         self.global_steps = 0
         self.reset_comm_report()
-        self._memory.watch(
-            Sources(
-                self.units,
-                self.optim,
-                self.schedule,
-                tiers,
-                self.staging,
-                model,
-                self.stage,
-                self.device,
-                self._host,
-            )
-        )
+        watched = (self.units, self.optim, self.schedule, tiers, self.staging, model)
+        self._memory.watch(Sources(*watched, self.stage, self.device, self._host))
 
     def _assemble_units(self, model, prepared, placement, device_mesh, param_init_fn):
         """Builder steps 1-6: the groups, the homes, the experts' placement, the layouts,
@@ -601,19 +590,12 @@ class ZeroEngine:
     def full_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = True
     ) -> dict[str, Any]:
-        """`optimizer`'s whole state as torch's `state_dict()` of it unsharded has it
-        (parameters numbered as torch numbers them), in CPU memory, assembled one
-        parameter at a time; empty on other ranks when `rank0_only`. Collective.
-        `optimizer`: which of the engine's, when it has several."""
-        positions, _ = self.optim.chosen(optimizer)
-        if len(positions) != 1:
-            raise ValueError(
-                f"The engine has {len(positions)} optimizers: name the one whose state you "
-                "want, full_optimizer_state_dict(optimizer)."
-            )
+        """`optimizer`'s whole state (any of the engine's; with one, it may be left out)
+        as torch's `state_dict()` of it unsharded, in CPU memory, assembled one parameter
+        at a time; empty on other ranks when `rank0_only`. Collective."""
         self.wait_for_parameters()
         self.optim.settle_writes()
-        return self._door.full_optimizer_state(positions[0], rank0_only)
+        return self._door.full_optimizer_state(optimizer, rank0_only)
 
     # ================================================================ lifecycle
     def close(self, wait: bool = True) -> None:

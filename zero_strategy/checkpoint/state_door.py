@@ -160,9 +160,10 @@ class StateDoor:
             out[name] = buf.detach().to("cpu", copy=True)
         return out
 
-    def full_optimizer_state(self, position: int, rank0_only: bool = True) -> dict[str, Any]:
-        """torch's `state_dict()` of the optimizer at `position`, whole, in CPU memory
-        (collective)."""
+    def full_optimizer_state(self, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
+        """torch's `state_dict()` of `optimizer` (None: the only one), whole, in CPU
+        memory (collective)."""
+        position = self.optimizer_set.position_of(optimizer)
         return full_optimizer_state(self._sharded_state(), position, rank0_only)
 
     def _add_unit(

@@ -99,6 +99,18 @@ class OptimizerSet:
             "the optimizers given to ZeroEngine (or returned by configure_optimizers)."
         )
 
+    def position_of(self, optimizer: Any) -> int:
+        """Which optimizer `optimizer` is (a framework's wrapper of one too: its
+        `.optimizer`); None names the only one."""
+        if len(self.optimizers) == 1:
+            return 0
+        if optimizer is None:
+            raise ValueError(
+                f"The engine has {len(self.optimizers)} optimizers: name the one whose state "
+                "you want, full_optimizer_state_dict(optimizer)."
+            )
+        return self.index_of(getattr(optimizer, "optimizer", optimizer))
+
     def wrapper_of(self, k: int) -> torch.optim.Optimizer | None:
         """The ZeroRedundancyOptimizer optimizer k steps for, or None (it is the user's)."""
         facing = self.facing[k]
