@@ -259,6 +259,20 @@ def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage):
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_to_zeros_is_stepped_as_torch_steps_it_at_stages_2_and_3(stage):
+    """`zero_grad(set_to_none=False)` after a backward: `.grad` reads zeros, and the next
+    step takes them as a gradient for a parameter that backward leaves out (Adam's
+    momentum moves it, as under DDP). (An unused parameter's `.grad` shows a face here,
+    where DDP leaves None: telling would take a collective.)"""
+    ddp = run_world(_unused_grads, 2, None)
+    ours = run_world(_unused_grads, 2, stage)
+    for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
+        assert not seen[3]["early.weight"] and not ddp_seen[3]["early.weight"]
+        assert not seen[4]["early.weight"] and not ddp_seen[4]["early.weight"]
+        torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
+
+
 def _grads_without_option(rank, world, stage):
     engine = _engine(stage)
     x, y = local_batch(0, 0, rank, world)

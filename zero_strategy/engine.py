@@ -97,12 +97,9 @@ class ZeroEngine:
             steps.tensor_sharded(prepared.params),
             experts.names,
         )
+        hooks = (self.zero_grad, self.before_forward, self.after_forward)
         calls = wiring.EngineCalls(
-            self.zero_grad,
-            self.before_forward,
-            self.after_forward,
-            self.optim.follow_requires_grad,
-            self.schedule.make_whole,
+            *hooks, self.optim.follow_requires_grad, self.schedule.make_whole
         )
         reads = self._reads if self.gather is not None else None  # stage 3 only
         self._handles = [
@@ -402,12 +399,15 @@ class ZeroEngine:
     def zero_grad(
         self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
-        """Zero the gradients: all, or those of `optimizer`'s parameters (what its own
-        `zero_grad()` does). The buffers stay allocated; `.grad` reads None afterwards
-        (zeros at stages 0-1 with `set_to_none=False`), as a DDP model's does."""
+        """Zero the gradients: all, or `optimizer`'s (what its own `zero_grad()` does).
+        `.grad` reads None, or with `set_to_none=False` zeros where it showed a gradient,
+        which the step takes as one (torch's); the buffers stay allocated."""
         self.reducer.wait()
+        showed = self.optim.grads_live and not set_to_none
         if self.optim.zero_grad(optimizer, set_to_none):
-            self.reducer.zero_grad(set_to_none)
+            self.reducer.zero_grad(set_to_none, real_zeros=showed)
+            if showed:  # stages 2-3: the faces again, over the zeroed shards
+                self._full_grads.show(full=self.config.keep_full_grads)
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:
