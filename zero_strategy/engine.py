@@ -103,7 +103,7 @@ class ZeroEngine:
         )
         reads = self._reads if self.gather is not None else None  # stage 3 only
         self._handles = [
-            *self.optim.guards,
+            *self.optim.handles,
             *wiring.wire_model(model, self.optimizers, self.units, calls, reads),
         ]
         self._backward_pending = False

@@ -37,6 +37,7 @@ from .grad_norm import GradNorm
 from .held_back import held_back, no_gradient_parts
 from .loss_scaler import LossScaler
 from .optimizer_set import OptimizerSet
+from .state_dict_guard import guard_state_dicts
 
 
 class GradMirror(Protocol):
@@ -72,6 +73,10 @@ class ShardedOptimizer:
         self.optimizers = optimizer_set.optimizers
         self.views = views
         self.guards = guards  # the engine's direct-step guard on each optimizer (handles)
+        # ... and every hook the engine put on the optimizers, to remove on release.
+        self.handles = [*guards]
+        for optimizer in self.optimizers:
+            self.handles += guard_state_dicts(optimizer, views, stage)
         self._fused = fused
         self.state_store = state_store  # where the optimizer's state lives
         self.norm = norm

@@ -1,0 +1,70 @@
+"""`optimizer.state_dict()` / `optimizer.load_state_dict()` on an optimizer the engine
+shards.
+
+torch's own methods still run on it: the state dict holds this rank's flat shards (one
+1-D tensor per unit and param group), which load back only into the same rank of the
+same layout. A DDP user's `if rank == 0: torch.save(optimizer.state_dict())` saves rank
+0's shards, and the resume would load them into every rank without a word. So each
+state dict the optimizer hands out carries a mark (the rank, the world size, the stage
+and the shard ranges it covers), and a load whose mark differs, or that has none (a
+whole state dict, as DDP's optimizer gives), is refused, naming what loads at any world
+size: the engine's checkpoints. Both through torch's public optimizer hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..units.optimizer_view import OptimizerView
+
+MARK = "zero_strategy_shards"
+
+
+def guard_state_dicts(
+    optimizer: torch.optim.Optimizer, views: Sequence[OptimizerView], stage: int
+) -> list[Any]:
+    """Mark `optimizer`'s state dicts and check the mark on load; returns the handles."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    ranges = [
+        [v.unit.layout.index, v.unit.opt_start + v.lo, v.unit.opt_start + v.hi]
+        for v in views
+        if id(v.param) in held
+    ]
+    mark = {"rank": rank, "world_size": world, "stage": stage, "ranges": ranges}
+
+    def add_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        state_dict[MARK] = {**mark, "ranges": [list(r) for r in ranges]}
+
+    def check_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        found = state_dict.get(MARK)
+        if found is None:
+            raise ValueError(
+                "optimizer.load_state_dict() got a state dict without zero-strategy's mark "
+                "(a whole one, as a DDP or single-process optimizer gives): this optimizer "
+                "holds only this rank's flat shards of the state. Resume with "
+                "engine.load_checkpoint() of a checkpoint the engine saved, or of one file "
+                "torch.save({'state_dict': model_state, 'optimizer_states': [that state "
+                "dict]}), which loads a whole state into the shards at any world size and "
+                "stage."
+            )
+        if found != mark:
+            raise ValueError(
+                f"optimizer.load_state_dict() got the shards rank {found['rank']} of "
+                f"{found['world_size']} saved at stage {found['stage']}; this is rank "
+                f"{rank} of {world} at stage {stage}, and each rank's state dict holds "
+                "only its own shards (other ranges). Save and resume with "
+                "engine.save_checkpoint()/load_checkpoint() (any world size and stage), "
+                "or have every rank save and load its own state dict."
+            )
+        return {k: v for k, v in state_dict.items() if k != MARK}
+
+    return [
+        optimizer.register_state_dict_post_hook(add_mark),
+        optimizer.register_load_state_dict_pre_hook(check_mark),
+    ]
