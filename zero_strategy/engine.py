@@ -404,8 +404,9 @@ class ZeroEngine:
         which the step takes as one (torch's); the buffers stay allocated."""
         self.reducer.wait()
         showed = self.optim.grads_live and not set_to_none
+        given = self.optim.given_grads() if showed else []
         if self.optim.zero_grad(optimizer, set_to_none):
-            self.reducer.zero_grad(set_to_none, real_zeros=showed)
+            self.reducer.zero_grad(set_to_none, real_zeros=given)
             if showed:  # stages 2-3: the faces again, over the zeroed shards
                 self._full_grads.show(full=self.config.keep_full_grads)
 

@@ -458,6 +458,24 @@ class ShardedOptimizer:
             )
 
     # ---------------------------------------------------------------- zero_grad
+    def given_grads(self) -> list[torch.Tensor]:
+        """Stages 2-3: the parts of the gradient shards in memory that some rank gave a
+        gradient since `zero_grad()` (the rest is held back, found when the backward
+        ended): what `zero_grad(set_to_none=False)` zeroes, as torch zeroes a `.grad`
+        that exists, where a None one (DDP's for an unused parameter) stays None."""
+        if self.stage < 2:
+            return []
+        out = []
+        for view in self.views:
+            if view.grad is None or view.unit.grad_home is not None:
+                continue
+            start = 0
+            for lo, hi in sorted(self._held_back.get(id(view), ())):
+                out.append(view.grad[start:lo])
+                start = hi
+            out.append(view.grad[start:])
+        return out
+
     def zero_grad(self, optimizer=None, set_to_none: bool = True) -> bool:
         """Zero the gradient shards of `optimizer`'s groups here; returns True when every
         group is to be zeroed (the engine then also zeroes the reducer's buffers)."""

@@ -26,7 +26,7 @@ gradient (`no_gradient`: the optimizer then knows which parameters no rank used)
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -678,11 +678,11 @@ class GradReducer:
         waiting = sum(_nbytes(t) for t in self._waiting_turn())
         return self._sent_bytes + filling + waiting, self.pool.free_bytes
 
-    def zero_grad(self, set_to_none: bool = True, real_zeros: bool = False) -> None:
+    def zero_grad(self, set_to_none: bool = True, real_zeros: Sequence[torch.Tensor] = ()) -> None:
         """Forget every gradient. At stages 0-1 the buffers stay allocated and `.grad`
         reads None (`set_to_none`) or, as torch's, zeros where it was shown, until the
-        next backward. `real_zeros` (stages 2-3, gradients shown): the parts of the shards
-        in memory that held a gradient hold zeros, which the step takes as one."""
+        next backward. `real_zeros` (stages 2-3): parts of the gradient shards that hold
+        zeros afterwards, which the step takes as a gradient, not "no gradient"."""
         # A backward that raised half way left its per-backward state (its end-of-backward
         # callback never ran): finish what it sent and start the next one clean.
         self.wait()
@@ -693,7 +693,6 @@ class GradReducer:
         self._callback_queued = False
         self._local_sums = False
         self._let_landing_go()
-        given = self._pieces_with_a_gradient() if real_zeros and self.stage >= 2 else []
         for unit in self.units:
             unit.zero_grad_shard()
             if self.stage >= 2:
@@ -707,22 +706,8 @@ class GradReducer:
                     unit.param_grads.hide()
                 else:
                     unit.param_grads.zero_shown()
-        for piece in given:  # (torch zeroes a .grad that exists, and steps it)
+        for piece in real_zeros:  # (torch zeroes a .grad that exists, and steps it)
             piece.zero_()
-
-    def _pieces_with_a_gradient(self) -> list[torch.Tensor]:
-        """Stages 2-3: each trainable parameter's part of this rank's gradient shard (in
-        memory) that some rank gave a gradient to since `zero_grad()`; the other parts
-        read "no gradient", as a `.grad` DDP leaves None. One host sync."""
-        pieces = []
-        for unit in self.units:
-            if unit.grad_home is not None or unit.grad_opt is None:
-                continue
-            for slot in unit.layout.slots:
-                lo, hi = unit.mine_of(slot)
-                if slot.trainable and lo < hi:
-                    pieces.append(unit.grad_opt[lo - unit.opt_start : hi - unit.opt_start])
-        return [p for p, none in zip(pieces, got_no_gradient(pieces)) if not none]
 
 
 def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):
