@@ -215,14 +215,15 @@ class _PartlyUsed(torch.nn.Module):
         return h.square().mean()
 
 
-def _unused_grads(rank, world, stage):
+def _unused_grads(rank, world, stage, keep_full_grads=False):
     model = _PartlyUsed()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     if stage is None:
         forward = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         step = optimizer.step
     else:
-        forward = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+        config = ZeroConfig(stage=stage, keep_full_grads=keep_full_grads)
+        forward = ZeroEngine(model, optimizer, config)
         step = forward.step
     names = [n for n, _ in model.named_parameters()]
     seen = []
@@ -243,15 +244,18 @@ def _unused_grads(rank, world, stage):
     return seen, weights
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage):
+@pytest.mark.parametrize(
+    "stage, keep_full_grads", [(0, False), (1, False), (2, False), (3, False), (3, True)]
+)
+def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage, keep_full_grads):
     """DDP (`find_unused_parameters=True`) leaves `.grad` None for a parameter no rank's
     forward used, and gives one used on some ranks only its averaged gradient everywhere;
     the optimizer then leaves the unused one as it is. After `zero_grad(set_to_none=False)`
     a parameter that had a gradient keeps its zeros through a backward that leaves it out,
-    and Adam steps it with them (its momentum moves it); one that had none stays None."""
+    and Adam steps it with them (its momentum moves it); one that had none stays None.
+    At stages 2-3 the same holds of the sharded faces, and of full gradients kept."""
     ddp = run_world(_unused_grads, 2, None)
-    ours = run_world(_unused_grads, 2, stage)
+    ours = run_world(_unused_grads, 2, stage, keep_full_grads)
     for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
         assert seen == ddp_seen
         assert all(seen[0][n] == n.startswith("unused.") for n in seen[0])
@@ -259,17 +263,106 @@ def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage):
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_grad_to_zeros_is_stepped_as_torch_steps_it_at_stages_2_and_3(stage):
-    """`zero_grad(set_to_none=False)` after a backward: `.grad` reads zeros, and the next
-    step takes them as a gradient for a parameter that backward leaves out (Adam's
-    momentum moves it, as under DDP). (An unused parameter's `.grad` shows a face here,
-    where DDP leaves None: telling would take a collective.)"""
-    ddp = run_world(_unused_grads, 2, None)
-    ours = run_world(_unused_grads, 2, stage)
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.a(x) * self.b(x)).mean()
+
+
+def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
+    model = _TwoHeads()
+    opt_a = torch.optim.AdamW(model.a.parameters(), lr=0.1)
+    opt_b = torch.optim.AdamW(model.b.parameters(), lr=0.1)
+    if stage is None:
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        config = ZeroConfig(stage=stage, keep_full_grads=keep_full_grads)
+        forward = ZeroEngine(model, [opt_a, opt_b], config)
+    steps = {id(opt_a): opt_a.step, id(opt_b): opt_b.step}
+    if stage is not None:
+        steps = {id(o): (lambda o=o: forward.step(o)) for o in (opt_a, opt_b)}
+    seen = []
+    for i, set_to_none in enumerate((True, False)):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
+        forward(x).backward()
+        opt_a.zero_grad(set_to_none=set_to_none)  # (routed to the engine)
+        seen.append(
+            {
+                n: None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()
+            }
+        )
+        steps[id(opt_a)]()  # with zeros after the second: Adam's momentum moves it
+        steps[id(opt_b)]()
+        opt_b.zero_grad()
+        opt_a.zero_grad()
+    if stage is not None:
+        forward.wait_for_parameters()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if stage is not None:
+        forward.close()
+    return seen, weights
+
+
+@pytest.mark.parametrize(
+    "stage, keep_full_grads", [(0, False), (1, False), (2, False), (3, False), (3, True)]
+)
+def test_one_optimizers_zero_grad_leaves_the_others_gradients_shown(stage, keep_full_grads):
+    """Two optimizers (a GAN's, Lightning's manual optimization): one's `zero_grad()`
+    takes its own parameters' `.grad` (to None, or to zeros its step then takes, as torch
+    does), and the other's still read their reduced gradients, equal to DDP's."""
+    ddp = run_world(_one_optimizers_zero_grad, 2, None)
+    ours = run_world(_one_optimizers_zero_grad, 2, stage, keep_full_grads)
     for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
-        assert not seen[3]["early.weight"] and not ddp_seen[3]["early.weight"]
-        assert not seen[4]["early.weight"] and not ddp_seen[4]["early.weight"]
+        assert seen[0]["a.weight"] is None and seen[0]["b.weight"] is not None
+        assert torch.equal(seen[1]["a.weight"], torch.zeros(4, 4))
+        for got, want in zip(seen, ddp_seen):
+            assert got.keys() == want.keys()
+            for name in got:
+                assert (got[name] is None) == (want[name] is None), name
+                if want[name] is not None:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
+
+
+def _steps_without_gradients(rank, world, stage):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    if stage is None:
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        step, zero_grad = optimizer.step, optimizer.zero_grad
+    else:
+        forward = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+        step, zero_grad = forward.step, forward.zero_grad
+    step()  # before any backward: nothing to step
+    for i in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
+        forward(x).square().mean().backward()
+        step()
+        zero_grad()
+        step()  # no backward since zero_grad(): torch skips every parameter
+    if stage is not None:
+        forward.wait_for_parameters()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if stage is not None:
+        forward.close()
+    return weights
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_with_no_gradient_since_zero_grad_changes_nothing(stage):
+    """torch skips a parameter whose `.grad` is None: a step before any backward, or
+    after `zero_grad()` with no backward since, applies no weight decay and leaves
+    AdamW's step count (its bias correction) where it was. The engine skips such param
+    groups whole."""
+    ddp = run_world(_steps_without_gradients, 2, None)
+    for weights, ddp_weights in zip(run_world(_steps_without_gradients, 2, stage), ddp):
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
 
 

@@ -407,8 +407,8 @@ class ZeroEngine:
         given = self.optim.given_grads() if showed else []
         if self.optim.zero_grad(optimizer, set_to_none):
             self.reducer.zero_grad(set_to_none, real_zeros=given)
-            if showed:  # stages 2-3: the faces again, over the zeroed shards
-                self._full_grads.show(full=self.config.keep_full_grads)
+        if showed:  # stages 2-3: the faces again, over the zeroed shards
+            self._full_grads.show(full=self.config.keep_full_grads)
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:

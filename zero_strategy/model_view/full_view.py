@@ -30,6 +30,7 @@ from ..layout.partition import ParamSlot
 from ..tensor_parallel import MeshLayout, broadcast_whole_parameters, set_local_grad
 from ..units.flat_unit import FlatUnit
 from ..units.gather import STATE_DICT, GatherManager
+from ..units.no_gradient import got_no_gradient
 from .grad_face import GradFaces, GradReads
 
 
@@ -252,9 +253,11 @@ class FullGrads:
                 self._held.append(unit)
             full = self._gather(unit, unit.compute_dtype)
             self._shown[unit.layout.index] = full
-            for slot, p in zip(unit.layout.slots, unit.params):
-                if slot.trainable:
-                    set_local_grad(p, full[slot.offset : slot.end].view(slot.shape))
+            shown = [(s, p) for s, p in zip(unit.layout.slots, unit.params) if s.trainable]
+            grads = [full[s.offset : s.end] for s, _ in shown]
+            for (slot, p), grad, none in zip(shown, grads, got_no_gradient(grads)):
+                if not none or slot.tensor_sharded:  # (no rank used it: None, as DDP)
+                    set_local_grad(p, grad.view(slot.shape))
 
     def _parts(self, groups: set[int] | None) -> list[torch.Tensor]:
         """The shown gradients of every param group, or of `groups`."""
@@ -300,11 +303,21 @@ class FullGrads:
         bypassed the engine)."""
         return self.faces.cleared()
 
-    def hide(self, faces: bool = True) -> None:
+    def hide(self, faces: bool = True, groups: set[int] | None = None) -> None:
         """Before the next backward, or when the step changes the parameters: the shown
         gradients go (a later backward would otherwise accumulate into them). With
         `faces=False` the sharded faces stay: they read the shards, which stay valid until
-        the next backward or zero_grad (an evaluation forward or a step leaves them)."""
+        the next backward or zero_grad (an evaluation forward or a step leaves them).
+        With `groups` (one optimizer's `zero_grad()` of several) only the `.grad` of the
+        parameters in them go; the buffers stay for the others'."""
+        if groups is not None:
+            self.faces.hide(groups)
+            for unit in self.units:
+                if unit.layout.index in self._shown:
+                    for slot, p in zip(unit.layout.slots, unit.params):
+                        if slot.trainable and not groups.isdisjoint(slot.groups):
+                            p.grad = None
+            return
         if faces:
             self.faces.hide()
         if not self._shown and not self._held:

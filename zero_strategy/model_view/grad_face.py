@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from ..layout.partition import ParamSlot
 from ..tensor_parallel import local_tensor, set_local_grad
 from ..units.flat_unit import FlatUnit
+from ..units.no_gradient import given_anywhere
 from . import grad_collectives
 
 aten = torch.ops.aten
@@ -400,17 +401,23 @@ class GradFaces:
         self._params: list[torch.Tensor] = []  # aligned with reads.shown
 
     def show(self) -> None:
+        """A face on each trainable parameter some rank gave a gradient to; one that no
+        rank did reads None, as DDP leaves a globally unused parameter's `.grad`
+        (`_given`)."""
         self.reads.changed()
-        for unit in self.units:
-            if unit.stage < 2 or unit.grad_opt is None or not unit.layout.numel:
-                continue
-            for slot, p in zip(unit.layout.slots, unit.params):
-                if slot.trainable:
-                    local = local_tensor(p)
-                    source = GradSource(unit, slot, self.reads)
-                    set_local_grad(p, ShardedGrad(source, local.dtype, local.device))
-                    self.reads.shown.append(source)
-                    self._params.append(p)
+        sources = [
+            (GradSource(unit, slot, self.reads), p)
+            for unit in self.units
+            if unit.stage >= 2 and unit.grad_opt is not None and unit.layout.numel
+            for slot, p in zip(unit.layout.slots, unit.params)
+            if slot.trainable
+        ]
+        for (source, p), given in zip(sources, _given([s for s, _ in sources])):
+            if given:
+                local = local_tensor(p)
+                set_local_grad(p, ShardedGrad(source, local.dtype, local.device))
+                self.reads.shown.append(source)
+                self._params.append(p)
 
     def cleared(self) -> set[int]:
         """The param groups of shown gradients that user code set to None since."""
@@ -421,9 +428,32 @@ class GradFaces:
             for gi in source.slot.groups
         }
 
-    def hide(self) -> None:
-        for p in self._params:
-            p.grad = None
-        self._params.clear()
-        self.reads.shown.clear()
+    def hide(self, groups: set[int] | None = None) -> None:
+        """The faces go: all, or those of the parameters in any of `groups` (one
+        optimizer's `zero_grad()` of several leaves the others' shown, as torch does)."""
+        kept = []
+        for p, source in zip(self._params, self.reads.shown):
+            if groups is None or not groups.isdisjoint(source.slot.groups):
+                p.grad = None
+            else:
+                kept.append((p, source))
+        self._params[:] = [p for p, _ in kept]
+        self.reads.shown[:] = [source for _, source in kept]
         self.reads.changed()
+
+
+def _given(sources: Sequence[GradSource]) -> list[bool]:
+    """Whether any rank gave each parameter a gradient since its last zeroing (its
+    reduced shards hold more than "no gradient" marks, `units/no_gradient`). Offloaded
+    gradient shards (read back only for a step) and tensor-parallel blocks (whose
+    emptiness a position alone cannot tell) count as given, as every rank alike decides."""
+    decided = [
+        i for i, s in enumerate(sources) if s.unit.grad_home is None and not s.slot.tensor_sharded
+    ]
+    parts = [
+        (sources[i].unit.group.comm, sources[i].unit.device, sources[i].local()) for i in decided
+    ]
+    given = [True] * len(sources)
+    for i, answer in zip(decided, given_anywhere(parts)):
+        given[i] = answer
+    return given

@@ -48,7 +48,7 @@ class GradMirror(Protocol):
     def clamp(self, limit: float, groups: set[int] | None = None) -> None: ...
     def cleared(self) -> set[int]: ...
     def changed(self) -> None: ...
-    def hide(self) -> None: ...
+    def hide(self, *, groups: set[int] | None = None) -> None: ...
 
 
 class ShardedOptimizer:
@@ -92,6 +92,9 @@ class ShardedOptimizer:
         # zero_grad: put back after the step, as if skipped (`held_back`).
         self._held_back: dict[int, list[tuple[int, int]]] = {}
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
+        # Param groups with no gradient since their last zero_grad() to None (or since the
+        # start): a step skips them whole, as torch skips parameters whose .grad is None.
+        self._gradless: set[int] = set(range(len(optimizer_set.param_groups)))
         self._norms: dict[tuple[int, ...] | None, torch.Tensor] = {}  # this step's
 
     # ---------------------------------------------------------------- what is where
@@ -146,14 +149,17 @@ class ShardedOptimizer:
     # ---------------------------------------------------------------- gradients shown
     def expose_grads(self) -> None:
         """The optimizer's parameters' `.grad`: views of the gradient shards; None where
-        the shard is offloaded (its memory is there only while it is in use)."""
+        the shard is offloaded (its memory is there only while it is in use) or its group
+        holds no gradient (`_gradless`)."""
         for view in self.views:
-            view.param.grad = view.grad if view.unit.grad_home is None else None
+            shown = view.unit.grad_home is None and view.group_index not in self._gradless
+            view.param.grad = view.grad if shown else None
 
     def grads_arrived(self) -> None:
         """A synchronised backward ended: the reduced gradients are the optimizer's; the
         parameters no rank gave one to are noted, to be put back after the step."""
         self._held_back = no_gradient_parts(self.views)
+        self._gradless.clear()
         self.expose_grads()
         self.grads_live = True
 
@@ -293,6 +299,7 @@ class ShardedOptimizer:
                     view.unit.sync_compute_from_master(view.lo, view.hi)
 
         chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
+        chosen_groups -= self._gradless
         self._run_user_hooks(chosen, before=True)
         self.apply(
             [v for v in self.views if v.group_index in chosen_groups], step_tile, needs_grads=True
@@ -402,13 +409,14 @@ class ShardedOptimizer:
                 not partial
                 and fused is not None
                 and not any(id(v) in self._held_back for v in views)
+                and self._gradless.isdisjoint(groups)
                 and fused.applies([v.param for v in views])
             ):
                 fused.step(self._fused_views(opt))
                 continue
             copies_written = False
             if partial:
-                shown = {id(v) for v in views}
+                shown = {id(v) for v in views if v.group_index not in self._gradless}
                 for view in self.views:
                     if view.group_index in groups:
                         view.param.grad = view.grad if id(view) in shown else None
@@ -458,16 +466,19 @@ class ShardedOptimizer:
             )
 
     # ---------------------------------------------------------------- zero_grad
-    def given_grads(self) -> list[torch.Tensor]:
-        """Stages 2-3: the parts of the gradient shards in memory that some rank gave a
-        gradient since `zero_grad()` (the rest is held back, found when the backward
-        ended): what `zero_grad(set_to_none=False)` zeroes, as torch zeroes a `.grad`
-        that exists, where a None one (DDP's for an unused parameter) stays None."""
+    def given_grads(self, groups: set[int] | None = None) -> list[torch.Tensor]:
+        """Stages 2-3: the parts of the gradient shards in memory (of `groups`, or all)
+        that some rank gave a gradient since `zero_grad()` (the rest is held back, found
+        when the backward ended): what `zero_grad(set_to_none=False)` zeroes, as torch
+        zeroes a `.grad` that exists, where a None one (DDP's for an unused parameter)
+        stays None."""
         if self.stage < 2:
             return []
         out = []
         for view in self.views:
             if view.grad is None or view.unit.grad_home is not None:
+                continue
+            if groups is not None and view.group_index not in groups:
                 continue
             start = 0
             for lo, hi in sorted(self._held_back.get(id(view), ())):
@@ -478,16 +489,22 @@ class ShardedOptimizer:
 
     def zero_grad(self, optimizer=None, set_to_none: bool = True) -> bool:
         """Zero the gradient shards of `optimizer`'s groups here; returns True when every
-        group is to be zeroed (the engine then also zeroes the reducer's buffers)."""
-        self.mirror.hide()
+        group is to be zeroed (the engine then also zeroes the reducer's buffers). One
+        optimizer's of several: only its parameters' `.grad` go None (or read zeros, which
+        its step takes as a gradient, as torch's); the others' stay shown."""
         _, groups = self.chosen(optimizer)
+        self.mirror.hide(groups=groups if set_to_none else None)  # (zeros: shown after)
         self._norms.clear()
         if groups is not None:
-            self.zero_groups(groups)
-            if set_to_none and self.stage < 2:
-                for unit in self.units:
-                    if unit.grad_full is not None:
-                        unit.param_grads.hide(groups)
+            given = [] if set_to_none else self.given_grads(groups)
+            self.zero_groups(groups, to_none=set_to_none)
+            for piece in given:
+                piece.zero_()
+            for unit in self.units if self.stage < 2 else ():
+                if unit.grad_full is not None and set_to_none:
+                    unit.param_grads.hide(groups)
+                elif unit.grad_full is not None:
+                    unit.param_grads.zero_shown(groups)
             return False
         self.norm.clear()
         for view in self.views:
@@ -495,6 +512,8 @@ class ShardedOptimizer:
         self.grads_unscaled = False
         self.grads_live = False
         self._held_back = {}
+        if set_to_none:
+            self._gradless = set(range(len(self.optimizer_set.param_groups)))
         return True
 
     def honour_cleared_elsewhere(self, zero_all: Callable[[], None]) -> None:
@@ -508,7 +527,11 @@ class ShardedOptimizer:
         else:
             self.zero_groups(cleared)
 
-    def zero_groups(self, groups: set[int]) -> None:
+    def zero_groups(self, groups: set[int], to_none: bool = True) -> None:
+        """The gradients of `groups` go; `to_none` (not zeros that a step takes): until a
+        backward brings new ones, a step skips those groups."""
+        if to_none:
+            self._gradless |= groups
         self.change_grads(groups, fill_no_gradient)
         for view in self.views:
             if view.group_index in groups:

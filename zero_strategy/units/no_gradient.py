@@ -18,8 +18,12 @@ of this rank's part, counts as unused (it would have taken a step with a zero gr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..comm.communicator import Communicator
 
 NO_GRADIENT = -0.0
 
@@ -53,3 +57,30 @@ def got_no_gradient(grads: Sequence[torch.Tensor | None]) -> list[bool]:
         for i, start in zip(members, starts):
             flags[i] = start and bool(_all_no_gradient(grads[i]))
     return flags
+
+
+def given_anywhere(
+    parts: Sequence[tuple[Communicator, torch.device, torch.Tensor]],
+) -> list[bool]:
+    """For each parameter, as (its shard group's communicator, the device that group
+    communicates on, this rank's part of its reduced gradient, possibly empty): whether any rank of the group gave it a gradient,
+    the same answer on every rank of the group. One host sync (`got_no_gradient`) and one
+    small all-reduce per group, in the order the groups first appear: every rank of a
+    group passes that group's parameters in the same order."""
+    none_here = got_no_gradient([part for _, _, part in parts])
+    seen_here = [part.numel() > 0 and not none for (*_, part), none in zip(parts, none_here)]
+    members: dict[int, list[int]] = {}
+    comms: dict[int, Communicator] = {}
+    for i, (comm, _, _) in enumerate(parts):
+        members.setdefault(id(comm), []).append(i)
+        comms[id(comm)] = comm
+    given = list(seen_here)
+    for key, indices in members.items():
+        comm = comms[key]
+        if comm.size == 1:
+            continue
+        counts = torch.tensor([float(seen_here[i]) for i in indices], device=parts[indices[0]][1])
+        comm.all_reduce_sum(counts)
+        for i, count in zip(indices, counts.cpu().tolist()):
+            given[i] = count > 0
+    return given

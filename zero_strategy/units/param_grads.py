@@ -36,12 +36,13 @@ class ParamGradViews:
                 self._attached.add(index)
         self._hidden.clear()
 
-    def zero_shown(self) -> None:
-        """`zero_grad(set_to_none=False)`: each shown `.grad` holds real zeros, which the
-        step takes as a gradient (as torch steps a zeroed `.grad`); a hidden one stays
-        None, as torch leaves a None `.grad`."""
+    def zero_shown(self, groups: set[int] | None = None) -> None:
+        """`zero_grad(set_to_none=False)` (of the params in any of `groups`, or all):
+        each shown `.grad` holds real zeros, which the step takes as a gradient (as torch
+        steps a zeroed `.grad`); a hidden one stays None, as torch leaves a None `.grad`."""
         for slot, p in zip(self._slots, self._params):
-            if slot.trainable and p.grad is not None:
+            chosen = groups is None or not groups.isdisjoint(slot.groups)
+            if slot.trainable and chosen and p.grad is not None:
                 p.grad.zero_()
 
     def hide(self, groups: set[int] | None = None) -> None:
