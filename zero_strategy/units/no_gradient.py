@@ -80,7 +80,7 @@ def given_anywhere(
         if comm.size == 1:
             continue
         counts = torch.tensor([float(seen_here[i]) for i in indices], device=parts[indices[0]][1])
-        comm.all_reduce_sum(counts)
+        comm.control_all_reduce(counts)
         for i, count in zip(indices, counts.cpu().tolist()):
             given[i] = count > 0
     return given
