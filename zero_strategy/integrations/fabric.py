@@ -32,8 +32,7 @@ from .devices import place_buffers, require_cpu_or_cuda
 from .pairing import model_of, one_optimizer_message, stand_in_optimizer
 from .private_api import backward_sync_control_base, set_backward_sync_control
 from .strategy_config import (
-    compute_dtype_for,
-    precision_flag,
+    config_for_precision,
     register_zero_names,
     zero_config_from,
 )
@@ -130,9 +129,7 @@ class ZeroFabricStrategy(DDPStrategy):
         """The engine's compute dtype from Fabric's precision flag. Autocast ("bf16-mixed")
         and input casting stay with Fabric's own precision plugin; "16-mixed" becomes fp16
         compute with the engine's loss scaling (the engine runs backward and the step)."""
-        flag = precision_flag(self.precision, "Fabric")
-        compute = compute_dtype_for(flag, self._zero_base, "Fabric")
-        return ZeroConfig.from_dict({**vars(self._zero_base), "compute_dtype": compute})
+        return config_for_precision(self.precision, self._zero_base, "Fabric")[1]
 
     def module_init_context(self, empty_init: bool | None = None):
         """`fabric.init_module()`: never the whole model on the device. `empty_init=True`

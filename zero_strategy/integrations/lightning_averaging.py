@@ -26,7 +26,7 @@ import importlib
 from typing import Any
 
 from .engine_of import engine_of
-from .lightning_callbacks import first_definer
+from .lightning_callbacks import first_definer, user_hooks_between_steps
 
 _CLASSES: dict[str, dict[str, type]] = {}
 _ADOPTED = "_zero_gathers_in_hooks"  # set on a class whose hooks gather already
@@ -215,3 +215,17 @@ def adopt_weight_callbacks(callbacks: list, root: str) -> None:
                 # Same name: its state_key (the checkpoint's entry) and messages unchanged.
                 callback.__class__ = _with_full_parameters(cls, hooks, cls.__name__)
                 break
+
+
+def parameters_read_between_steps(trainer: Any, root: str, sharded: bool) -> bool:
+    """Whether a callback or hook reads the parameters after each step (a stock averaging
+    callback, a user's hook between steps): the step's parameter gathers are then
+    finished first. With `sharded` parameters the stock averaging callbacks are swapped
+    for drop-ins that average the shards (`lightning_averaging`)."""
+    stock = importlib.import_module(f"{root}.callbacks")
+    kinds = (stock.WeightAveraging, stock.StochasticWeightAveraging)
+    kinds += tuple(averaging_classes(root).values())
+    averaging = [c for c in trainer.callbacks if isinstance(c, kinds)]
+    if sharded:
+        adopt_weight_callbacks(trainer.callbacks, root)
+    return bool(averaging) or user_hooks_between_steps(trainer, root)

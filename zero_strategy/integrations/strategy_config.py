@@ -74,6 +74,14 @@ def compute_dtype_for(flag: str, base: ZeroConfig, entry: str) -> str:
     return compute
 
 
+def config_for_precision(plugin: object, base: ZeroConfig, entry: str) -> tuple[str, ZeroConfig]:
+    """The framework's precision flag, and the engine's config with the compute dtype
+    that flag gives (`compute_dtype_for`)."""
+    flag = precision_flag(plugin, entry)
+    compute = compute_dtype_for(flag, base, entry)
+    return flag, ZeroConfig.from_dict({**vars(base), "compute_dtype": compute})
+
+
 def zero_config_from(
     stage: int | None, config: ZeroConfig | Mapping | str | PurePath | None, options: dict
 ) -> ZeroConfig:
