@@ -167,7 +167,7 @@ def test_deepspeed_defaults_and_spellings():
 def test_a_precision_the_trainer_overrides_is_named():
     pytest.importorskip("lightning")
     from zero_strategy import ZeroConfig as Config
-    from zero_strategy.integrations.lightning import compute_dtype_for
+    from zero_strategy.integrations.strategy_config import compute_dtype_for
 
     with pytest.warns(UserWarning, match=r"compute_dtype='bf16'.*Trainer\(precision='32-true'\)"):
         assert compute_dtype_for("32-true", Config(compute_dtype="bf16"), "Trainer") == "fp32"
