@@ -264,20 +264,23 @@ def test_a_parameter_no_rank_used_reads_none_after_backward_as_under_ddp(stage, 
 
 
 class _TwoHeads(torch.nn.Module):
+    """`shared` is stepped by both optimizers (its one `.grad` is theirs alike)."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.a = torch.nn.Linear(4, 4)
         self.b = torch.nn.Linear(4, 4)
+        self.shared = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return (self.a(x) * self.b(x)).mean()
+        return (self.a(x) * self.b(x) + self.shared(x)).mean()
 
 
 def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
     model = _TwoHeads()
-    opt_a = torch.optim.AdamW(model.a.parameters(), lr=0.1)
-    opt_b = torch.optim.AdamW(model.b.parameters(), lr=0.1)
+    opt_a = torch.optim.AdamW([*model.a.parameters(), *model.shared.parameters()], lr=0.1)
+    opt_b = torch.optim.AdamW([*model.b.parameters(), *model.shared.parameters()], lr=0.1)
     if stage is None:
         forward = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -297,6 +300,8 @@ def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
                 for n, p in model.named_parameters()
             }
         )
+        with torch.no_grad():  # a forward between leaves the gradients as they are
+            forward(x)
         steps[id(opt_a)]()  # with zeros after the second: Adam's momentum moves it
         steps[id(opt_b)]()
         opt_b.zero_grad()
@@ -315,12 +320,15 @@ def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
 def test_one_optimizers_zero_grad_leaves_the_others_gradients_shown(stage, keep_full_grads):
     """Two optimizers (a GAN's, Lightning's manual optimization): one's `zero_grad()`
     takes its own parameters' `.grad` (to None, or to zeros its step then takes, as torch
-    does), and the other's still read their reduced gradients, equal to DDP's."""
+    does, also after a forward between), and the other's still read their reduced
+    gradients, equal to DDP's. A parameter both step loses its one `.grad` to either."""
     ddp = run_world(_one_optimizers_zero_grad, 2, None)
     ours = run_world(_one_optimizers_zero_grad, 2, stage, keep_full_grads)
     for (seen, weights), (ddp_seen, ddp_weights) in zip(ours, ddp):
         assert seen[0]["a.weight"] is None and seen[0]["b.weight"] is not None
+        assert seen[0]["shared.weight"] is None
         assert torch.equal(seen[1]["a.weight"], torch.zeros(4, 4))
+        assert torch.equal(seen[1]["shared.weight"], torch.zeros(4, 4))
         for got, want in zip(seen, ddp_seen):
             assert got.keys() == want.keys()
             for name in got:
@@ -330,23 +338,33 @@ def test_one_optimizers_zero_grad_leaves_the_others_gradients_shown(stage, keep_
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)
 
 
+class _BodyAndUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x).square().mean()
+
+
 def _steps_without_gradients(rank, world, stage):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
+    model = _BodyAndUnused()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
     if stage is None:
-        forward = torch.nn.parallel.DistributedDataParallel(model)
+        forward = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         step, zero_grad = optimizer.step, optimizer.zero_grad
     else:
         forward = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
         step, zero_grad = forward.step, forward.zero_grad
     step()  # before any backward: nothing to step
-    for i in range(2):
+    for i in range(3):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
-        forward(x).square().mean().backward()
+        forward(x).backward()
         step()
-        zero_grad()
-        step()  # no backward since zero_grad(): torch skips every parameter
+        zero_grad(i != 1)  # to None; then to zeros, which `body` steps and `unused` has not
+        step()  # no backward since: torch skips every parameter whose .grad is None
     if stage is not None:
         forward.wait_for_parameters()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -360,7 +378,8 @@ def test_a_step_with_no_gradient_since_zero_grad_changes_nothing(stage):
     """torch skips a parameter whose `.grad` is None: a step before any backward, or
     after `zero_grad()` with no backward since, applies no weight decay and leaves
     AdamW's step count (its bias correction) where it was. The engine skips such param
-    groups whole."""
+    groups whole. After `zero_grad(set_to_none=False)` the zeros are stepped, and a
+    parameter no rank used (None under torch) is not."""
     ddp = run_world(_steps_without_gradients, 2, None)
     for weights, ddp_weights in zip(run_world(_steps_without_gradients, 2, stage), ddp):
         torch.testing.assert_close(weights, ddp_weights, rtol=1e-5, atol=1e-6)

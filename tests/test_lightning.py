@@ -80,6 +80,22 @@ def test_strategy_instance_with_options():
     assert s.engine_config.stage == 2 and s.engine_config.bucket_size == 1000
 
 
+@pytest.mark.parametrize("root", ["lightning.pytorch", "pytorch_lightning"])
+def test_a_ddp_strategy_object_can_become_the_zero_strategy(root):
+    """The strategy's parts are mixins with Lightning's `Strategy` layout, so a
+    `DDPStrategy` built elsewhere (by a test harness, by a wrapper) can take the class
+    with `obj.__class__ = ZeroStrategy`, as it could when the class derived from
+    DDPStrategy alone."""
+    import importlib
+
+    from zero_strategy.integrations.lightning import register
+
+    pytest.importorskip(root)
+    ddp = importlib.import_module(f"{root}.strategies").DDPStrategy()
+    ddp.__class__ = register(root)
+    assert type(ddp).__name__ == "ZeroStrategy"
+
+
 def test_unknown_option_is_refused_with_the_known_ones():
     from zero_strategy import ZeroConfigError
     from zero_strategy.integrations.lightning import register

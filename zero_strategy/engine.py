@@ -256,10 +256,7 @@ class ZeroEngine:
         # engine (an optimizer wrapper calling Optimizer.zero_grad) shows up as None here.
         self.optim.grads_arrived()
         self._backward_pending = False
-        if self.reducer.sync:
-            self._full_grads.show(full=self.config.keep_full_grads)
-        else:
-            self._full_grads.show_local(self.reducer.local_sums)
+        self._full_grads.show_after_backward(self.reducer, self.config.keep_full_grads)
 
     def _guard_direct_step(self, optimizer, args, kwargs) -> None:
         self.optim.guard_direct_step(optimizer, args, kwargs)
@@ -408,7 +405,7 @@ class ZeroEngine:
         if self.optim.zero_grad(optimizer, set_to_none):
             self.reducer.zero_grad(set_to_none, real_zeros=given)
         if showed:  # stages 2-3: the faces again, over the zeroed shards
-            self._full_grads.show(full=self.config.keep_full_grads)
+            self._full_grads.show_after_backward(self.reducer, self.config.keep_full_grads)
 
     # ================================================================ EMA
     def update_ema(self, decay: float) -> None:

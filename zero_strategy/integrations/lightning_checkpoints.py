@@ -14,6 +14,7 @@ class: `super()` is Lightning's `DDPStrategy`.
 
 from __future__ import annotations
 
+from abc import ABC
 from typing import Any
 
 from zero_strategy import ZeroEngine
@@ -29,7 +30,7 @@ from .lightning_model_state import (
 from .private_api import dumping_a_checkpoint
 
 
-class CheckpointMethods:
+class CheckpointMethods(ABC):  # (as Strategy: the layout a DDPStrategy can change class to)
     engine: ZeroEngine | None
     state_dict_type: str
 
@@ -101,4 +102,6 @@ class CheckpointMethods:
             self.lightning_module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass
+        """Nothing: with an engine, `load_checkpoint` restored the optimizer state from
+        its shards."""
+        return None

@@ -11,6 +11,7 @@ mixin of the ZeRO strategy class: `super()` is Lightning's `DDPStrategy`.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from .devices import place_buffers, require_cpu_or_cuda
 from .private_api import give_device_mesh
 
 
-class DevicePlacement:
+class DevicePlacement(ABC):  # (as Strategy: the layout a DDPStrategy can change class to)
     _zero_base: ZeroConfig
     _device_mesh: Any
     _true_dtype: torch.dtype | None

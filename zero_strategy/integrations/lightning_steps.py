@@ -11,6 +11,7 @@ Lightning's `DDPStrategy`.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from zero_strategy import ZeroEngine
 
 
-class StepRedirection:
+class StepRedirection(ABC):  # (as Strategy: the layout a DDPStrategy can change class to)
     engine: ZeroEngine | None
 
     @contextlib.contextmanager
@@ -40,7 +41,8 @@ class StepRedirection:
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._around_forward("training_step", *args, **kwargs)
-        self.engine.honour_outside_zero_grad()  # an opt.zero_grad() in the step
+        if self.engine is not None:  # an opt.zero_grad() in the step
+            self.engine.honour_outside_zero_grad()
         return output
 
     def _evaluation_step(self, name: str, *args: Any, **kwargs: Any) -> Any:

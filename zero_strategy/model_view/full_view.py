@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -169,6 +170,15 @@ def _shard_apart(unit: FlatUnit) -> bool:
     return unit.shard is not None and unit.shard.data_ptr() != unit.master.data_ptr()
 
 
+class BackwardSums(Protocol):
+    """What `FullGrads` reads of the gradient reducer: whether the last backward was
+    synchronised, and which of a unit's slots this rank has summed locally."""
+
+    sync: bool
+
+    def local_sums(self, unit: FlatUnit) -> list[int]: ...
+
+
 class FullGrads:
     """Full gradients for readers: one parameter's on request, or all of them on `.grad`
     after each synchronised backward (`show`), kept consistent with clipping and
@@ -258,6 +268,14 @@ class FullGrads:
             for (slot, p), grad, none in zip(shown, grads, got_no_gradient(grads)):
                 if not none or slot.tensor_sharded:  # (no rank used it: None, as DDP)
                     set_local_grad(p, grad.view(slot.shape))
+
+    def show_after_backward(self, reducer: BackwardSums, full: bool) -> None:
+        """`.grad` after a backward: the reduced gradients (`show`), or after a
+        `no_sync()` one this rank's own sums (`show_local`), as DDP shows them."""
+        if reducer.sync:
+            self.show(full)
+        else:
+            self.show_local(reducer.local_sums)
 
     def _parts(self, groups: set[int] | None) -> list[torch.Tensor]:
         """The shown gradients of every param group, or of `groups`."""

@@ -392,8 +392,9 @@ def _part_of_norm(local: torch.Tensor, ord: float) -> torch.Tensor:
 
 
 class GradFaces:
-    """Puts a `ShardedGrad` on every trainable parameter's `.grad` after a synchronised
-    backward (stages 2-3), and takes them off before the next backward or at zero_grad."""
+    """Puts a `ShardedGrad` on the `.grad` of every trainable parameter some rank gave a
+    gradient, after a synchronised backward (stages 2-3), and takes them off before the
+    next backward or at zero_grad."""
 
     def __init__(self, units: Sequence[FlatUnit], reads: GradReads):
         self.units = units

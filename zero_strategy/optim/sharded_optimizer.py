@@ -298,8 +298,9 @@ class ShardedOptimizer:
                 for view in tile:
                     view.unit.sync_compute_from_master(view.lo, view.hi)
 
+        # Views of `_gradless` groups go through the tiles too (the EMA follows every
+        # step): their `.grad` is None (`expose_grads`), so the optimizer skips them.
         chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
-        chosen_groups -= self._gradless
         self._run_user_hooks(chosen, before=True)
         self.apply(
             [v for v in self.views if v.group_index in chosen_groups], step_tile, needs_grads=True
@@ -348,6 +349,7 @@ class ShardedOptimizer:
                     self.norm.forget(unit)
             for view in self.views:
                 shown = view.unit.grad_home is None or view.group_index in groups
+                shown = shown and view.group_index not in self._gradless
                 view.param.grad = view.grad if shown else None
             try:
                 yield
@@ -497,23 +499,24 @@ class ShardedOptimizer:
         self._norms.clear()
         if groups is not None:
             given = [] if set_to_none else self.given_grads(groups)
-            self.zero_groups(groups, to_none=set_to_none)
-            for piece in given:
-                piece.zero_()
+            self.zero_groups(groups, to_none=set_to_none, zeros=given)
             for unit in self.units if self.stage < 2 else ():
                 if unit.grad_full is not None and set_to_none:
                     unit.param_grads.hide(groups)
                 elif unit.grad_full is not None:
                     unit.param_grads.zero_shown(groups)
+            if not set_to_none and self.stage < 2:
+                self._recount_held_back()  # (the zeros shown are gradients now)
             return False
         self.norm.clear()
         for view in self.views:
             view.param.grad = None
         self.grads_unscaled = False
         self.grads_live = False
-        self._held_back = {}
         if set_to_none:
+            self._held_back = {}
             self._gradless = set(range(len(self.optimizer_set.param_groups)))
+        # (else the parts no rank gave a gradient stay held back: None under torch)
         return True
 
     def honour_cleared_elsewhere(self, zero_all: Callable[[], None]) -> None:
@@ -527,18 +530,27 @@ class ShardedOptimizer:
         else:
             self.zero_groups(cleared)
 
-    def zero_groups(self, groups: set[int], to_none: bool = True) -> None:
-        """The gradients of `groups` go; `to_none` (not zeros that a step takes): until a
-        backward brings new ones, a step skips those groups."""
+    def zero_groups(
+        self, groups: set[int], to_none: bool = True, zeros: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """The gradients of `groups` go: to "no gradient" (`to_none`: until a backward
+        brings new ones, a step skips those groups), or to real zeros over `zeros` (the
+        parts some rank gave a gradient, `given_grads`), which a step takes as one."""
         if to_none:
             self._gradless |= groups
         self.change_grads(groups, fill_no_gradient)
-        for view in self.views:
+        for piece in zeros:
+            piece.zero_()
+        for view in self.views:  # (zeros stay exposed: not taken for an outside clear)
             if view.group_index in groups:
-                view.param.grad = None
+                shown = not to_none and view.unit.grad_home is None
+                view.param.grad = view.grad if shown else None
+        self._recount_held_back()
+
+    def _recount_held_back(self) -> None:
+        """A parameter that another optimizer steps too has no gradient for it now (its
+        one .grad is None in one process): that optimizer's step holds it back."""
         if any(view.alias_of is not None for view in self.views):
-            # A parameter that another optimizer steps too has no gradient for it now
-            # (its .grad is None in one process): that optimizer's step holds it back.
             self._held_back = no_gradient_parts(self.views)
 
     # ---------------------------------------------------------------- EMA

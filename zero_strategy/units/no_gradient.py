@@ -1,4 +1,4 @@
-"""Which parameters no rank gave a gradient to, found with no extra collective.
+"""Which parameters no rank gave a gradient to, carried by the reduction itself.
 
 One process leaves such a parameter's `.grad` at None and its optimizer skips it (no
 momentum, no weight decay, no step count); DDP with `find_unused_parameters=True` does the
@@ -9,7 +9,9 @@ addition keeps -0 only when every term is -0 (-0 + x = x for every x, +0 include
 scaling by a positive factor keeps the sign), so after the reduction an element is -0
 exactly when no rank gave it a gradient, and a parameter whose part here is -0 in every
 element is one that no rank used. The optimizer puts it back after the step
-(`optim/held_back`).
+(`optim/held_back`): no collective is added for that. Only `.grad` at stages 2-3 needs
+more (`given_anywhere`): a rank holds just its part of each parameter, so the ranks of a
+shard group exchange one flag per parameter to agree which `.grad` reads None.
 
 The limit: a parameter that was used, and whose gradient is exactly -0 in every element
 of this rank's part, counts as unused (it would have taken a step with a zero gradient).
@@ -64,9 +66,9 @@ def given_anywhere(
 ) -> list[bool]:
     """For each parameter, as (its shard group's communicator, the device that group
     communicates on, this rank's part of its reduced gradient, possibly empty): whether any rank of the group gave it a gradient,
-    the same answer on every rank of the group. One host sync (`got_no_gradient`) and one
-    small all-reduce per group, in the order the groups first appear: every rank of a
-    group passes that group's parameters in the same order."""
+    the same answer on every rank of the group. The host syncs of `got_no_gradient` and
+    one small control all-reduce per group, in the order the groups first appear: every
+    rank of a group passes that group's parameters in the same order."""
     none_here = got_no_gradient([part for _, _, part in parts])
     seen_here = [part.numel() > 0 and not none for (*_, part), none in zip(parts, none_here)]
     members: dict[int, list[int]] = {}
