@@ -510,3 +510,38 @@ def test_a_synchronised_backward_inside_no_sync_reduces_as_ddp(stage):
     for ours, reference in zip(zero, ddp):
         for name, value in reference[1].items():
             torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7)
+
+
+def _one_optimizers_zero_grad_in_no_sync(rank, world, stage):
+    model = _TwoHeads()
+    opt_a = torch.optim.AdamW([*model.a.parameters(), *model.shared.parameters()], lr=0.1)
+    opt_b = torch.optim.AdamW([*model.b.parameters(), *model.shared.parameters()], lr=0.1)
+    if stage is None:
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        forward = ZeroEngine(model, [opt_a, opt_b], ZeroConfig(stage=stage))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    with forward.no_sync():
+        forward(x).backward()
+        opt_a.zero_grad(set_to_none=False)
+        seen = {
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()
+        }
+    if stage is not None:
+        forward.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_optimizers_zero_grad_in_no_sync_leaves_the_others_local_sums(stage):
+    """Gradient accumulation with two optimizers: inside `no_sync()`, one's
+    `zero_grad(set_to_none=False)` zeroes its parameters' `.grad`, and the other's still
+    read this rank's own gradients, as under DDP (not the last reduced ones)."""
+    ddp = run_world(_one_optimizers_zero_grad_in_no_sync, 2, None)
+    for seen, ddp_seen in zip(run_world(_one_optimizers_zero_grad_in_no_sync, 2, stage), ddp):
+        assert seen.keys() == ddp_seen.keys()
+        for name, want in ddp_seen.items():
+            assert (seen[name] is None) == (want is None), name
+            if want is not None:
+                torch.testing.assert_close(seen[name], want, rtol=1e-5, atol=1e-7)
