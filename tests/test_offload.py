@@ -657,3 +657,34 @@ def test_an_optimizer_whose_step_re_enters_a_hooked_step_is_refused_when_stepped
             engine.step()
     finally:
         engine.close()
+
+
+def _hooks_of_a_step_with_nothing_to_take(rank, world, directory):
+    seen = {}
+    for name, extra in (("memory", {}), ("disk", _disk(Path(directory)))):
+        model = make_model()
+        optimizer = make_optimizer(model)
+        counts = []
+
+        def count(opt, args, kwargs, counts=counts):
+            counts.append(sum(p.grad is not None for g in opt.param_groups for p in g["params"]))
+
+        optimizer.register_step_pre_hook(count)
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **extra))
+        x, y = local_batch(0, 0, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+        engine.step()  # no gradient since zero_grad(): torch's hooks see every .grad None
+        seen[name] = (counts, len(engine.optim.views))
+        engine.close()
+    return seen
+
+
+def test_step_hooks_see_no_gradient_on_a_step_with_nothing_to_take(tmp_path):
+    """A step with no gradient since `zero_grad()`: the user's pre-hook finds every
+    `.grad` None, as torch's optimizer shows it, whether the step runs whole or (state on
+    disk) a tile at a time with the hooks run around the tiles."""
+    for seen in run_world(_hooks_of_a_step_with_nothing_to_take, 2, str(tmp_path)):
+        for name, (counts, views) in seen.items():
+            assert counts == [views, 0], name
