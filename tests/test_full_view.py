@@ -277,15 +277,20 @@ class _TwoHeads(torch.nn.Module):
         return (self.a(x) * self.b(x) + self.shared(x)).mean()
 
 
-def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
+def _two_heads(stage, keep_full_grads=False):
+    """`_TwoHeads`, an optimizer for `a` and one for `b` (both with `shared`), under DDP
+    (`stage=None`) or the engine."""
     model = _TwoHeads()
     opt_a = torch.optim.AdamW([*model.a.parameters(), *model.shared.parameters()], lr=0.1)
     opt_b = torch.optim.AdamW([*model.b.parameters(), *model.shared.parameters()], lr=0.1)
     if stage is None:
-        forward = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        config = ZeroConfig(stage=stage, keep_full_grads=keep_full_grads)
-        forward = ZeroEngine(model, [opt_a, opt_b], config)
+        return model, opt_a, opt_b, torch.nn.parallel.DistributedDataParallel(model)
+    config = ZeroConfig(stage=stage, keep_full_grads=keep_full_grads)
+    return model, opt_a, opt_b, ZeroEngine(model, [opt_a, opt_b], config)
+
+
+def _one_optimizers_zero_grad(rank, world, stage, keep_full_grads=False):
+    model, opt_a, opt_b, forward = _two_heads(stage, keep_full_grads)
     steps = {id(opt_a): opt_a.step, id(opt_b): opt_b.step}
     if stage is not None:
         steps = {id(o): (lambda o=o: forward.step(o)) for o in (opt_a, opt_b)}
@@ -513,13 +518,7 @@ def test_a_synchronised_backward_inside_no_sync_reduces_as_ddp(stage):
 
 
 def _one_optimizers_zero_grad_in_no_sync(rank, world, stage):
-    model = _TwoHeads()
-    opt_a = torch.optim.AdamW([*model.a.parameters(), *model.shared.parameters()], lr=0.1)
-    opt_b = torch.optim.AdamW([*model.b.parameters(), *model.shared.parameters()], lr=0.1)
-    if stage is None:
-        forward = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        forward = ZeroEngine(model, [opt_a, opt_b], ZeroConfig(stage=stage))
+    model, opt_a, _, forward = _two_heads(stage)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     with forward.no_sync():
         forward(x).backward()
