@@ -185,6 +185,78 @@ def test_direct_optimizer_step_is_refused():
     assert engine.step()
 
 
+def _step_after_no_sync_only(rank, world, stage):
+    """A backward inside no_sync(), a step (refused at stages 1-3), a synchronised
+    backward, a step: the weights after each step, or the first step's error."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(rank))
+    if stage is None:
+        forward, step = nn.parallel.DistributedDataParallel(model), opt.step
+    else:
+        forward = ZeroEngine(model, [opt], ZeroConfig(stage=stage))
+        step = forward.step
+    weights, refusal = [], None
+    with forward.no_sync():
+        forward(xs[0]).sum().backward()
+    try:
+        step()
+    except RuntimeError as e:
+        refusal = str(e)
+    if stage is not None:
+        forward.wait_for_parameters()
+    weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    forward(xs[1]).sum().backward()
+    step()
+    if stage is not None:
+        forward.wait_for_parameters()
+    weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    if stage is not None:
+        forward.close()
+    return refusal, weights
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_over_gradients_no_sync_left_unreduced_is_refused_naming_the_fix(stage):
+    """Under DDP such a step takes each rank's own sums and the replicas drift apart; a
+    sharded step has no such meaning (stage 1 mixed the ranks' sums shard by shard,
+    stages 2-3 stepped nothing). Stages 1-3 refuse it and keep the sums: the next
+    synchronised backward reduces both micro-batches, as DDP's accumulation does. Stage
+    0 steps as DDP."""
+    ours = run_world(_step_after_no_sync_only, 2, stage)
+    if stage == 0:
+        ddp = run_world(_step_after_no_sync_only, 2, None)
+        for (refusal, weights), (_, ddp_weights) in zip(ours, ddp):
+            assert refusal is None
+            for name, value in ddp_weights[1].items():
+                torch.testing.assert_close(weights[1][name], value)
+        return
+    torch.manual_seed(0)
+    start = dict(nn.Linear(4, 3).named_parameters())
+    accumulated = run_world(_accumulate_then_step, 2)  # one step over both micro-batches
+    for (refusal, weights), expected in zip(ours, accumulated):
+        assert refusal is not None
+        assert "inside no_sync()" in refusal and "outside no_sync()" in refusal
+        for name, p in start.items():
+            assert torch.equal(weights[0][name], p.detach())  # nothing stepped
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[1][name], value)
+
+
+def _accumulate_then_step(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(rank))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with ddp.no_sync():
+        ddp(xs[0]).sum().backward()
+    ddp(xs[1]).sum().backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def test_unit_module_classes_must_exist():
     model = make_model()
     with pytest.raises(ValueError, match=r"names \['Blok'\].*module classes are.*'Block'"):
