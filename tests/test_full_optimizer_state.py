@@ -33,10 +33,21 @@ def _sharded_states(rank, world, stage):
         engine.backward(engine(*local_batch(step, 0, rank, world)))
         engine.step()
         engine.zero_grad()
+    engine.reset_comm_report()
     rank0 = engine.full_optimizer_state_dict()
+    to_rank0 = engine.comm_report()
+    engine.reset_comm_report()
     everyone = engine.full_optimizer_state_dict(rank0_only=False)
+    to_everyone = engine.comm_report()
     engine.close()
-    return rank0, everyone
+    return rank0, everyone, _payload(to_rank0), _payload(to_everyone)
+
+
+def _payload(report: dict) -> dict[str, int]:
+    """Bytes per payload collective kind (control messages and the index left out)."""
+    return {
+        k: v["bytes"] for k, v in report.items() if k in ("reduce", "all_reduce") and v["bytes"]
+    }
 
 
 def _assert_equal_states(state: dict, ref: dict) -> None:
@@ -57,8 +68,19 @@ def _assert_equal_states(state: dict, ref: dict) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_whole_optimizer_state_is_torchs_state_dict_of_one_process(stage):
     ref = _reference_state()
-    (rank0, everyone0), (rank1, everyone1) = run_world(_sharded_states, 2, stage)
+    (rank0, everyone0, comm0, _), (rank1, everyone1, _, comm_all) = run_world(
+        _sharded_states, 2, stage
+    )
     assert rank1 == {}
+    # Rank 0 alone keeping it: each tensor reduced to it once (half an all-reduce).
+    elementwise = sum(
+        t.numel() * t.element_size()
+        for s in ref["state"].values()
+        for k, t in s.items()
+        if k != "step"
+    )
+    assert comm0 == {"reduce": elementwise}
+    assert comm_all == {"all_reduce": elementwise}
     for state in (rank0, everyone0, everyone1):
         _assert_equal_states(state, ref)
         assert all(t.device.type == "cpu" for s in state["state"].values() for t in s.values())

@@ -62,7 +62,10 @@ def full_optimizer_state(
                 start = written[entry.source]["start"]
                 values = piece.load()
                 full[start : start + values.numel()] = values.to(full.device, entry.dtype)
-            world.all_reduce_sum(full)  # the owners' ranges are disjoint
+            if rank0_only:  # the owners' ranges are disjoint: their sum is the whole
+                world.reduce_sum(full, dst=0)
+            else:
+                world.all_reduce_sum(full)
             if keep:
                 stored = entry.name.split("/", 1)[0]
                 elementwise.setdefault(entry.source, {})[stored] = full.view(entry.shape).cpu()

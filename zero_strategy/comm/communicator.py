@@ -402,6 +402,16 @@ class Communicator:
         )
         return out
 
+    def reduce_sum(self, tensor: torch.Tensor, dst: int = 0) -> None:
+        """`tensor` on the group's `dst`-th rank <- the sum over the group (the others'
+        copies are left undefined): half an all-reduce's traffic where one rank alone
+        needs the result."""
+        self._count("reduce", tensor)
+        if self.group.distributed:
+            self._issue(
+                "reduce", lambda: dist.reduce(tensor, group=self.group.group, group_dst=dst)
+            )
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> None:
         """`tensor` <- its value on the group's `src`-th rank (a position in the group)."""
         self._count(kind, tensor, src=src)
