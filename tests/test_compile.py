@@ -291,11 +291,17 @@ def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES):
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Stages 0-2 hand the compiler the same module (parameters as views of a persistent flat
+# buffer; stage 0 without the engine's hooks, which the dense model's test pins at each
+# stage): stage 2 stands for them, stage 3 for the copy made at each gather.
+SHARDING_STAGES = [2, 3]
+
+
+@pytest.mark.parametrize("stage", SHARDING_STAGES)
 def test_moe_expert_parallel_compiles_in_every_mode(stage):
     """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole before or
-    after the hand-over or per block, trains with eager's losses at every stage (the
-    routing's all-to-all runs between graphs)."""
+    after the hand-over or per block, trains with eager's losses (the routing's
+    all-to-all runs between graphs)."""
     results = run_world(_moe_modes, 2, stage, timeout=600)[0]
     eager, _ = results["eager"]
     for mode in MODES[1:]:
@@ -367,12 +373,12 @@ def _hf_modes(rank, world, stage):
 # The engine's hook breaks over the run (training and evaluation forwards of 2 blocks,
 # 3 steps), compiled whole: none at stage 0 (no module hooks); as many at stages 1-2 (the
 # publish waits) as at stage 3 (the gathers, frees and order checks), at the same hooks.
-HF_ENGINE_BREAKS = {0: 0, 1: 14, 2: 14, 3: 14}
+HF_ENGINE_BREAKS = {2: 14, 3: 14}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", SHARDING_STAGES)
 def test_a_transformers_model_compiles_in_every_mode(stage):
-    """Transformers' GPT-2 at every stage, compiled whole before the hand-over or per
+    """Transformers' GPT-2, compiled whole before the hand-over or per
     block: eager's losses, no recompile after step 2, each block one graph, and compiled
     whole it breaks only at the engine's hooks (counted) and Transformers' logger (at
     stage 3 the model is marked sharded for `generate()`; with FSDP's pair of marks
