@@ -125,11 +125,15 @@ def _mirrors_repo(git_dir: Path, owner: str, name: str) -> bool:
     return url.stdout.strip().lower().removesuffix(".git").endswith(f"{owner}/{name}".lower())
 
 
-def _from_mirror(suite: Suite, installed: str, dest: Path, extra: list[str]) -> str | None:
+def _from_mirror(
+    suite: Suite, installed: str, dest: Path, extra: list[str], exact: bool = False
+) -> str | None:
+    """The tests at the mirror's tag of the installed version (`exact`), or else at the
+    newest release tag below it."""
     for git_dir in _mirrors(suite, extra):
         refs = _run(["git", f"--git-dir={git_dir}", "tag", "--list"], timeout=60)
         tag = nearest_tag(refs.stdout.split(), installed) if refs.returncode == 0 else None
-        if tag is None:
+        if tag is None or (exact and _vtuple(tag) != _vtuple(installed)):
             continue
         archive = subprocess.run(
             ["git", f"--git-dir={git_dir}", "archive", "--format=tar", tag, *suite.tests],
@@ -179,8 +183,17 @@ def obtain(name: str, mirrors: list[str] | None = None, refresh: bool = False) -
     for label, attempt in (
         ("git clone", lambda d: _from_clone(suite, installed, d)),
         ("GitHub tarball", lambda d: _from_tarball(suite, installed, d)),
-        ("local git mirror", lambda d: _from_mirror(suite, installed, d, mirrors or [])),
+        # The installed version's own tests first: a mirror's tag of it, else its sdist
+        # (Accelerate's carries the tests); an older tag of a mirror only when neither has.
+        (
+            "local git mirror, the installed version's tag",
+            lambda d: _from_mirror(suite, installed, d, mirrors or [], exact=True),
+        ),
         ("PyPI sdist", lambda d: _from_sdist(suite, installed, d)),
+        (
+            "local git mirror, an older tag",
+            lambda d: _from_mirror(suite, installed, d, mirrors or []),
+        ),
     ):
         staging = Path(tempfile.mkdtemp(prefix=f".{suite.name}-", dir=CACHE))
         try:
