@@ -47,6 +47,7 @@ from .model_view.replaced_data import ReplacedDataWatch
 from .offload import agree_on_write_failures
 from .optim.sharded_optimizer import ShardedOptimizer
 from .private_api import in_backward
+from .units.grads import refuse_a_step_over_local_sums
 from .units.schedule import UnitSchedule
 
 
@@ -377,7 +378,7 @@ class ZeroEngine:
         every optimizer's, or only `optimizer`'s (its own gradients clipped by their own
         norm, as `clip_grad_norm_` over its parameters would). Returns False when the step
         was skipped for an fp16 overflow."""
-        self.reducer.refuse_a_step_over_local_sums()
+        refuse_a_step_over_local_sums(self.stage, self.reducer.holds_local_sums)
         if self.optim.stepped_in_parts:  # a write of the last step failed on some rank
             agree_on_write_failures(self.optim.offload_tiers(), self.groups.everyone)
         self.wait_for_parameters()

@@ -643,21 +643,10 @@ class GradReducer:
             self.units[idx].let_grads_go(modified=True)
         self._landing.clear()
 
-    def refuse_a_step_over_local_sums(self) -> None:
-        """Stages 1-3: a step after a `no_sync()` backward with no synchronised backward
-        since is refused. DDP would step each rank with its own sums and let the replicas
-        drift apart; a sharded step has no such meaning (stage 1 would mix the ranks'
-        sums shard by shard, stages 2-3 would see no gradient at all). Stage 0 steps as
-        DDP does."""
-        if self.stage >= 1 and self._local_sums:
-            raise RuntimeError(
-                "optimizer.step() after a backward inside no_sync() with no synchronised "
-                "backward since: those gradients were summed on each rank and never "
-                f"reduced across ranks, and a ZeRO stage {self.stage} step takes only "
-                "reduced ones. Run the last micro-batch's backward outside no_sync() "
-                "(Accelerate: inside accumulate(); Fabric: "
-                "no_backward_sync(enabled=False)), or call zero_grad() to drop them."
-            )
+    @property
+    def holds_local_sums(self) -> bool:
+        """A `no_sync()` backward ran since the last synchronised one (or full zero_grad)."""
+        return self._local_sums
 
     def local_sums(self, unit: FlatUnit) -> list[int]:
         """Stages 2-3 under `no_sync()`: the slots of `unit` whose local (unreduced)
@@ -738,3 +727,19 @@ def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):
     else:
         out = torch.empty(end - start, dtype=sent.dtype, device=sent.device)
     return out, comm.reduce_scatter_sum(sent, out, async_op=True)
+
+
+def refuse_a_step_over_local_sums(stage: int, holds_local_sums: bool) -> None:
+    """Stages 1-3: a step after a `no_sync()` backward with no synchronised backward since
+    is refused. DDP would step each rank with its own sums and let the replicas drift
+    apart; a sharded step has no such meaning (stage 1 would mix the ranks' sums shard by
+    shard, stages 2-3 would see no gradient at all). Stage 0 steps as DDP does."""
+    if stage >= 1 and holds_local_sums:
+        raise RuntimeError(
+            "optimizer.step() after a backward inside no_sync() with no synchronised "
+            "backward since: those gradients were summed on each rank and never "
+            f"reduced across ranks, and a ZeRO stage {stage} step takes only "
+            "reduced ones. Run the last micro-batch's backward outside no_sync() "
+            "(Accelerate: inside accumulate(); Fabric: "
+            "no_backward_sync(enabled=False)), or call zero_grad() to drop them."
+        )
