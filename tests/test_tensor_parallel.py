@@ -288,7 +288,7 @@ def _fabric_fit(rank, world):
     return losses
 
 
-def _accelerate_fit(rank, world, dynamo_backend=None):
+def _accelerate_fit(rank, world, dynamo_backend=None, layers=2):
     import os
     import warnings
 
@@ -302,7 +302,7 @@ def _accelerate_fit(rank, world, dynamo_backend=None):
     os.environ["ZERO_STRATEGY_TENSOR_PARALLEL_SIZE"] = "2"
     compile_with = {"dynamo_backend": dynamo_backend} if dynamo_backend else {}
     accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3), **compile_with)
-    model = apply_llama_plan(llama(), accelerator.device_mesh["tp"])
+    model = apply_llama_plan(llama(layers=layers), accelerator.device_mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data = torch.cat(batches(STEPS, BATCH))
     loader = DataLoader(TensorDataset(data), batch_size=BATCH // 2)
@@ -332,9 +332,11 @@ def test_fabric_and_accelerate_take_the_same_spelling(door):
     losses of one process, with clipping; with Accelerate's dynamo_backend too, compiled
     (each DTensor shard on a storage of its own: `FlatUnit.point_param_at`)."""
     pytest.importorskip("lightning" if door == "fabric" else "accelerate")
-    reference, _ = _single_process(STEPS)
     fit = _fabric_fit if door == "fabric" else _accelerate_fit
-    extra = ("aot_eager",) if door == "accelerate-dynamo" else ()  # inductor: minutes
+    # Compiled: aot_eager (inductor: minutes), on one decoder layer (the DTensor shards
+    # under the compiler, as in test_compile's runs; a second layer is a third more tracing).
+    extra = ("aot_eager", 1) if door == "accelerate-dynamo" else ()
+    reference, _ = _single_process(STEPS, llama(layers=extra[1]) if extra else None)
     for losses in run_world(fit, 4, *extra):
         _close(losses, reference)
 
