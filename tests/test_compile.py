@@ -41,15 +41,20 @@ def _compiled_before(
 
 
 def _steps(model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY) -> list[float]:
-    """The plain loop through a door: forward, the door's backward, step, zero_grad."""
+    """The plain loop through a door: forward, the door's backward, step, zero_grad;
+    compiled by step 2, after which any recompile raises."""
     losses = []
-    for step in range(steps):
-        x, y = local_batch(step, 0, rank, world, cfg)
-        loss = model(x, y)
-        backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    try:
+        for step in range(steps):
+            torch._dynamo.config.error_on_recompile = step >= 2
+            x, y = local_batch(step, 0, rank, world, cfg)
+            loss = model(x, y)
+            backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch._dynamo.config.error_on_recompile = False
     return losses
 
 
@@ -292,8 +297,29 @@ def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES):
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
         losses = _steps(run, engine.backward, engine, rank, world, steps=3, cfg=MOE)
         engine.close()
-        out[mode] = (losses, _graphs_made())
+        out[mode] = (losses, _graphs_made(), dict(torch._dynamo.utils.counters["graph_break"]))
     return out
+
+
+# Where a compiled MoE GPT may break: the engine's hooks; the routing, at its token
+# selection (`nonzero`: how many tokens each expert gets is the data's) and its scatter of
+# rows (an in-place `index_copy_` in its autograd Function, which dynamo does not trace);
+# and the dispatch between ranks, kept eager (`moe/dispatch.py`). Nothing else: not the
+# communicator's counters (once traced, guarded on and refused inside the all-to-all's
+# autograd Function), not the splits' Python ints.
+MOE_BREAKS = (
+    "_run_engine_hook",
+    "aten.nonzero",
+    "Tensor.index_copy_",
+    "_exchange",
+    "_by_expert",
+    "Function.apply",
+)
+
+
+def _assert_moe_breaks(breaks: dict[str, int]) -> None:
+    strays = [reason for reason in breaks if not any(at in reason for at in MOE_BREAKS)]
+    assert not strays, strays
 
 
 # Stages 0-2 hand the compiler the same module (parameters as views of a persistent flat
@@ -305,14 +331,16 @@ SHARDING_STAGES = [2, 3]
 @pytest.mark.parametrize("stage", SHARDING_STAGES)
 def test_moe_expert_parallel_compiles_in_every_mode(stage):
     """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole before or
-    after the hand-over or per block, trains with eager's losses (the routing's
-    all-to-all runs between graphs)."""
+    after the hand-over or per block, trains with eager's losses, does not recompile
+    after step 2, and breaks only where MOE_BREAKS says (the routing's all-to-all runs
+    between graphs)."""
     results = run_world(_moe_modes, 2, stage, timeout=600)[0]
-    eager, _ = results["eager"]
+    eager = results["eager"][0]
     for mode in MODES[1:]:
-        losses, graphs = results[mode]
+        losses, graphs, breaks = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-4), mode
+        _assert_moe_breaks(breaks)
 
 
 def test_moe_expert_parallel_compiles_in_bf16_at_stage_3():
@@ -320,9 +348,9 @@ def test_moe_expert_parallel_compiles_in_bf16_at_stage_3():
     reordering (as the dense model's bf16 run)."""
     modes = ("eager", "before", "blocks")
     results = run_world(_moe_modes, 2, 3, "bf16", modes, timeout=600)[0]
-    eager, _ = results["eager"]
+    eager = results["eager"][0]
     for mode in modes[1:]:
-        losses, graphs = results[mode]
+        losses, graphs, _ = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-2), mode
 

@@ -122,6 +122,7 @@ class MoE(nn.Module):
         if comm.size != self.ep_size:
             raise ValueError(f"MoE ep_size={self.ep_size} got a group of {comm.size} ranks.")
         self._comm = comm
+        dispatch.keep_exchanges_out_of_graphs()
         self.experts.assign(comm.rank * self.num_local)
 
     def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:

@@ -71,6 +71,7 @@ class TransformersExperts:
         if comm.size != self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} got a group of {comm.size} ranks.")
         self.comm = comm
+        dispatch.keep_exchanges_out_of_graphs()
 
     def stored_expert(self, local_name: str, ep_rank: int, shape: tuple[int, ...]) -> Stored:
         """Rows `ep_rank * num_local ...` of the whole `[num_experts, ...]` weight, under
