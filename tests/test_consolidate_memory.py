@@ -56,9 +56,14 @@ def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
         assert torch.equal(f.get_slice(f"{LAYERS - 1}.weight")[:2, :5], corner)
 
 
-def test_importing_the_package_leaves_dynamo_unloaded():
-    """`torch._dynamo` costs about 100 MB of resident memory: the consolidation command and
-    a plain `import zero_strategy` must not load it (the hooks load it when first made)."""
-    probe = "import sys, zero_strategy, zero_strategy.cli; print('torch._dynamo' in sys.modules)"
+def test_importing_the_package_leaves_dynamo_and_dtensor_unloaded():
+    """`torch._dynamo` costs about 100 MB of resident memory, `torch.distributed.tensor`
+    half a second: the consolidation command and a plain `import zero_strategy` (each
+    rank of a torchrun job) must load neither (the hooks load dynamo when first made; a
+    model with DTensors has loaded DTensor itself)."""
+    probe = (
+        "import sys, zero_strategy, zero_strategy.cli\n"
+        "print([m in sys.modules for m in ('torch._dynamo', 'torch.distributed.tensor')])"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert out.stdout.split()[-1] == "False", out.stderr
+    assert out.stdout.splitlines()[-1] == "[False, False]", out.stdout + out.stderr

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtensors import Shard, is_dtensor, local_tensor
+from .dtensors import is_dtensor, is_shard, local_tensor
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, shape) in the full tensor
 
@@ -59,7 +59,7 @@ def placement_of(p: torch.Tensor) -> TensorPlacement | None:
     if not is_dtensor(p):
         return None
     names = tuple(
-        f"Shard({x.dim % p.dim()})" if isinstance(x, Shard) else "Replicate()" for x in p.placements
+        f"Shard({x.dim % p.dim()})" if is_shard(x) else "Replicate()" for x in p.placements
     )
     mesh = p.device_mesh
     placed = TensorPlacement(tuple(p.shape), names, mesh.get_local_rank(), mesh.size())

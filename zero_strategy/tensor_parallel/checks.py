@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .dtensors import Replicate, Shard, is_dtensor
+from .dtensors import is_dtensor, is_replicate, is_shard
 from .mesh import MeshLayout
 
 
@@ -36,7 +36,7 @@ def check_parameters(named: Sequence[tuple[str, torch.Tensor]], layout: MeshLayo
                 "'tensor' dimension (device_mesh['tensor']); a model already sharded by "
                 "fully_shard cannot be sharded again."
             )
-        if any(not isinstance(x, (Shard, Replicate)) for x in p.placements):
+        if any(not (is_shard(x) or is_replicate(x)) for x in p.placements):
             raise ValueError(
                 f"Parameter {name!r} has placements {p.placements}; a parameter is either "
                 "sharded (Shard) or replicated (Replicate) over the tensor dimension."
@@ -52,7 +52,7 @@ def check_head_counts(named: Sequence[tuple[str, torch.Tensor]], config, tensor_
     attention_sharded = any(
         ("attn" in name or "attention" in name)
         and is_dtensor(p)
-        and any(isinstance(x, Shard) for x in p.placements)
+        and any(is_shard(x) for x in p.placements)
         for name, p in named
     )
     if not attention_sharded or config is None:

@@ -1,21 +1,57 @@
 """A DTensor parameter as the engine handles it: its local shard (whose memory the
-engine provides), its dtype, and its gradient as a plain local tensor."""
+engine provides), its dtype, and its gradient as a plain local tensor.
+
+`torch.distributed.tensor` is not imported here: it costs half a second of every
+`import zero_strategy` (a torchrun job's, the consolidation command's), and no tensor can
+be a DTensor before something has imported it. Every function below that needs its
+classes is reached only through a DTensor, so the module is loaded by then.
+"""
 
 from __future__ import annotations
+
+import sys
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from .. import private_api
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch without distributed
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensors() -> ModuleType | None:
+    """torch.distributed.tensor, if anything has imported it (a submodule's import loads
+    it too); None otherwise."""
+    return sys.modules.get(_DTENSOR_MODULE)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    module = _dtensors()
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def is_shard(placement: object) -> bool:
+    """A DTensor placement that splits a dimension (`Shard(d)`)."""
+    module = _dtensors()
+    return module is not None and isinstance(placement, module.Shard)
+
+
+def is_replicate(placement: object) -> bool:
+    module = _dtensors()
+    return module is not None and isinstance(placement, module.Replicate)
+
+
+def _from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor of `like`'s mesh, placements, shape and stride over `local`."""
+    return _dtensors().DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -45,9 +81,7 @@ def on_storage_of_its_own(values: torch.Tensor) -> torch.Tensor:
 def real_dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A DTensor of `p`'s mesh, placements and shape over `local` (a meta parameter's
     real replacement; its local shard is resized when the engine points it at memory)."""
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
+    return _from_local(local, p)
 
 
 def match_local_dtype(p: torch.Tensor) -> None:
@@ -81,6 +115,4 @@ def set_local_grad(p: torch.Tensor, local: torch.Tensor | None) -> None:
     if local is None or not is_dtensor(p):
         p.grad = local
         return
-    p.grad = DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
+    p.grad = _from_local(local, p)
