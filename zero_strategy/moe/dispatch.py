@@ -3,12 +3,13 @@ the rank holding that expert, by one all-to-all with uneven splits, and come bac
 another. A rank or an expert with no token still takes part, with empty splits, so the
 collectives pair up whatever the routing.
 
-Under `torch.compile` both exchanges run eagerly, each a graph break where it is called:
-their splits come from the routing's data (Python ints a graph cannot hold), and the
-communicator's byte counters they update would otherwise be traced, guarded on (a
-recompile as they grow) and refused inside the autograd Function (a break of its own).
-They are made eager-only when a layer is bound to its group (`keep_exchanges_out_of_graphs`,
-before any forward), not at import: module_hooks.py says why.
+Under `torch.compile` both exchanges, and the regrouping between them, run eagerly, each a
+graph break where it is called: their splits come from the routing's data (Python ints a
+graph cannot hold), and the communicator's byte counters they update would otherwise be
+traced, guarded on (a recompile when they change) and refused inside the autograd
+Function (a break of its own). They are made eager-only when a layer is bound to its
+group (`keep_exchanges_out_of_graphs`, before any forward), not at import:
+module_hooks.py says why.
 """
 
 from __future__ import annotations
