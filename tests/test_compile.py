@@ -40,9 +40,12 @@ def _compiled_before(
     return model
 
 
-def _steps(model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY) -> list[float]:
+def _steps(
+    model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY, evaluated=None
+) -> list[float]:
     """The plain loop through a door: forward, the door's backward, step, zero_grad;
-    compiled by step 2, after which any recompile raises."""
+    compiled by step 2, after which any recompile raises. With a list `evaluated`, each
+    step is followed by an evaluation forward (eval mode, no grad), whose loss it gets."""
     losses = []
     try:
         for step in range(steps):
@@ -53,6 +56,12 @@ def _steps(model, backward, optimizer, rank, world, steps=STEPS, cfg=TINY) -> li
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
+            if evaluated is not None:
+                modes = getattr(model, "module", model)  # the engine's, or the module's own
+                modes.eval()
+                with torch.no_grad():
+                    evaluated.append(model(x, y).item())
+                modes.train()
     finally:
         torch._dynamo.config.error_on_recompile = False
     return losses
@@ -285,7 +294,9 @@ def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES):
+def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES, evaluate=False):
+    """Each mode's training losses (with `evaluate`, followed by each step's evaluation
+    loss: forwards with graphs of their own), the graphs made and the breaks."""
     from test_moe import MOE, moe_model
 
     out = {}
@@ -298,7 +309,9 @@ def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES):
         config = ZeroConfig(stage=stage, compute_dtype=compute_dtype)
         engine = ZeroEngine(model, make_optimizer(model), config)
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
-        losses = _steps(run, engine.backward, engine, rank, world, steps=3, cfg=MOE)
+        evaluated = [] if evaluate else None
+        losses = _steps(run, engine.backward, engine, rank, world, 3, MOE, evaluated)
+        losses = losses + evaluated if evaluate else losses
         engine.close()
         out[mode] = (losses, _graphs_made(), dict(torch._dynamo.utils.counters["graph_break"]))
     return out
@@ -336,8 +349,10 @@ def test_moe_expert_parallel_compiles_in_every_mode(stage):
     """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole before or
     after the hand-over or per block, trains with eager's losses, does not recompile
     after step 2, and breaks only where MOE_BREAKS says (the routing's all-to-all runs
-    between graphs)."""
-    results = run_world(_moe_modes, 2, stage, timeout=600)[0]
+    between graphs). At stage 3 (the gathers in every forward) each step is followed by
+    an evaluation forward, with eager's loss and no recompile after step 2 either: 40% more
+    compile time, so not at stage 2 too."""
+    results = run_world(_moe_modes, 2, stage, evaluate=stage == 3, timeout=600)[0]
     eager = results["eager"][0]
     for mode in MODES[1:]:
         losses, graphs, breaks = results[mode]
