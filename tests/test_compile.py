@@ -5,6 +5,8 @@ or in evaluation; the graph breaks are the engine's hooks, counted."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 
@@ -27,15 +29,19 @@ def _graphs_made() -> int:
 
 
 def _compiled_before(
-    model: torch.nn.Module, mode: str, fullgraph: bool = True, backend: str = "inductor"
+    model: torch.nn.Module,
+    mode: str,
+    fullgraph: bool = True,
+    backend: str = "inductor",
+    blocks: Iterable[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
     """What `mode` does before the hand-over: compile the model whole ("before"), or each
-    of its blocks ("blocks", with fullgraph=True: no engine hook may run inside a block);
-    the other modes leave it as it is."""
+    of its `blocks` (the small GPT's `model.blocks` unless given; with fullgraph=True: no
+    engine hook may run inside a block) ("blocks"); the other modes leave it as it is."""
     if mode == "before":
         return torch.compile(model, backend=backend)
     if mode == "blocks":
-        for block in model.blocks:
+        for block in model.blocks if blocks is None else blocks:
             block.compile(fullgraph=fullgraph, backend=backend)
     return model
 
@@ -385,6 +391,28 @@ def _hf_gpt2():
     return GPT2LMHeadModel(config)
 
 
+def _hf_train(engine: ZeroEngine, id_batches, evaluate: bool = False) -> list[float]:
+    """Transformers' loop over batches of token ids (labels the ids): compiled in steps
+    0-1, after which any recompile raises; with `evaluate`, each step is followed by a
+    no-grad forward. The losses; the engine is closed at the end."""
+    losses = []
+    try:
+        for step, ids in enumerate(id_batches):
+            torch._dynamo.config.error_on_recompile = step >= 2
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+            if evaluate:
+                with torch.no_grad():
+                    engine(input_ids=ids, labels=ids)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        engine.close()
+    return losses
+
+
 def _hf_modes(rank, world, stage):
     """A Transformers GPT-2 in each mode; `aot_eager` traces and differentiates as
     inductor does (fake tensors, functionalisation: where stage 3 failed) without its
@@ -394,29 +422,12 @@ def _hf_modes(rank, world, stage):
     out = {}
     for mode in HF_MODES:
         _fresh_dynamo()
-        model = _hf_gpt2()
-        if mode == "before":
-            model = torch.compile(model, backend="aot_eager")
-        elif mode == "blocks":
-            for block in model.transformer.h:
-                block.compile(fullgraph=True, backend="aot_eager")
+        gpt2 = _hf_gpt2()
+        model = _compiled_before(gpt2, mode, backend="aot_eager", blocks=gpt2.transformer.h)
         engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=stage))
         generator = torch.Generator().manual_seed(rank)
-        losses = []
-        try:
-            for step in range(3):  # compiled in steps 0-1; step 2 may not recompile
-                torch._dynamo.config.error_on_recompile = step >= 2
-                ids = torch.randint(100, (2, 16), generator=generator)
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
-                losses.append(loss.item())
-                with torch.no_grad():
-                    engine(input_ids=ids, labels=ids)
-        finally:
-            torch._dynamo.config.error_on_recompile = False
-            engine.close()
+        id_batches = [torch.randint(100, (2, 16), generator=generator) for _ in range(3)]
+        losses = _hf_train(engine, id_batches, evaluate=True)
         out[mode] = losses, dict(torch._dynamo.utils.counters["graph_break"])
     return out
 
@@ -458,27 +469,13 @@ def _hf_moe_modes(rank, world):
     out = {}
     for mode in HF_MODES:
         _fresh_dynamo()
-        model = build("mixtral")
-        if mode == "before":
-            model = torch.compile(model, backend="aot_eager")
-        elif mode == "blocks":
-            for layer in model.model.layers:  # breaks inside: not fullgraph
-                layer.compile(backend="aot_eager")
+        mixtral = build("mixtral")
+        layers = mixtral.model.layers  # MoE layers break inside: not fullgraph
+        model = _compiled_before(mixtral, mode, False, "aot_eager", blocks=layers)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, expert_parallel_size=2))
-        losses = []
-        try:
-            for step, batch in enumerate(global_batches(world, 3)):
-                torch._dynamo.config.error_on_recompile = step >= 2
-                ids = batch.split(PER_RANK)[rank]
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
-                losses.append(loss.item())
-        finally:
-            torch._dynamo.config.error_on_recompile = False
-            engine.close()
+        own_part = [batch.split(PER_RANK)[rank] for batch in global_batches(world, 3)]
+        losses = _hf_train(engine, own_part)
         breaks = dict(torch._dynamo.utils.counters["graph_break"])
         out[mode] = losses, _graphs_made(), breaks
     return out
@@ -538,12 +535,9 @@ def _tensor_parallel_compiled(rank, world, runs):
     out = {}
     for stage, mode, *dtype in runs:
         _fresh_dynamo()
-        model = apply_llama_plan(llama(layers=1), mesh["tensor"])
-        if mode == "before":
-            model = torch.compile(model, backend="aot_eager")
-        if mode == "blocks":
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend="aot_eager")
+        llama_tp = apply_llama_plan(llama(layers=1), mesh["tensor"])
+        blocks = llama_tp.model.layers
+        model = _compiled_before(llama_tp, mode, backend="aot_eager", blocks=blocks)
         config = ZeroConfig(stage=stage, compute_dtype=dtype[0] if dtype else "fp32")
         engine = ZeroEngine(model, make_optimizer(model), config, device_mesh=mesh)
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
