@@ -171,3 +171,53 @@ def test_training_goes_on_after_a_backward_that_raised(stage):
         assert gathered == [0, 0]
         for name, value in clean.items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+
+
+class SmallAroundLarge(nn.Module):
+    """One unit whose small parameters lie on both sides of a large one (over
+    `SMALL_GRAD_BYTES`), and whose shard boundary on 2 ranks falls inside the large one:
+    the packed bucket holds two runs of the flat layout, one on each rank's side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.first = nn.Linear(16, 16)
+        self.wide = nn.Linear(16, 5000)  # its weight: 80,000 elements, sent alone
+        self.last = nn.Linear(5000, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.wide(torch.tanh(self.first(x))))).pow(2).mean()
+
+
+def _train_small_around_large(rank: int, world: int, native: bool):
+    model = SmallAroundLarge()
+    config = ZeroConfig(stage=2, reduce_scatter_via_all_reduce=False if native else None)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    calls = []
+    for step in range(3):
+        engine.reset_comm_report()
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x))
+        calls.append(engine.comm_report()["reduce_scatter"]["calls"])
+        engine.step()
+        engine.zero_grad()
+    state = {k: v.detach().clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    (unit,) = engine.units
+    boundary = unit.layout.shard_numel
+    slots = {s.name: (s.offset, s.end) for s in unit.layout.slots}
+    engine.close()
+    return state, calls, boundary, slots
+
+
+def test_small_gradients_are_packed_around_a_large_one():
+    """gloo's pairwise sends: the large weight goes alone, the five small parameters as one
+    bucket of two runs, split between the ranks at the shard boundary. They sum the same
+    two numbers per element as one reduce-scatter of the unit's buffer, so the training
+    is bitwise the same."""
+    buffered, _, _, _ = run_world(_train_small_around_large, 2, True)[0]
+    state, calls, boundary, slots = run_world(_train_small_around_large, 2, False)[0]
+    lo, hi = slots["wide.weight"]
+    assert lo < boundary < hi  # each rank's side of the bucket is one of its runs
+    assert calls == [2, 2, 2]  # wide.weight alone, then the bucket
+    for name, value in buffered.items():
+        assert torch.equal(state[name], value), name

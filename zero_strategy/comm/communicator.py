@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +49,24 @@ class PeerLostError(dist.DistBackendError):
 
     This is what gloo reports. With NCCL's default asynchronous error handling the
     watchdog aborts the process instead, and the launcher sees the failure."""
+
+
+def _packed_range(segments: Sequence[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
+    """[start, end) of the elements with flat offsets in [lo, hi) in a part that packs
+    `segments` ((offset, numel), rising) one after another: one run, as they rise."""
+    return _packed_position(segments, lo), _packed_position(segments, hi)
+
+
+def _packed_position(segments: Sequence[tuple[int, int]], flat: int) -> int:
+    """How many packed elements have a flat offset below `flat`."""
+    at = 0
+    for offset, numel in segments:
+        if flat <= offset:
+            return at
+        if flat < offset + numel:
+            return at + flat - offset
+        at += numel
+    return at
 
 
 def peer_lost(kind: str, group: CommGroup, error: BaseException) -> BaseException:
@@ -320,13 +338,19 @@ class Communicator:
         )
 
     def reduce_part(
-        self, part: torch.Tensor, offset: int, shard_numel: int, async_op: bool = False
+        self,
+        part: torch.Tensor,
+        offset: int,
+        shard_numel: int,
+        async_op: bool = False,
+        segments: Sequence[tuple[int, int]] | None = None,
     ):
         """Reduce-scatter one part of a flat vector split into `shard_numel`-element
         slices, one per rank in rank order: `part` holds its elements [offset, offset +
-        part.numel()). In place: afterwards the elements of `part` inside this rank's slice
-        hold their sum over the group; the rest are undefined. Every rank reduces the same
-        parts in the same order (one parameter's gradient as backward produces it)."""
+        part.numel()), or (`segments`: (offset, numel) pairs, rising) those runs packed
+        one after another. In place: afterwards the elements of `part` inside this rank's
+        slice hold their sum over the group; the rest are undefined. Every rank reduces
+        the same parts in the same order (gradients as backward produces them)."""
         if not self.reduces_in_place:
             raise RuntimeError("reduce_part needs an in-place reduce-scatter (gloo's)")
         if not self.group.distributed:
@@ -340,13 +364,15 @@ class Communicator:
                 async_op,
             )
         self._count("reduce_scatter", part)
-        me, end = self.group.rank, offset + part.numel()
+        if segments is None:
+            segments = ((offset, part.numel()),)
+        me = self.group.rank
         sends, mine = [], None
         for r in range(self.group.size):
-            lo, hi = max(offset, r * shard_numel), min(end, (r + 1) * shard_numel)
+            lo, hi = _packed_range(segments, r * shard_numel, (r + 1) * shard_numel)
             if lo >= hi:
                 continue
-            piece = part[lo - offset : hi - offset]
+            piece = part[lo:hi]
             if r == me:
                 mine = piece
                 continue

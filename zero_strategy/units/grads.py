@@ -43,6 +43,7 @@ from ..private_api import (
 )
 from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
 from .flat_unit import FlatUnit
+from .grad_buckets import GradBucket, plan_buckets
 from .host_landing import HostLandings
 from .no_gradient import fill_no_gradient, got_no_gradient, no_gradient
 from .reduction_order import MISSING, Entry, ReductionOrder, Turns
@@ -109,8 +110,11 @@ class _InFlight:
     unit: FlatUnit
     work: object
     sent: torch.Tensor  # the full buffer that was reduced (or one parameter's gradient)
-    out: torch.Tensor | None  # where this rank's reduced slice lands (None: `slot`'s)
-    slot: int | None = None  # a parameter reduced on its own: its slot in the unit
+    out: torch.Tensor | None  # where this rank's reduced slice lands (None: `slots`')
+    # Parameters reduced on their own or packed (`grad_buckets`): their slots in the
+    # unit, each at `starts[i]` of `sent`. Empty: the whole unit.
+    slots: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()
     counted: int = 0  # bytes it adds to comm_buffers (0: `sent` is the unit's gradients)
 
 
@@ -171,6 +175,7 @@ class GradReducer:
         self.sync = True
         self.in_flight: list[_InFlight] = []
         self._sent_bytes = 0  # of the reductions in flight, each buffer counted once
+        self._filling_bytes = 0  # of the buckets being filled (`_buckets`)
         self._ready: dict[int, int] = {}  # unit index -> grads received this backward
         self._launched: set[int] = set()
         self._callback_queued = False
@@ -195,6 +200,8 @@ class GradReducer:
         )
         self._turns: Turns | None = None
         self._last_entry: dict[int, Entry] = {}  # unit reduced whole -> its last entry
+        # This backward's small gradients packed together, by entry (`grad_buckets`).
+        self._buckets: dict[Entry, GradBucket] = {}
         # Gradients of the latest synchronised backward that were ready before their turn
         # (0 when this rank's path matched the agreed order).
         self.waited_turns = 0
@@ -276,6 +283,12 @@ class GradReducer:
         for unit_index, slot_index in turns.entries:
             if not self._would_reduce_directly(self.units[unit_index]):
                 self._last_entry[unit_index] = (unit_index, slot_index)
+        self._buckets = plan_buckets(
+            turns.entries,
+            [u.layout for u in self.units],
+            torch.empty((), dtype=self.reduce_dtype).element_size(),
+            lambda unit_index: unit_index not in self._last_entry,
+        )
         return turns
 
     @staticmethod
@@ -378,11 +391,47 @@ class GradReducer:
         if self._last_entry.get(unit_index) == entry:
             self._launch(unit)
         elif unit_index not in self._last_entry:
+            self._direct.setdefault(unit_index, set())
+            bucket = self._buckets.get(entry)
+            if bucket is not None and not bucket.launched:
+                self._pack(unit, slot_index, item, bucket)
+                return
             if item is MISSING:  # what a rank with no gradient sends (`no_gradient`)
                 slot = unit.layout.slots[slot_index]
                 item = no_gradient(slot.numel, self.reduce_dtype, unit.device)
-            self._direct.setdefault(unit_index, set())
             self._launch_slot(unit, slot_index, item)
+
+    def _forget_buckets(self) -> None:
+        """The backward is over (or was abandoned half way): no bucket is filling."""
+        self._buckets = {}
+        self._filling_bytes = 0
+
+    def _pack(self, unit: FlatUnit, slot_index: int, item: object, bucket: GradBucket) -> None:
+        """A small gradient's turn: into its bucket, which is reduced once it is full."""
+        fresh = bucket.buffer is None
+        bucket.add(slot_index, item, self.reduce_dtype, unit.device)
+        self._direct[unit.layout.index].add(slot_index)
+        if fresh:
+            self._filling_bytes += _nbytes(bucket.buffer)
+            self.on_memory()
+        if not bucket.complete:
+            return
+        self._check_paths()
+        bucket.launched = True
+        sent, bucket.buffer = bucket.buffer, None
+        self._filling_bytes -= _nbytes(sent)
+        group = unit.group
+        if group.grad_divisor > 1:
+            sent.div_(group.grad_divisor)
+        if group.summed_over_copies is None:
+            work = group.comm.reduce_part(
+                sent, 0, unit.layout.shard_numel, True, segments=bucket.segments
+            )
+        else:
+            work = group.holders.all_reduce_sum(sent, async_op=True)
+        self._push(_InFlight(unit, work, sent, None, bucket.slots, bucket.starts))
+        while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
+            self._land(self._pop())
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -405,6 +454,7 @@ class GradReducer:
                 self._hide_ungiven()
         self._turns = None
         self._direct.clear()
+        self._forget_buckets()
         self._ready.clear()
         self.on_backward_end()
 
@@ -480,7 +530,7 @@ class GradReducer:
             )
         else:
             work = group.holders.all_reduce_sum(sent, async_op=True)
-        self._push(_InFlight(unit, work, sent, None, slot_index))
+        self._push(_InFlight(unit, work, sent, None, (slot_index,), (0,)))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
         while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
             self._land(self._pop())
@@ -553,8 +603,8 @@ class GradReducer:
     def _land(self, job: _InFlight) -> None:
         job.work.wait()
         unit = job.unit
-        if job.slot is not None:
-            self._land_slot(job)
+        if job.slots:
+            self._land_slots(job)
         elif self.stage < 2:
             if job.sent is not unit.grad_full:
                 unit.grad_full.copy_(job.sent)
@@ -586,25 +636,28 @@ class GradReducer:
         finally:
             unit.let_grads_go(modified=True)
 
-    def _land_slot(self, job: _InFlight) -> None:
-        """Add the part of one parameter's summed gradient inside this rank's shard to
-        its fp32 slice."""
+    def _land_slots(self, job: _InFlight) -> None:
+        """Add the parts of the summed gradients (one parameter's, or a bucket's) inside
+        this rank's shard to its fp32 slice."""
         unit = job.unit
-        slot = unit.layout.slots[job.slot]
-        lo, hi = unit.mine_of(slot)
         idx = unit.layout.index
         offloaded = unit.grad_home is not None
         if offloaded and idx not in self._landing:
             unit.bring_grads_in()  # until the unit's last parameter has landed
             self._landing[idx] = 0
-        if lo < hi:
-            part, at = job.sent[lo - slot.offset : hi - slot.offset], lo - unit.opt_start
+        for slot_index, start in zip(job.slots, job.starts):
+            slot = unit.layout.slots[slot_index]
+            lo, hi = unit.mine_of(slot)
+            if lo >= hi:
+                continue
+            part = job.sent[start + lo - slot.offset : start + hi - slot.offset]
+            at = lo - unit.opt_start
             if unit.host != unit.device and not offloaded:
                 self.host_landings.send(unit, part, at)  # without stalling backward
             else:
                 self._add_landed(unit, to_host(part, unit), at)
         if offloaded:
-            self._landing[idx] += 1
+            self._landing[idx] += len(job.slots)
             if self._landing[idx] == self._trainable_count[idx]:
                 del self._landing[idx]
                 try:
@@ -635,6 +688,7 @@ class GradReducer:
         self._sent_bytes = 0
         self._direct.clear()
         self._turns = None
+        self._forget_buckets()
         self._let_landing_go()
 
     def _let_landing_go(self) -> None:
@@ -659,7 +713,12 @@ class GradReducer:
         """Gradients being reduced, and where other ranks' parts land (the buffers being
         filled are the units')."""
         in_flight = [t for job in self.in_flight for t in _held_by(job)]
-        return in_flight + self.host_landings.tensors() + self._waiting_turn()
+        filling = [b.buffer for b in self._filling_buckets()]
+        return in_flight + self.host_landings.tensors() + self._waiting_turn() + filling
+
+    def _filling_buckets(self) -> list[GradBucket]:
+        buckets = {id(b): b for b in self._buckets.values() if b.buffer is not None}
+        return list(buckets.values())
 
     def _waiting_turn(self) -> list[torch.Tensor]:
         """Gradients ready and waiting for their turn in the reduction order."""
@@ -681,7 +740,7 @@ class GradReducer:
                 buf = self.units[idx].grad_full
                 filling += 0 if buf is None else _nbytes(buf)
         waiting = sum(_nbytes(t) for t in self._waiting_turn())
-        return self._sent_bytes + filling + waiting, self.pool.free_bytes
+        return self._sent_bytes + filling + waiting + self._filling_bytes, self.pool.free_bytes
 
     def zero_grad(self, set_to_none: bool = True, real_zeros: Sequence[torch.Tensor] = ()) -> None:
         """Forget every gradient. At stages 0-1 the buffers stay allocated and `.grad`
@@ -693,6 +752,7 @@ class GradReducer:
         self.wait()
         self._turns = None
         self._direct.clear()
+        self._forget_buckets()
         self._ready.clear()
         self._launched.clear()
         self._callback_queued = False
