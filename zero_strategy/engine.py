@@ -271,7 +271,7 @@ class ZeroEngine:
         self._replaced.look()
         self.optim.settle_in_background()  # the last step's writes: their buffers go
         self._full_grads.hide(faces=torch.is_grad_enabled())  # a backward may follow
-        self.reducer.rehook_converted()
+        self.reducer.hooks.rehook_converted()
         self._buffers.before_forward()
 
     def begin_step(self) -> None:

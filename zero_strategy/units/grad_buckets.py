@@ -124,3 +124,56 @@ def _bucket(unit_index: int, slots: list[int], layout: UnitLayout) -> GradBucket
             segments.append((slot.offset, slot.numel))
         at += slot.numel
     return GradBucket(unit_index, tuple(slots), tuple(starts), at, tuple(segments))
+
+
+class GradBuckets:
+    """One backward's buckets, and the bytes of those being filled (counted with the
+    gradients in flight: `comm_buffers`)."""
+
+    def __init__(self, on_memory: Callable[[], None]) -> None:
+        self.on_memory = on_memory  # told when a bucket's buffer is taken
+        self.by_entry: dict[Entry, GradBucket] = {}
+        self.filling_bytes = 0
+
+    def plan(
+        self,
+        entries: Sequence[Entry],
+        layouts: Sequence[UnitLayout],
+        element_size: int,
+        packs: Callable[[int], bool],
+    ) -> None:
+        """A backward starts: its buckets (`plan_buckets`)."""
+        self.by_entry = plan_buckets(entries, layouts, element_size, packs)
+        self.filling_bytes = 0
+
+    def forget(self) -> None:
+        """The backward is over (or was abandoned half way): no bucket is filling."""
+        self.by_entry = {}
+        self.filling_bytes = 0
+
+    def pack(
+        self, entry: Entry, item: object, dtype: torch.dtype, device: torch.device
+    ) -> GradBucket | None:
+        """`entry`'s turn: its gradient (or `MISSING`) into its bucket, if it has one still
+        filling; that bucket, or None (the entry goes alone)."""
+        bucket = self.by_entry.get(entry)
+        if bucket is None or bucket.launched:
+            return None
+        fresh = bucket.buffer is None
+        bucket.add(entry[1], item, dtype, device)
+        if fresh:
+            self.filling_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
+            self.on_memory()
+        return bucket
+
+    def launch(self, bucket: GradBucket) -> torch.Tensor:
+        """A complete bucket's packed gradients, handed over to be reduced."""
+        bucket.launched = True
+        sent, bucket.buffer = bucket.buffer, None
+        self.filling_bytes -= sent.numel() * sent.element_size()
+        return sent
+
+    def filling(self) -> list[torch.Tensor]:
+        """The buffers of the buckets being filled, each once."""
+        buffers = {id(b): b.buffer for b in self.by_entry.values() if b.buffer is not None}
+        return list(buffers.values())

@@ -25,7 +25,6 @@ gradient (`no_gradient`: the optimizer then knows which parameters no rank used)
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,15 +34,14 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..private_api import (
-    clear_post_accumulate_grad_hooks,
-    post_accumulate_grad_hooks,
     queue_backward_callback,
     storage_use_count,
     tree_flatten,
 )
-from ..tensor_parallel import is_dtensor, local_grad, local_tensor, set_local_grad
+from ..tensor_parallel import local_grad, set_local_grad
 from .flat_unit import FlatUnit
-from .grad_buckets import GradBucket, plan_buckets
+from .grad_buckets import GradBucket, GradBuckets
+from .grad_hooks import GradHooks
 from .host_landing import HostLandings
 from .no_gradient import fill_no_gradient, got_no_gradient, no_gradient
 from .reduction_order import MISSING, Entry, ReductionOrder, Turns
@@ -175,7 +173,6 @@ class GradReducer:
         self.sync = True
         self.in_flight: list[_InFlight] = []
         self._sent_bytes = 0  # of the reductions in flight, each buffer counted once
-        self._filling_bytes = 0  # of the buckets being filled (`_buckets`)
         self._ready: dict[int, int] = {}  # unit index -> grads received this backward
         self._launched: set[int] = set()
         self._callback_queued = False
@@ -200,42 +197,12 @@ class GradReducer:
         )
         self._turns: Turns | None = None
         self._last_entry: dict[int, Entry] = {}  # unit reduced whole -> its last entry
-        # This backward's small gradients packed together, by entry (`grad_buckets`).
-        self._buckets: dict[Entry, GradBucket] = {}
+        # This backward's small gradients packed together (`grad_buckets`).
+        self.buckets = GradBuckets(lambda: self.on_memory())
         # Gradients of the latest synchronised backward that were ready before their turn
         # (0 when this rank's path matched the agreed order).
         self.waited_turns = 0
-        self.handles = []
-        # DTensor parameters, by the local shard they had when hooked: a module
-        # conversion (`.to()`) swaps a DTensor parameter's contents, which unwires its
-        # hooks (they stay listed on it but no longer run).
-        self._dtensor_hooks: list[tuple[nn.Parameter, int, int, int, weakref.ref]] = []
-        for position, unit in enumerate(units):
-            for slot_index, (slot, p) in enumerate(zip(unit.layout.slots, unit.params)):
-                if slot.trainable:
-                    self.handles.append(self._hook(p, position, slot_index))
-                    if is_dtensor(p):
-                        entry = (p, position, slot_index, len(self.handles) - 1)
-                        self._dtensor_hooks.append((*entry, weakref.ref(local_tensor(p))))
-
-    def _hook(self, p: nn.Parameter, position: int, slot_index: int):
-        return p.register_post_accumulate_grad_hook(
-            self._make_hook(weakref.ref(self), position, slot_index)
-        )
-
-    def rehook_converted(self) -> None:
-        """Before a forward: a DTensor parameter swapped since it was hooked has its
-        post-accumulate hooks wired again (ours, and any others listed on it)."""
-        for i, (p, position, slot_index, at, local) in enumerate(self._dtensor_hooks):
-            if local() is local_tensor(p):
-                continue
-            listed = post_accumulate_grad_hooks(p)
-            listed.pop(self.handles[at].id, None)
-            clear_post_accumulate_grad_hooks(p)  # registering again wires a new list
-            self.handles[at] = self._hook(p, position, slot_index)
-            for hook in listed.values():
-                p.register_post_accumulate_grad_hook(hook)
-            self._dtensor_hooks[i] = (p, position, slot_index, at, weakref.ref(local_tensor(p)))
+        self.hooks = GradHooks([(u.layout.slots, u.params) for u in units], self._on_hooked_grad)
 
     # ---------------------------------------------------------------- hooks
     def watch_outputs(self, output: Any) -> None:
@@ -283,7 +250,7 @@ class GradReducer:
         for unit_index, slot_index in turns.entries:
             if not self._would_reduce_directly(self.units[unit_index]):
                 self._last_entry[unit_index] = (unit_index, slot_index)
-        self._buckets = plan_buckets(
+        self.buckets.plan(
             turns.entries,
             [u.layout for u in self.units],
             torch.empty((), dtype=self.reduce_dtype).element_size(),
@@ -291,19 +258,8 @@ class GradReducer:
         )
         return turns
 
-    @staticmethod
-    def _make_hook(reducer: weakref.ref[GradReducer], unit_position: int, slot_index: int):
-        """The hook a parameter keeps: it holds the reducer weakly and finds its unit by
-        position. Autograd's hooks on a tensor are invisible to the garbage collector, so a
-        strong reference from there would keep the engine (and its process groups) alive
-        after the user dropped the model."""
-
-        def hook(p: nn.Parameter) -> None:
-            owner = reducer()
-            if owner is not None:
-                owner._on_grad(owner.units[unit_position], slot_index, p)
-
-        return hook
+    def _on_hooked_grad(self, position: int, slot_index: int, p: nn.Parameter) -> None:
+        self._on_grad(self.units[position], slot_index, p)
 
     def _on_grad(self, unit: FlatUnit, slot_index: int, p: nn.Parameter) -> None:
         slot = unit.layout.slots[slot_index]
@@ -392,46 +348,24 @@ class GradReducer:
             self._launch(unit)
         elif unit_index not in self._last_entry:
             self._direct.setdefault(unit_index, set())
-            bucket = self._buckets.get(entry)
-            if bucket is not None and not bucket.launched:
-                self._pack(unit, slot_index, item, bucket)
+            bucket = self.buckets.pack(entry, item, self.reduce_dtype, unit.device)
+            if bucket is not None:
+                self._direct[unit_index].add(slot_index)
+                if bucket.complete:
+                    self._reduce_bucket(unit, bucket)
                 return
             if item is MISSING:  # what a rank with no gradient sends (`no_gradient`)
                 slot = unit.layout.slots[slot_index]
                 item = no_gradient(slot.numel, self.reduce_dtype, unit.device)
             self._launch_slot(unit, slot_index, item)
 
-    def _forget_buckets(self) -> None:
-        """The backward is over (or was abandoned half way): no bucket is filling."""
-        self._buckets = {}
-        self._filling_bytes = 0
-
-    def _pack(self, unit: FlatUnit, slot_index: int, item: object, bucket: GradBucket) -> None:
-        """A small gradient's turn: into its bucket, which is reduced once it is full."""
-        fresh = bucket.buffer is None
-        bucket.add(slot_index, item, self.reduce_dtype, unit.device)
-        self._direct[unit.layout.index].add(slot_index)
-        if fresh:
-            self._filling_bytes += _nbytes(bucket.buffer)
-            self.on_memory()
-        if not bucket.complete:
-            return
+    def _reduce_bucket(self, unit: FlatUnit, bucket: GradBucket) -> None:
+        """A bucket's last gradient is in: reduce them together."""
         self._check_paths()
-        bucket.launched = True
-        sent, bucket.buffer = bucket.buffer, None
-        self._filling_bytes -= _nbytes(sent)
-        group = unit.group
-        if group.grad_divisor > 1:
-            sent.div_(group.grad_divisor)
-        if group.summed_over_copies is None:
-            work = group.comm.reduce_part(
-                sent, 0, unit.layout.shard_numel, True, segments=bucket.segments
-            )
-        else:
-            work = group.holders.all_reduce_sum(sent, async_op=True)
-        self._push(_InFlight(unit, work, sent, None, bucket.slots, bucket.starts))
-        while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
-            self._land(self._pop())
+        sent = self.buckets.launch(bucket)
+        if unit.group.grad_divisor > 1:
+            sent.div_(unit.group.grad_divisor)
+        self._send_parts(unit, sent, bucket.slots, bucket.starts, bucket.segments)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -454,7 +388,7 @@ class GradReducer:
                 self._hide_ungiven()
         self._turns = None
         self._direct.clear()
-        self._forget_buckets()
+        self.buckets.forget()
         self._ready.clear()
         self.on_backward_end()
 
@@ -524,13 +458,26 @@ class GradReducer:
             sent = torch.div(flat, divisor)
         else:
             sent = flat.clone()
+        slot = unit.layout.slots[slot_index]
+        self._send_parts(unit, sent, (slot_index,), (0,), ((slot.offset, slot.numel),))
+
+    def _send_parts(
+        self,
+        unit: FlatUnit,
+        sent: torch.Tensor,
+        slots: tuple[int, ...],
+        starts: tuple[int, ...],
+        segments: tuple[tuple[int, int], ...],
+    ) -> None:
+        """Start reducing gradients of `unit` packed in `sent` (`segments` of its flat
+        layout, one after another) over its shard group, or, for replicated copies, all
+        of it over them all."""
+        group = unit.group
         if group.summed_over_copies is None:
-            work = group.comm.reduce_part(
-                sent, unit.layout.slots[slot_index].offset, unit.layout.shard_numel, True
-            )
+            work = group.comm.reduce_part(sent, 0, unit.layout.shard_numel, True, segments=segments)
         else:
             work = group.holders.all_reduce_sum(sent, async_op=True)
-        self._push(_InFlight(unit, work, sent, None, (slot_index,), (0,)))
+        self._push(_InFlight(unit, work, sent, None, slots, starts))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
         while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
             self._land(self._pop())
@@ -688,7 +635,7 @@ class GradReducer:
         self._sent_bytes = 0
         self._direct.clear()
         self._turns = None
-        self._forget_buckets()
+        self.buckets.forget()
         self._let_landing_go()
 
     def _let_landing_go(self) -> None:
@@ -713,12 +660,8 @@ class GradReducer:
         """Gradients being reduced, and where other ranks' parts land (the buffers being
         filled are the units')."""
         in_flight = [t for job in self.in_flight for t in _held_by(job)]
-        filling = [b.buffer for b in self._filling_buckets()]
-        return in_flight + self.host_landings.tensors() + self._waiting_turn() + filling
-
-    def _filling_buckets(self) -> list[GradBucket]:
-        buckets = {id(b): b for b in self._buckets.values() if b.buffer is not None}
-        return list(buckets.values())
+        waiting = self.host_landings.tensors() + self._waiting_turn()
+        return in_flight + waiting + self.buckets.filling()
 
     def _waiting_turn(self) -> list[torch.Tensor]:
         """Gradients ready and waiting for their turn in the reduction order."""
@@ -740,7 +683,8 @@ class GradReducer:
                 buf = self.units[idx].grad_full
                 filling += 0 if buf is None else _nbytes(buf)
         waiting = sum(_nbytes(t) for t in self._waiting_turn())
-        return self._sent_bytes + filling + waiting + self._filling_bytes, self.pool.free_bytes
+        in_flight = self._sent_bytes + self.buckets.filling_bytes
+        return in_flight + filling + waiting, self.pool.free_bytes
 
     def zero_grad(self, set_to_none: bool = True, real_zeros: Sequence[torch.Tensor] = ()) -> None:
         """Forget every gradient. At stages 0-1 the buffers stay allocated and `.grad`
@@ -752,7 +696,7 @@ class GradReducer:
         self.wait()
         self._turns = None
         self._direct.clear()
-        self._forget_buckets()
+        self.buckets.forget()
         self._ready.clear()
         self._launched.clear()
         self._callback_queued = False

@@ -92,7 +92,7 @@ class UnitSchedule:
     @property
     def handles(self) -> list:
         """Every hook the schedule installed on the model."""
-        hooks = list(self.reducer.handles)
+        hooks = list(self.reducer.hooks.handles)
         hooks += self.gather.handles if self.gather is not None else []
         hooks += self.publisher.handles if self.publisher is not None else []
         return hooks
