@@ -327,7 +327,7 @@ class Communicator:
                 shard_out.copy_(full)
             return _DoneWork() if async_op else None
         if self.reduces_in_place:
-            return self.reduce_part(full, 0, full.numel() // self.group.size, async_op)
+            return self.reduce_part(full, full.numel() // self.group.size, async_op)
         self._count("reduce_scatter", full)
         return self._issue(
             "reduce_scatter",
@@ -340,15 +340,14 @@ class Communicator:
     def reduce_part(
         self,
         part: torch.Tensor,
-        offset: int,
         shard_numel: int,
         async_op: bool = False,
         segments: Sequence[tuple[int, int]] | None = None,
     ):
         """Reduce-scatter one part of a flat vector split into `shard_numel`-element
-        slices, one per rank in rank order: `part` holds its elements [offset, offset +
-        part.numel()), or (`segments`: (offset, numel) pairs, rising) those runs packed
-        one after another. In place: afterwards the elements of `part` inside this rank's
+        slices, one per rank in rank order: `part` holds the runs of its elements that
+        `segments` names ((offset, numel) pairs, rising), packed one after another; None:
+        the elements [0, part.numel()). In place: afterwards the elements of `part` inside this rank's
         slice hold their sum over the group; the rest are undefined. Every rank reduces
         the same parts in the same order (gradients as backward produces them)."""
         if not self.reduces_in_place:
@@ -365,7 +364,7 @@ class Communicator:
             )
         self._count("reduce_scatter", part)
         if segments is None:
-            segments = ((offset, part.numel()),)
+            segments = ((0, part.numel()),)
         me = self.group.rank
         sends, mine = [], None
         for r in range(self.group.size):

@@ -45,11 +45,15 @@ class GradBucket:
     segments: tuple[tuple[int, int], ...]  # (offset in the unit's flat layout, numel)
     buffer: torch.Tensor | None = None
     put: set[int] = field(default_factory=set)  # the slots whose gradient is in
-    launched: bool = False
 
     @property
     def complete(self) -> bool:
         return len(self.put) == len(self.slots)
+
+    @property
+    def launched(self) -> bool:
+        """Complete and handed over to be reduced (`GradBuckets.launch`)."""
+        return self.complete and self.buffer is None
 
     def view_of(self, slot_index: int) -> torch.Tensor:
         """Where slot `slot_index`'s gradient sits in the packed buffer."""
@@ -168,7 +172,6 @@ class GradBuckets:
 
     def launch(self, bucket: GradBucket) -> torch.Tensor:
         """A complete bucket's packed gradients, handed over to be reduced."""
-        bucket.launched = True
         sent, bucket.buffer = bucket.buffer, None
         self.filling_bytes -= sent.numel() * sent.element_size()
         return sent

@@ -198,7 +198,7 @@ class GradReducer:
         self._turns: Turns | None = None
         self._last_entry: dict[int, Entry] = {}  # unit reduced whole -> its last entry
         # This backward's small gradients packed together (`grad_buckets`).
-        self.buckets = GradBuckets(lambda: self.on_memory())
+        self.buckets = GradBuckets(on_memory)
         # Gradients of the latest synchronised backward that were ready before their turn
         # (0 when this rank's path matched the agreed order).
         self.waited_turns = 0
@@ -253,7 +253,7 @@ class GradReducer:
         self.buckets.plan(
             turns.entries,
             [u.layout for u in self.units],
-            torch.empty((), dtype=self.reduce_dtype).element_size(),
+            self.reduce_dtype.itemsize,
             lambda unit_index: unit_index not in self._last_entry,
         )
         return turns
@@ -474,7 +474,7 @@ class GradReducer:
         of it over them all."""
         group = unit.group
         if group.summed_over_copies is None:
-            work = group.comm.reduce_part(sent, 0, unit.layout.shard_numel, True, segments=segments)
+            work = group.comm.reduce_part(sent, unit.layout.shard_numel, True, segments)
         else:
             work = group.holders.all_reduce_sum(sent, async_op=True)
         self._push(_InFlight(unit, work, sent, None, slots, starts))
