@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -22,6 +25,50 @@ from typing import Any
 import torch
 import torch._dynamo  # once here: each forked rank would import it again
 import torch.distributed as dist
+
+
+def preload(*modules: str) -> None:
+    """Import `modules` in this process, the one that forks the ranks, so that each rank
+    inherits them instead of importing them again: 0.2-0.9 s of CPU per rank for a
+    Transformers model or trainer, the ranks of a test module import the same ones. One
+    that is not installed is skipped (its tests skip themselves)."""
+    for name in modules:
+        with contextlib.suppress(ImportError), _torch_deprecations_quiet():
+            importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def _torch_deprecations_quiet():
+    """Imported here, some of torch's compiler modules deprecate torch's own
+    `torch.jit.script_method` at import (14 warnings): nothing a test can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated")
+        yield
+
+
+_compiler_warm = False
+
+
+def warm_the_compiler() -> None:
+    """Compile a trivial function here once, with aot_eager and with inductor, so that
+    the forked ranks inherit the compiler's modules and its lazily made state (the C++
+    toolchain's probe, the pass registries): about 1.5 s of CPU per rank otherwise, spent
+    again in each rank of each world that compiles. Inductor compiles in this process
+    (`compile_threads=1`): a pool of compile workers would leave threads alive across the
+    fork. Dynamo's caches and counters are then reset, so tests count only their own."""
+    global _compiler_warm
+    if _compiler_warm:
+        return
+    import torch._inductor.config as inductor_config
+
+    x = torch.ones(2, requires_grad=True)
+    with inductor_config.patch(compile_threads=1), _torch_deprecations_quiet():
+        for backend in ("aot_eager", "inductor"):
+            torch.compile(lambda t: (t * 2).sum(), backend=backend)(x).backward()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _compiler_warm = True
+
 
 # Where a rank stands, for the parent to read when it hangs.
 _BEFORE, _IN_FUNCTION, _RETURNED = 0, 1, 2

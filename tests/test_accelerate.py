@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world
 from training import local_batch, make_model, make_optimizer, rel_l2
 
 pytest.importorskip("accelerate")
+preload("zero_strategy.integrations.accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, ACCUM = 6, 2

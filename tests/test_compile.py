@@ -10,9 +10,19 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.distributed import preload, run_world, warm_the_compiler
 from tests.training import TINY, local_batch, make_model, make_optimizer
 from zero_strategy import ZeroConfig, ZeroEngine
+
+# What the ranks would each import or make again: the compiler's state, the Transformers
+# models they build, the Accelerate door.
+warm_the_compiler()
+preload(
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
+    "zero_strategy.integrations.accelerate",
+)
 
 MODES = ("eager", "before", "after", "blocks")
 STEPS = 4

@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world
 from zero_strategy import ZeroConfig, ZeroEngine
 
 transformers = pytest.importorskip("transformers")
+preload(
+    *(
+        f"transformers.models.{name}.modeling_{name}"
+        for name in ("llama", "bert", "mistral", "mixtral", "gpt_neox", "opt", "t5", "gpt2")
+    )
+)
 
 VOCAB, SEQ = 96, 16
 T = transformers

@@ -11,10 +11,11 @@ import os
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world
 from zero_strategy import ZeroConfig, ZeroEngine
 
 T = pytest.importorskip("transformers")
+preload("zero_strategy.integrations.transformers")
 
 VOCAB, SEQ, PER_RANK, STEPS = 64, 8, 2, 3
 COMMON = dict(

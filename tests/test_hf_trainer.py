@@ -8,10 +8,12 @@ import os
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world, warm_the_compiler
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+warm_the_compiler()  # one test compiles in its ranks
+preload("zero_strategy.integrations.transformers")
 
 STEPS = 6
 

@@ -10,11 +10,14 @@ import json
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world, warm_the_compiler
 from zero_strategy import ZeroConfig, ZeroEngine
 
 pytest.importorskip("transformers")
 from tensor_parallel_models import apply_llama_plan, batches, llama, loss_of
+
+warm_the_compiler()  # the Accelerate door compiles in its ranks
+preload("transformers.models.llama.modeling_llama", "zero_strategy.integrations.accelerate")
 
 STEPS, BATCH, CLIP, LR = 4, 4, 0.5, 1e-2
 # Weights after AdamW steps, against one process: Adam divides each update by the

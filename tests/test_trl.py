@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import preload, run_world
 
 trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install trl")
 datasets = pytest.importorskip("datasets", reason="TRL's trainers take a datasets.Dataset")
 transformers = pytest.importorskip("transformers")
+preload("zero_strategy.integrations.transformers", "transformers.models.llama.modeling_llama")
 
 VOCAB, WORDS, STEPS = 64, 12, 3
 
