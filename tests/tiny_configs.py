@@ -1,0 +1,199 @@
+"""A tiny configuration of any Hugging Face architecture, made by rule from its defaults:
+the width, depth, heads, experts and vocabulary each named by the usual attribute names,
+made small; dropout and router noise off, so that two runs of one model are the same."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# Small values for the attributes a config commonly names (and their aliases). Only the
+# ones a config has are set.
+SMALL: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "dim": 64,
+    "embedding_size": 64,
+    "embed_dim": 64,
+    "word_embed_proj_dim": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "d_ff": 128,
+    "ffn_hidden_size": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "n_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "n_kv_heads": 2,
+    "num_kv_heads": 2,
+    "multi_query_group_num": 2,
+    "head_dim": 16,
+    "d_kv": 16,
+    "kv_channels": 16,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_ctx": 64,
+    "max_seq_len": 64,
+    "seq_length": 64,
+    "sliding_window": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_head_dim": 16,
+    "rotary_dim": 8,
+    "state_size": 8,
+    "ssm_state_size": 8,
+    "mamba_d_state": 8,
+    "conv_kernel": 4,
+    "time_step_rank": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "index_topk": 8,
+    "num_experts_per_token": 2,
+    "embedding_dim": 64,
+    "num_blocks": 2,
+    "decoder_vocab_size": 128,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "mamba_headdim": 16,
+    "adapter_rank": 8,
+    "num_labels": 2,
+}
+# Stochastic in training: made deterministic, so that a run equals its reference.
+QUIET: dict[str, Any] = {
+    "router_jitter_noise": 0.0,
+    "router_z_loss_coef": 0.0,
+    "output_router_logits": False,
+    "use_cache": False,
+}
+
+
+def _is_dropout(name: str, value: Any) -> bool:
+    return (
+        isinstance(value, float)
+        and not isinstance(value, bool)
+        and ("dropout" in name or name.endswith("pdrop") or name.endswith("drop_rate"))
+    )
+
+
+def _overrides(config, extra: dict[str, Any]) -> dict[str, Any]:
+    names = set(inspect.signature(type(config).__init__).parameters) | set(vars(config))
+    names |= set(getattr(config, "attribute_map", {}))
+    out = {k: v for k, v in SMALL.items() if k in names}
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention
+        out["head_dim"] = out["qk_rope_head_dim"]  # its rotary part
+    out.update({k: v for k, v in QUIET.items() if k in names})
+    out.update({k: 0.0 for k, v in vars(config).items() if _is_dropout(k, v)})
+    out.update({k: v for k, v in extra.items() if k in names})
+    return out
+
+
+def _layers(values: dict[str, Any]) -> int | None:
+    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
+        if isinstance(values.get(name), int):
+            return values[name]
+    return None
+
+
+def _per_layer(values: dict[str, Any], before: int | None, after: int | None) -> None:
+    """Lists with one entry per layer (layer types, per-layer heads or limits) keep the
+    first `after` entries; a dict keyed by layer index keeps those layers'."""
+    if not before or not after or before <= after:
+        return
+    for key, value in list(values.items()):
+        if isinstance(value, list) and len(value) == before:
+            values[key] = value[:after]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            values[key] = {k: v for k, v in value.items() if int(k) < after}
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(i, int) for i in value)
+            and key.endswith(("_layers", "_indices", "layer_ids"))
+            and max(value) >= after
+        ):
+            values[key] = [i for i in value if i < after] or [0]
+
+
+def _token_ids(values: dict[str, Any]) -> None:
+    """Special token ids inside the small vocabulary."""
+    vocab = values.get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    small = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    for key, value in list(values.items()):
+        if not key.endswith("token_id"):
+            continue
+        if isinstance(value, int) and value >= vocab:
+            values[key] = small.get(key, 3)
+        elif isinstance(value, list):
+            values[key] = [v for v in value if v < vocab] or [small.get(key, 3)]
+
+
+def shrink(config, **extra: Any):
+    """The config, each of its sub-configs (a text or vision tower) made small in turn;
+    `extra` overrides the attributes it names, where the config has them."""
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            setattr(config, key, shrink(sub, **extra))
+    values = config.to_dict()
+    before = _layers(values)
+    values.update(_overrides(config, extra))
+    values = {k: v for k, v in values.items() if k not in ("transformers_version", "model_type")}
+    _per_layer(values, before, _layers(values))
+    _token_ids(values)
+    return type(config)(**values)
+
+
+def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000):
+    """The architecture `model_type` built tiny by a transformers auto class
+    (`AutoModelForCausalLM`), with seed 0, in fp32; raises with the reason where it
+    cannot be built so."""
+    import torch
+    import transformers
+
+    causal = auto_class is transformers.AutoModelForCausalLM
+    # The causal-LM head of an encoder family (BERT's, Reformer's) runs as a decoder.
+    config = shrink(
+        transformers.AutoConfig.for_model(model_type), **({"is_decoder": True} if causal else {})
+    )
+    torch.manual_seed(0)
+    model = auto_class.from_config(config).float()
+    count = sum(p.numel() for p in model.parameters())
+    if count > max_params:
+        raise ValueError(f"{count:,} parameters once shrunk, over {max_params:,}")
+    return model
