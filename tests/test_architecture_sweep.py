@@ -32,14 +32,17 @@ pytestmark = pytest.mark.sweep
 STEPS, BATCH, SEQ = 3, 4, 16
 
 
-def _train(rank, world, family, model_type, stage):
+def _train(rank, world, family, model_type, stage, sgd=False, **config):
     model = tiny_model(model_type, getattr(transformers, family))
     vocab = _vocabulary(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if stage == "ddp":  # an expert, or a layer of another type, may get no token on a rank
         runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     else:
-        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage, **config))
     model.train()
     losses = []
     for step in range(STEPS):
@@ -65,21 +68,58 @@ def _train(rank, world, family, model_type, stage):
 
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
 def test_an_architecture_trains_at_stage_3_as_under_ddp(family, model_type):
-    try:  # here too, so that the ranks inherit its modules
-        tiny_model(model_type, getattr(transformers, family))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
-    ddp = run_world(_train, 2, family, model_type, "ddp", expect_errors=True)
-    if any(status != "ok" for status, _ in ddp):
-        reason = next(payload for status, payload in ddp if status != "ok")
-        pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
-    ddp_losses, ddp_state = torch.load(_bytes(ddp[0][1]), weights_only=True)
+    _, ddp_losses, ddp_state = _ddp_run(family, model_type)
     losses, state = run_world(_train, 2, family, model_type, 3)[0]
     assert losses == ddp_losses, (losses, ddp_losses)
     differ = [n for n, v in ddp_state.items() if n in state and not torch.equal(state[n], v)]
     missing = sorted(set(ddp_state) - set(state))
     assert not differ, f"{len(differ)} tensors differ from DDP's, first {differ[:5]}"
     assert not missing, f"not in the engine's full state dict: {missing[:5]}"
+
+
+def _ddp_run(family: str, model_type: str, sgd: bool = False):
+    """The model built tiny (here too, so that the ranks inherit its modules) and its DDP
+    run's losses and state; skips where either cannot be had."""
+    try:
+        model = tiny_model(model_type, getattr(transformers, family))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    ddp = run_world(_train, 2, family, model_type, "ddp", sgd, expect_errors=True)
+    if any(status != "ok" for status, _ in ddp):
+        reason = next(payload for status, payload in ddp if status != "ok")
+        pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
+    return model, *torch.load(_bytes(ddp[0][1]), weights_only=True)
+
+
+MOE_CASES = [("AutoModelForCausalLM", name) for name in sorted(FAMILIES["AutoModelForCausalLM"])]
+
+
+@pytest.mark.parametrize(("family", "model_type"), MOE_CASES, ids=[n for _, n in MOE_CASES])
+def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_type):
+    """Each architecture whose tiny model has experts (4 of them, in Transformers' 3-D
+    form: `transformers_experts.is_convertible`) trains with expert_parallel_size=2 at stage
+    3 as under DDP, within float reordering (each expert's tokens arrive by all-to-all, in
+    another order). SGD: its weights follow the gradients' scale, which Adam's would hide
+    (and Adam would magnify a reordering of a gradient near zero into a step of its own)."""
+    from zero_strategy.moe.transformers_experts import is_convertible
+
+    try:
+        model = tiny_model(model_type, getattr(transformers, family))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    if not experts:
+        pytest.skip(f"{model_type}: no experts")
+    if not all(is_convertible(m) for m in experts):
+        pytest.skip(f"{model_type}: experts not in the 3-D form ({type(experts[0]).__name__})")
+    _, ddp_losses, ddp_state = _ddp_run(family, model_type, sgd=True)
+    losses, state = run_world(_train, 2, family, model_type, 3, True, expert_parallel_size=2)[0]
+    assert losses == pytest.approx(ddp_losses, rel=1e-5)
+    assert state.keys() >= ddp_state.keys()
+    for name, value in ddp_state.items():
+        torch.testing.assert_close(
+            state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _vocabulary(model) -> int:

@@ -287,6 +287,20 @@ def test_experts_that_cannot_be_split_are_refused_by_name(which, named):
         assert "expert_parallel_size=1" in message
 
 
+def test_a_shared_expert_is_a_dense_layer_not_experts_that_cannot_be_split():
+    """Aria's `AriaSharedExpertsMLP` beside its routed experts runs on every token: a
+    dense layer, sharded as any other. It was once refused as experts that cannot be
+    split (the architecture sweep found it); the routed experts are still converted."""
+    from tiny_configs import tiny_model
+    from zero_strategy.moe import transformers_experts
+
+    model = tiny_model("aria_text", T.AutoModelForCausalLM)
+    converted = transformers_experts.convertible(model)
+    assert sorted(converted) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert any("shared_experts" in path for path, _ in model.named_modules())
+    assert transformers_experts.unconvertible(model, list(converted)) == []
+
+
 def test_experts_module_with_a_shared_weight_is_refused():
     """A weight that is not per expert (a norm shared by all) cannot be split by rows."""
     from zero_strategy.moe import transformers_experts

@@ -218,10 +218,13 @@ def convert(
 def unconvertible(model: nn.Module, known: list[str]) -> list[str]:
     """Modules that look like experts ("Expert" in the class name, or named `experts`)
     with parameters and no known expert layer (`known`: their paths)
-    inside them or around them: the outermost of each."""
+    inside them or around them: the outermost of each. A shared expert (Aria's
+    `AriaSharedExpertsMLP`, "shared" in its class or attribute name) is not one: every
+    token runs through it, a dense layer that ZeRO shards as any other."""
     found: list[str] = []
     for path, module in model.named_modules():
-        looks = "expert" in type(module).__name__.lower() or path.rsplit(".", 1)[-1] == "experts"
+        name, kind = path.rsplit(".", 1)[-1], type(module).__name__.lower()
+        looks = ("expert" in kind or name == "experts") and "shared" not in kind + name.lower()
         if not path or not looks or any(within(path, f) for f in found):
             continue
         if any(within(k, path) or within(path, k) for k in known):
