@@ -147,3 +147,59 @@ def test_a_model_inside_another_module_gets_its_own_initialisation():
     for name, value in bare.items():
         assert torch.equal(held[name], value), name
     assert abs(held["lm_head.weight"].std().item() - 0.02) < 0.003
+
+
+class _Embeddings(torch.nn.Module):
+    """As SigLIP's vision embeddings: a buffer of its own, a child's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = torch.nn.Embedding(8, 4)
+        self.register_buffer("ids", torch.arange(8), persistent=False)
+
+
+class _EmbeddingsModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _Embeddings()
+        self.head = torch.nn.Linear(4, 4)
+
+    def _init_weights(self, module):  # as SigLIP's: the embeddings' init fills both
+        if isinstance(module, _Embeddings):
+            module.ids.copy_(torch.arange(8))
+            torch.nn.init.normal_(module.position.weight)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight)
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+
+def _embeddings_built(rank, world, stage):
+    with init_on_meta():
+        model = _EmbeddingsModel()
+    torch.manual_seed(rank)  # each rank's own generator, as in a launch without a seed
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), {"stage": stage})
+    state = engine.full_state_dict(rank0_only=False)
+    with engine.gathered_parameters():  # what the forward computes with
+        live = model.embeddings.position.weight.detach().clone()
+    ids = model.embeddings.ids.clone()
+    engine.close()
+    return state, live, ids
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_buffer_owners_initialiser_leaves_its_childrens_parameters_as_agreed(stage):
+    """The initialiser run for a module's buffers (SigLIP's `_init_weights` of its vision
+    embeddings) also draws its child's weight. It runs after every parameter was
+    initialised and agreed over the ranks, so the parameters are set aside while it runs:
+    before, at stage 1 each rank drew the weight again from its own generator and the
+    replicas differed; at stage 3 the released weight refused the write."""
+    (state0, live0, ids0), (state1, live1, ids1) = run_world(_embeddings_built, 2, stage)
+    assert torch.equal(ids0, torch.arange(8)) and torch.equal(ids1, torch.arange(8))
+    assert torch.equal(live0, state0["embeddings.position.weight"])
+    assert torch.equal(live1, live0)
+    assert (
+        state0.keys() == state1.keys() == {"embeddings.position.weight", "head.weight", "head.bias"}
+    )
+    for name, value in state0.items():
+        assert torch.equal(state1[name], value), name

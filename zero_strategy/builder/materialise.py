@@ -36,7 +36,7 @@ def materialise(
     _materialise_units(model, units, on_meta, init_fn, stage, device, tensor_group)
     if on_meta:
         owners = meta_init.buffer_owners(model, recomputed)
-        meta_init.run_init(model, owners, init_fn)
+        meta_init.run_init(model, owners, init_fn, buffers_only=True)
         meta_init.check_no_meta_buffers(model, recomputed)
 
 

@@ -61,11 +61,16 @@ def owner_modules(model: nn.Module, slots: list[ParamSlot]) -> list[tuple[str, n
 
 
 def run_init(
-    model: nn.Module, modules: list[tuple[str, nn.Module]], init_fn: InitFn | None
+    model: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    init_fn: InitFn | None,
+    buffers_only: bool = False,
 ) -> None:
     """Initialise the parameters directly owned by each module (now real, pointing at a
     flat buffer). A module under an ancestor with `zero_initialise()` (MoE experts, which
-    seed each expert by its global id) is left to that ancestor, called once."""
+    seed each expert by its global id) is left to that ancestor, called once. With
+    `buffers_only`, the initialisers run for the modules' buffers alone: every parameter
+    below each module is set aside while its initialiser runs (`parameters_aside`)."""
     # Hugging Face models initialise any of their modules (`_init_weights`): the deepest
     # such model holding a module does (the root, or one inside a LightningModule).
     hf_inits = {path: hf_init_weights(m) for path, m in model.named_modules() if hf_init_weights(m)}
@@ -94,19 +99,45 @@ def run_init(
             key=lambda pf: len(pf[0]) if pf[0] else -1,
             default=(None, None),
         )[1]
-        if init_fn is not None:
-            init_fn(module)
-        elif hf_init is not None:
-            hf_init(module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        elif any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(
-                f"Module '{path or '<root>'}' ({type(module).__name__}) was built on the meta "
-                "device and has no reset_parameters(), so its initial values are unknown. Pass "
-                "param_init_fn=fn to ZeroEngine, where fn(module) initialises the parameters "
-                "a module owns directly."
-            )
+        with parameters_aside(module) if buffers_only else contextlib.nullcontext():
+            _initialise(path, module, init_fn, hf_init)
+
+
+def _initialise(path: str, module: nn.Module, init_fn: InitFn | None, hf_init) -> None:
+    if init_fn is not None:
+        init_fn(module)
+    elif hf_init is not None:
+        hf_init(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"Module '{path or '<root>'}' ({type(module).__name__}) was built on the meta "
+            "device and has no reset_parameters(), so its initial values are unknown. Pass "
+            "param_init_fn=fn to ZeroEngine, where fn(module) initialises the parameters "
+            "a module owns directly."
+        )
+
+
+@contextlib.contextmanager
+def parameters_aside(module: nn.Module) -> Iterator[None]:
+    """Meta stand-ins for every parameter below `module` while its initialiser runs for
+    its buffers: a Hugging Face `_init_weights` of a module holding buffers may also draw
+    values for its children's parameters (SigLIP's vision embeddings: the position
+    embedding's weight), which were initialised and agreed over the ranks already (at
+    stage 3 they are released). Drawn again from each rank's own generator, they would
+    differ between ranks."""
+    saved = []
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            saved.append((sub, name, param))
+            setattr(sub, name, nn.Parameter(stand_in, requires_grad=param.requires_grad))
+    try:
+        yield
+    finally:
+        for sub, name, param in saved:
+            setattr(sub, name, param)
 
 
 def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
