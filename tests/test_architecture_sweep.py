@@ -10,8 +10,11 @@ not a finding about this engine. Not in the default run (about 290 architectures
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from test_pretrained_doors import load_by_shards, saved_tiny
 
 from distributed import run_world
 from tiny_configs import tiny_model
@@ -32,8 +35,10 @@ pytestmark = pytest.mark.sweep
 STEPS, BATCH, SEQ = 3, 4, 16
 
 
-def _train(rank, world, family, model_type, stage, sgd=False, **config):
+def _train(rank, world, family, model_type, stage, sgd=False, checkpointing=False, **config):
     model = tiny_model(model_type, getattr(transformers, family))
+    if checkpointing:  # activation recomputation, as Transformers users enable it
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     vocab = _vocabulary(model)
     if sgd:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -77,14 +82,19 @@ def test_an_architecture_trains_at_stage_3_as_under_ddp(family, model_type):
     assert not missing, f"not in the engine's full state dict: {missing[:5]}"
 
 
-def _ddp_run(family: str, model_type: str, sgd: bool = False):
+@functools.cache
+def _ddp_result(family: str, model_type: str, sgd: bool, checkpointing: bool) -> list:
+    return run_world(_train, 2, family, model_type, "ddp", sgd, checkpointing, expect_errors=True)
+
+
+def _ddp_run(family: str, model_type: str, sgd: bool = False, checkpointing: bool = False):
     """The model built tiny (here too, so that the ranks inherit its modules) and its DDP
-    run's losses and state; skips where either cannot be had."""
+    run's losses and state (once per worker); skips where either cannot be had."""
     try:
         model = tiny_model(model_type, getattr(transformers, family))
     except Exception as e:  # any reason it cannot be built tiny
         pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
-    ddp = run_world(_train, 2, family, model_type, "ddp", sgd, expect_errors=True)
+    ddp = _ddp_result(family, model_type, sgd, checkpointing)
     if any(status != "ok" for status, _ in ddp):
         reason = next(payload for status, payload in ddp if status != "ok")
         pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
@@ -135,3 +145,38 @@ def _bytes(payload: bytes):
     import io
 
     return io.BytesIO(payload)
+
+
+@pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
+def test_an_architecture_with_gradient_checkpointing_trains_as_under_ddp(family, model_type):
+    """Transformers' gradient checkpointing (non-reentrant, as its docs advise): each
+    recomputed forward inside backward gathers its units again at stage 3, and the run
+    equals DDP's with the same checkpointing, to the bit. (Against DDP without it, a
+    model whose checkpointed forward takes another path would differ on its own.)"""
+    try:
+        model = tiny_model(model_type, getattr(transformers, family))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    if not model.supports_gradient_checkpointing:
+        pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")
+    _, ddp_losses, ddp_state = _ddp_run(family, model_type, checkpointing=True)
+    losses, state = run_world(_train, 2, family, model_type, 3, checkpointing=True)[0]
+    assert losses == ddp_losses, (losses, ddp_losses)
+    differ = [n for n, v in ddp_state.items() if n in state and not torch.equal(state[n], v)]
+    assert not differ, f"{len(differ)} tensors differ from DDP's, first {differ[:5]}"
+
+
+@pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
+def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, tmp_path):
+    """The fine-tuning path (docs/fine_tuning.md): built on the meta device, sharded at
+    stage 3, each rank reading its own ranges of what `save_pretrained` wrote (several
+    shards); the model holds what `from_pretrained` gives, to the bit."""
+    try:
+        want = saved_tiny(family, model_type, tmp_path)
+    except Exception as e:  # Transformers' own round trip, before this engine
+        pytest.skip(f"{model_type}: not saved and loaded tiny: {type(e).__name__}: {str(e)[:200]}")
+    state = run_world(load_by_shards, 2, family, model_type, str(tmp_path))[0]
+    missing = sorted(set(want) - set(state))
+    differ = [n for n, v in want.items() if n in state and not torch.equal(state[n], v)]
+    assert not missing, f"not loaded: {missing[:5]}"
+    assert not differ, f"{len(differ)} tensors differ from from_pretrained's, first {differ[:5]}"

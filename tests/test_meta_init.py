@@ -111,15 +111,29 @@ class _WithBuffers(torch.nn.Module):
 
 
 def test_meta_buffers_are_recomputed_by_the_models_init_or_named():
-    with init_on_meta():
+    """A model built under torch.device("meta") has meta buffers: its initialiser
+    recomputes them, or the engine names those it left."""
+    with torch.device("meta"):
         model = _WithBuffers(fill_both=True)
     ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.equal(model.rotary.inv_freq, torch.arange(4.0))
     assert torch.equal(model.rotary.steps, torch.arange(4))
-    with init_on_meta():
+    with torch.device("meta"):
         model = _WithBuffers(fill_both=False)
     with pytest.raises(ValueError, match=r"\['rotary.steps'\].*did not fill them"):
         ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_init_on_meta_keeps_the_buffers_a_module_computes():
+    """`init_on_meta()` puts parameters alone on the meta device, as `from_pretrained`
+    does: a buffer the module computes in `__init__` and no initialiser recomputes (GPT-
+    Neo's causal mask) is kept as made."""
+    with init_on_meta():
+        model = _WithBuffers(fill_both=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(model.rotary.steps, torch.arange(4))
 
 
 def _meta_built(rank, world, wrapped: bool):

@@ -168,3 +168,49 @@ def test_trainable_state_dict_of_an_unsharded_module_names_the_fix():
 
     with pytest.raises(ValueError, match="No ZeroEngine shards this Linear"):
         zero_strategy.trainable_state_dict(torch.nn.Linear(2, 2))
+
+
+def load_by_shards(rank, world, family: str, model_type: str, path: str) -> dict:
+    """`model_type` built tiny on the meta device, sharded at stage 3, loaded from `path`
+    by shards: its whole state."""
+    import zero_strategy
+    from tiny_configs import tiny_model
+    from zero_strategy import ZeroConfig, ZeroEngine
+
+    with zero_strategy.init_on_meta():
+        model = tiny_model(model_type, getattr(transformers, family))
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+    engine.load_pretrained(path)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def saved_tiny(family: str, model_type: str, out) -> dict:
+    """`model_type` built tiny and saved as the Hub keeps it (several shards); the state
+    `from_pretrained` gives from it."""
+    from tiny_configs import tiny_model
+
+    auto = getattr(transformers, family)
+    tiny_model(model_type, auto).save_pretrained(out, max_shard_size="200KB")
+    return auto.from_pretrained(out).state_dict()
+
+
+@pytest.mark.parametrize(
+    ("family", "model_type"),
+    [
+        ("AutoModelForMaskedLM", "nomic_bert"),  # a fused QKV the model chunks into three
+        ("AutoModelForCausalLM", "kimi_linear"),  # convolutions concatenated; `\.experts.*`
+        ("AutoModelForSeq2SeqLM", "marian"),  # sinusoidal positions its checkpoints leave out
+        ("AutoModelForCausalLM", "laguna"),  # a router's trainable weight and frozen bias
+        ("AutoModelForMaskedLM", "modernvbert"),  # SigLIP's embeddings' init draws a child
+    ],
+)
+def test_a_transformers_layout_loads_by_shards_as_from_pretrained(family, model_type, tmp_path):
+    """Architectures the sweep (`test_architecture_sweep.py`) found refused on the
+    sharded pretrained path, one for each cause: each now holds what `from_pretrained`
+    gives, to the bit."""
+    want = saved_tiny(family, model_type, tmp_path)
+    state = run_world(load_by_shards, 2, family, model_type, str(tmp_path))[0]
+    assert state.keys() >= want.keys()
+    assert all(torch.equal(state[name], value) for name, value in want.items())

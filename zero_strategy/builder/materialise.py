@@ -36,7 +36,7 @@ def materialise(
     _materialise_units(model, units, on_meta, init_fn, stage, device, tensor_group)
     if on_meta:
         owners = meta_init.buffer_owners(model, recomputed)
-        meta_init.run_init(model, owners, init_fn, buffers_only=True)
+        meta_init.run_init(model, owners, init_fn, keep=set())
         meta_init.check_no_meta_buffers(model, recomputed)
 
 
@@ -73,10 +73,10 @@ def _materialise_units(model, units, on_meta, init_fn, stage, device, tensor_gro
         flat = flat_for(unit)
         if on_meta:
             _point(unit, flat)
+            owners = meta_init.owner_modules(model, unit.layout.slots)
+            names = {n for s in unit.layout.slots for n in (s.name, *s.aliases)}
             with whole_for_init(model, _sharded_targets(unit, flat)):
-                meta_init.run_init(
-                    model, meta_init.owner_modules(model, unit.layout.slots), init_fn
-                )
+                meta_init.run_init(model, owners, init_fn, keep=names)
         else:
             _copy_in(unit, flat)
         agree(unit, flat)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..layout.partition import ParamSlot
 from ..layout.shard_spec import within
@@ -28,9 +29,24 @@ InitFn = Callable[[nn.Module], None]
 
 @contextlib.contextmanager
 def init_on_meta() -> Iterator[None]:
-    """Construct modules without allocating their parameters."""
-    with torch.device("meta"):
+    """Construct modules without allocating their parameters: each parameter goes to the
+    meta device as it is registered, before its module's initialiser touches it. Buffers
+    are made as the module makes them, real, as Transformers' `from_pretrained` and
+    Accelerate's `init_empty_weights` keep them: a causal mask, rotary frequencies or an
+    activation's constants computed in `__init__` (GPT-Neo's, Apertus's) are kept, where no
+    initialiser could compute them again. (A model built under `torch.device("meta")`
+    has meta buffers too; the engine has its initialisers recompute those.)"""
+    handle = register_module_parameter_registration_hook(_parameter_on_meta)
+    try:
         yield
+    finally:
+        handle.remove()
+
+
+def _parameter_on_meta(module: nn.Module, name: str, param: nn.Parameter | None):
+    if param is None or param.is_meta:
+        return None
+    return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
 
 def has_meta_params(model: nn.Module) -> bool:
@@ -64,13 +80,14 @@ def run_init(
     model: nn.Module,
     modules: list[tuple[str, nn.Module]],
     init_fn: InitFn | None,
-    buffers_only: bool = False,
+    keep: set[str] | None = None,
 ) -> None:
     """Initialise the parameters directly owned by each module (now real, pointing at a
     flat buffer). A module under an ancestor with `zero_initialise()` (MoE experts, which
-    seed each expert by its global id) is left to that ancestor, called once. With
-    `buffers_only`, the initialisers run for the modules' buffers alone: every parameter
-    below each module is set aside while its initialiser runs (`parameters_aside`)."""
+    seed each expert by its global id) is left to that ancestor, called once. With `keep`
+    (parameter names), every other parameter below each module is set aside while its
+    initialiser runs (`parameters_aside`): an empty set for the buffers' initialisers,
+    one unit's names when units are made one at a time."""
     # Hugging Face models initialise any of their modules (`_init_weights`): the deepest
     # such model holding a module does (the root, or one inside a LightningModule).
     hf_inits = {path: hf_init_weights(m) for path, m in model.named_modules() if hf_init_weights(m)}
@@ -99,7 +116,8 @@ def run_init(
             key=lambda pf: len(pf[0]) if pf[0] else -1,
             default=(None, None),
         )[1]
-        with parameters_aside(module) if buffers_only else contextlib.nullcontext():
+        aside = parameters_aside(module, path, keep) if keep is not None else None
+        with aside or contextlib.nullcontext():
             _initialise(path, module, init_fn, hf_init)
 
 
@@ -120,16 +138,20 @@ def _initialise(path: str, module: nn.Module, init_fn: InitFn | None, hf_init) -
 
 
 @contextlib.contextmanager
-def parameters_aside(module: nn.Module) -> Iterator[None]:
-    """Meta stand-ins for every parameter below `module` while its initialiser runs for
-    its buffers: a Hugging Face `_init_weights` of a module holding buffers may also draw
-    values for its children's parameters (SigLIP's vision embeddings: the position
-    embedding's weight), which were initialised and agreed over the ranks already (at
-    stage 3 they are released). Drawn again from each rank's own generator, they would
-    differ between ranks."""
+def parameters_aside(module: nn.Module, path: str, keep: set[str]) -> Iterator[None]:
+    """Meta stand-ins for the parameters below `module` (at `path` in the model) not named
+    in `keep`, while its initialiser runs. A Hugging Face `_init_weights` of one module may
+    write parameters other than the ones being made: SigLIP's, run for its embeddings'
+    buffers, draws the position embedding's weight, agreed over the ranks already; Laguna's
+    router holds a trainable weight and a frozen bias, which sit in two units (trainable
+    and frozen parameters never share one), and its initialiser writes both. Written, a
+    released stage-3 parameter refuses the write, and one drawn again from each rank's own
+    generator differs between ranks."""
     saved = []
-    for sub in module.modules():
+    for sub_path, sub in module.named_modules(prefix=path):
         for name, param in list(sub.named_parameters(recurse=False)):
+            if (f"{sub_path}.{name}" if sub_path else name) in keep:
+                continue
             stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
             saved.append((sub, name, param))
             setattr(sub, name, nn.Parameter(stand_in, requires_grad=param.requires_grad))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def load_pretrained(
                     read += hi - lo
     buffers = dict(target.named_buffers())
     unexpected = sorted(available - wanted - set(buffers))
+    missing = [name for name in missing if not _never_saved(target, name)]
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(
             f"Pretrained weights at {path} do not match the model: missing {missing[:10]}; "
@@ -225,6 +227,17 @@ class _Files:
     def close(self) -> None:
         for handle in self.handles.values():
             handle.close()
+
+
+def _never_saved(model: nn.Module, name: str) -> bool:
+    """A tensor the Transformers model says its checkpoints leave out (sinusoidal position
+    embeddings, which its initialisation computes: Marian's): `from_pretrained` keeps the
+    initialised value without a word, and so does this."""
+    patterns = [
+        *(getattr(model, "_keys_to_ignore_on_save", None) or ()),
+        *(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+    ]
+    return any(re.search(pattern, name) for pattern in patterns)
 
 
 def _by_model_names(module: nn.Module, files: _Files):
