@@ -79,6 +79,8 @@ class TransformersLayout:
         groups: dict[tuple[int, str], _Whole] = {}
         for key in checkpoint_keys:
             target, pattern = rename_source_key(key, renamings, converters, prefix, names)
+            if target not in names and key in names:  # renamed by a rule for others, as
+                target, pattern = key, None  # `from_pretrained` takes it (DeepSeek-V4's norm)
             if pattern is None:
                 self._plain[target] = key
                 continue
