@@ -11,6 +11,7 @@ not a finding about this engine. Not in the default run (about 290 architectures
 from __future__ import annotations
 
 import functools
+import io
 
 import pytest
 import torch
@@ -106,24 +107,28 @@ MOE_CASES = [("AutoModelForCausalLM", name) for name in sorted(FAMILIES["AutoMod
 
 @pytest.mark.parametrize(("family", "model_type"), MOE_CASES, ids=[n for _, n in MOE_CASES])
 def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_type):
-    """Each architecture whose tiny model has experts (4 of them, in Transformers' 3-D
-    form: `transformers_experts.is_convertible`) trains with expert_parallel_size=2 at stage
-    3 as under DDP, within float reordering (each expert's tokens arrive by all-to-all, in
-    another order). SGD: its weights follow the gradients' scale, which Adam's would hide
-    (and Adam would magnify a reordering of a gradient near zero into a step of its own)."""
-    from zero_strategy.moe.transformers_experts import is_convertible
-
+    """Each architecture whose tiny model has experts (4 of them) trains with
+    expert_parallel_size=2 at stage 3 as under DDP, within float reordering (each expert's
+    tokens arrive by all-to-all, in another order), or, where its experts are in a form
+    that cannot be split (Llama 4's, JetMoE's), is refused by name, never left replicated.
+    SGD: its weights follow the gradients' scale, which Adam's would hide (and Adam would
+    magnify a reordering of a gradient near zero into a step of its own)."""
     try:
         model = tiny_model(model_type, getattr(transformers, family))
     except Exception as e:  # any reason it cannot be built tiny
         pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
-    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    if not experts:
+    if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
         pytest.skip(f"{model_type}: no experts")
-    if not all(is_convertible(m) for m in experts):
-        pytest.skip(f"{model_type}: experts not in the 3-D form ({type(experts[0]).__name__})")
     _, ddp_losses, ddp_state = _ddp_run(family, model_type, sgd=True)
-    losses, state = run_world(_train, 2, family, model_type, 3, True, expert_parallel_size=2)[0]
+    runs = run_world(
+        _train, 2, family, model_type, 3, True, expert_parallel_size=2, expect_errors=True
+    )
+    if any(status != "ok" for status, _ in runs):
+        for status, payload in runs:
+            assert status == "error" and "that cannot be split" in payload, payload[:3000]
+            assert "expert_parallel_size=1" in payload
+        return
+    losses, state = torch.load(_bytes(runs[0][1]), weights_only=True)
     assert losses == pytest.approx(ddp_losses, rel=1e-5)
     assert state.keys() >= ddp_state.keys()
     for name, value in ddp_state.items():
@@ -142,8 +147,6 @@ def _vocabulary(model) -> int:
 
 
 def _bytes(payload: bytes):
-    import io
-
     return io.BytesIO(payload)
 
 
@@ -175,7 +178,16 @@ def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, 
         want = saved_tiny(family, model_type, tmp_path)
     except Exception as e:  # Transformers' own round trip, before this engine
         pytest.skip(f"{model_type}: not saved and loaded tiny: {type(e).__name__}: {str(e)[:200]}")
-    state = run_world(load_by_shards, 2, family, model_type, str(tmp_path))[0]
+    (status, payload), _ = run_world(
+        load_by_shards, 2, family, model_type, str(tmp_path), expect_errors=True
+    )
+    if status == "error" and "were built on the meta device" in payload:
+        # A buffer made in __init__ that no initialiser makes again (Apertus's activation
+        # constants): refused by name, with the fix, rather than left unknown.
+        assert "param_init_fn" in payload, payload[:500]
+        pytest.skip(f"{model_type}: refused by name: {payload.splitlines()[0][:200]}")
+    assert status == "ok", payload[:3000]
+    state = torch.load(io.BytesIO(payload), weights_only=True)
     missing = sorted(set(want) - set(state))
     differ = [n for n, v in want.items() if n in state and not torch.equal(state[n], v)]
     assert not missing, f"not loaded: {missing[:5]}"

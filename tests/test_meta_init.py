@@ -124,16 +124,28 @@ def test_meta_buffers_are_recomputed_by_the_models_init_or_named():
         ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_init_on_meta_keeps_the_buffers_a_module_computes():
-    """`init_on_meta()` puts parameters alone on the meta device, as `from_pretrained`
-    does: a buffer the module computes in `__init__` and no initialiser recomputes (GPT-
-    Neo's causal mask) is kept as made."""
+class _WithMask(torch.nn.Module):
+    """As GPT-Neo's attention: a boolean causal mask its initialiser computes again."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+        if module is self:
+            module.mask.copy_(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_a_boolean_mask_built_on_meta_is_made_by_the_initialiser():
+    """A boolean buffer has no sentinel to tell it unfilled: it is made real and left to
+    the model's initialiser, as `from_pretrained` leaves it (it was refused before)."""
     with init_on_meta():
-        model = _WithBuffers(fill_both=False)
-    assert all(p.is_meta for p in model.parameters())
-    assert not any(b.is_meta for b in model.buffers())
+        model = _WithMask()
     ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert torch.equal(model.rotary.steps, torch.arange(4))
+    assert torch.equal(model.mask, torch.ones(4, 4, dtype=torch.bool).tril())
 
 
 def _meta_built(rank, world, wrapped: bool):

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..layout.partition import ParamSlot
 from ..layout.shard_spec import within
@@ -29,24 +28,9 @@ InitFn = Callable[[nn.Module], None]
 
 @contextlib.contextmanager
 def init_on_meta() -> Iterator[None]:
-    """Construct modules without allocating their parameters: each parameter goes to the
-    meta device as it is registered, before its module's initialiser touches it. Buffers
-    are made as the module makes them, real, as Transformers' `from_pretrained` and
-    Accelerate's `init_empty_weights` keep them: a causal mask, rotary frequencies or an
-    activation's constants computed in `__init__` (GPT-Neo's, Apertus's) are kept, where no
-    initialiser could compute them again. (A model built under `torch.device("meta")`
-    has meta buffers too; the engine has its initialisers recompute those.)"""
-    handle = register_module_parameter_registration_hook(_parameter_on_meta)
-    try:
+    """Construct modules without allocating their parameters."""
+    with torch.device("meta"):
         yield
-    finally:
-        handle.remove()
-
-
-def _parameter_on_meta(module: nn.Module, name: str, param: nn.Parameter | None):
-    if param is None or param.is_meta:
-        return None
-    return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
 
 def has_meta_params(model: nn.Module) -> bool:
@@ -204,15 +188,20 @@ def detach_meta_buffers(
     """Where the model's initialisation can recompute buffers (`init_fn`, or a Hugging
     Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
     make its meta buffers real ones holding a sentinel (NaN, or the lowest integer), so
-    that `check_no_meta_buffers` can tell any it leaves unfilled; returns their names."""
+    that `check_no_meta_buffers` can tell any it leaves unfilled (a boolean mask has none:
+    it is trusted to the initialiser, as `from_pretrained` trusts it); returns their
+    names."""
     if init_fn is None and not any(hf_init_weights(m) is not None for m in model.modules()):
         return []
     names = []
     for path, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is None or not buf.is_meta or buf.dtype == torch.bool:
+            if buf is None or not buf.is_meta:
                 continue
-            real = torch.empty_like(buf, device=device).fill_(_sentinel(buf.dtype))
+            if buf.dtype == torch.bool:  # a mask (GPT-Neo's causal one): no sentinel, so
+                real = torch.zeros_like(buf, device=device)  # trusted to the initialiser,
+            else:  # as `from_pretrained` trusts it
+                real = torch.empty_like(buf, device=device).fill_(_sentinel(buf.dtype))
             setattr(module, name, real)
             names.append(f"{path}.{name}" if path else name)
     return names
@@ -237,7 +226,10 @@ def check_no_meta_buffers(model: nn.Module, recomputed: Sequence[str] = ()) -> N
     unfilled = [
         name
         for name in recomputed
-        if bool((buffers[name] == _sentinel(buffers[name].dtype)).any())
+        if (
+            buffers[name].dtype != torch.bool
+            and bool((buffers[name] == _sentinel(buffers[name].dtype)).any())
+        )
         or bool(buffers[name].isnan().any())
     ]
     if meta or unfilled:
