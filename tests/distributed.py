@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import gc
 import importlib
 import io
@@ -46,9 +47,7 @@ def _torch_deprecations_quiet():
         yield
 
 
-_compiler_warm = False
-
-
+@functools.cache
 def warm_the_compiler() -> None:
     """Compile a trivial function here once, with aot_eager and with inductor, so that
     the forked ranks inherit the compiler's modules and its lazily made state (the C++
@@ -56,9 +55,6 @@ def warm_the_compiler() -> None:
     again in each rank of each world that compiles. Inductor compiles in this process
     (`compile_threads=1`): a pool of compile workers would leave threads alive across the
     fork. Dynamo's caches and counters are then reset, so tests count only their own."""
-    global _compiler_warm
-    if _compiler_warm:
-        return
     import torch._inductor.config as inductor_config
 
     x = torch.ones(2, requires_grad=True)
@@ -67,7 +63,6 @@ def warm_the_compiler() -> None:
             torch.compile(lambda t: (t * 2).sum(), backend=backend)(x).backward()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    _compiler_warm = True
 
 
 # Where a rank stands, for the parent to read when it hangs.

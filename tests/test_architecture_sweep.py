@@ -1,12 +1,14 @@
 """Every language-model architecture of the installed transformers, chosen by rule (each
 entry of its causal-LM, sequence-to-sequence and masked-LM auto mappings), built tiny
-(`tiny_configs.py`) and trained 3 steps on 2 ranks at stage 3, equals the same model under
-torch's DDP to the bit.
+(`tiny_configs.py`), on 2 ranks at stage 3: it trains as under torch's DDP to the bit,
+with Transformers' gradient checkpointing too; it loads `save_pretrained`'s weights by
+shards as `from_pretrained` does; with experts, it trains expert-parallel as under DDP,
+or is refused by name.
 
 An architecture that cannot be built tiny, or that DDP itself cannot train from token ids
 alone (a speech or vision model asking for its own inputs), is skipped with the reason:
-not a finding about this engine. Not in the default run (about 290 architectures, 2-3 minutes):
-`bash scripts/test.sh -m sweep tests/test_architecture_sweep.py`."""
+not a finding about this engine. Not in the default run (about 290 architectures, 7-8
+minutes): `bash scripts/test.sh -m sweep tests/test_architecture_sweep.py`."""
 
 from __future__ import annotations
 
@@ -74,13 +76,33 @@ def _train(rank, world, family, model_type, stage, sgd=False, checkpointing=Fals
 
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
 def test_an_architecture_trains_at_stage_3_as_under_ddp(family, model_type):
-    _, ddp_losses, ddp_state = _ddp_run(family, model_type)
+    _tiny_or_skip(family, model_type)
+    ddp_losses, ddp_state = _ddp_run(family, model_type)
     losses, state = run_world(_train, 2, family, model_type, 3)[0]
     assert losses == ddp_losses, (losses, ddp_losses)
-    differ = [n for n, v in ddp_state.items() if n in state and not torch.equal(state[n], v)]
-    missing = sorted(set(ddp_state) - set(state))
-    assert not differ, f"{len(differ)} tensors differ from DDP's, first {differ[:5]}"
-    assert not missing, f"not in the engine's full state dict: {missing[:5]}"
+    _assert_holds_exactly(state, ddp_state, "DDP's")
+
+
+def _tiny_or_skip(family: str, model_type: str) -> torch.nn.Module:
+    """The model built tiny, here too, so that the ranks inherit its modules; skips with
+    the reason where the rule cannot build it."""
+    try:
+        return tiny_model(model_type, getattr(transformers, family))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _assert_holds_exactly(state: dict, want: dict, whose: str) -> None:
+    """Every tensor of `want` is in `state`, equal to the bit."""
+    missing = sorted(set(want) - set(state))
+    differ = [n for n, v in want.items() if n in state and not torch.equal(state[n], v)]
+    assert not missing, f"not in the engine's state: {missing[:5]}"
+    assert not differ, f"{len(differ)} tensors differ from {whose}, first {differ[:5]}"
+
+
+def _loaded(payload: bytes):
+    """A rank's result as `run_world(..., expect_errors=True)` hands it over."""
+    return torch.load(io.BytesIO(payload), weights_only=True)
 
 
 @functools.cache
@@ -89,17 +111,12 @@ def _ddp_result(family: str, model_type: str, sgd: bool, checkpointing: bool) ->
 
 
 def _ddp_run(family: str, model_type: str, sgd: bool = False, checkpointing: bool = False):
-    """The model built tiny (here too, so that the ranks inherit its modules) and its DDP
-    run's losses and state (once per worker); skips where either cannot be had."""
-    try:
-        model = tiny_model(model_type, getattr(transformers, family))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    """The DDP run's losses and state (once per worker); skips where DDP cannot train it."""
     ddp = _ddp_result(family, model_type, sgd, checkpointing)
     if any(status != "ok" for status, _ in ddp):
         reason = next(payload for status, payload in ddp if status != "ok")
         pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
-    return model, *torch.load(_bytes(ddp[0][1]), weights_only=True)
+    return _loaded(ddp[0][1])
 
 
 MOE_CASES = [("AutoModelForCausalLM", name) for name in sorted(FAMILIES["AutoModelForCausalLM"])]
@@ -113,13 +130,10 @@ def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_t
     that cannot be split (Llama 4's, JetMoE's), is refused by name, never left replicated.
     SGD: its weights follow the gradients' scale, which Adam's would hide (and Adam would
     magnify a reordering of a gradient near zero into a step of its own)."""
-    try:
-        model = tiny_model(model_type, getattr(transformers, family))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    model = _tiny_or_skip(family, model_type)
     if not any(type(m).__name__.endswith("Experts") for m in model.modules()):
         pytest.skip(f"{model_type}: no experts")
-    _, ddp_losses, ddp_state = _ddp_run(family, model_type, sgd=True)
+    ddp_losses, ddp_state = _ddp_run(family, model_type, sgd=True)
     runs = run_world(
         _train, 2, family, model_type, 3, True, expert_parallel_size=2, expect_errors=True
     )
@@ -128,7 +142,7 @@ def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_t
             assert status == "error" and "that cannot be split" in payload, payload[:3000]
             assert "expert_parallel_size=1" in payload
         return
-    losses, state = torch.load(_bytes(runs[0][1]), weights_only=True)
+    losses, state = _loaded(runs[0][1])
     assert losses == pytest.approx(ddp_losses, rel=1e-5)
     assert state.keys() >= ddp_state.keys()
     for name, value in ddp_state.items():
@@ -146,27 +160,19 @@ def _vocabulary(model) -> int:
     return min(sizes)
 
 
-def _bytes(payload: bytes):
-    return io.BytesIO(payload)
-
-
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
 def test_an_architecture_with_gradient_checkpointing_trains_as_under_ddp(family, model_type):
     """Transformers' gradient checkpointing (non-reentrant, as its docs advise): each
     recomputed forward inside backward gathers its units again at stage 3, and the run
     equals DDP's with the same checkpointing, to the bit. (Against DDP without it, a
     model whose checkpointed forward takes another path would differ on its own.)"""
-    try:
-        model = tiny_model(model_type, getattr(transformers, family))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    model = _tiny_or_skip(family, model_type)
     if not model.supports_gradient_checkpointing:
         pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")
-    _, ddp_losses, ddp_state = _ddp_run(family, model_type, checkpointing=True)
+    ddp_losses, ddp_state = _ddp_run(family, model_type, checkpointing=True)
     losses, state = run_world(_train, 2, family, model_type, 3, checkpointing=True)[0]
     assert losses == ddp_losses, (losses, ddp_losses)
-    differ = [n for n, v in ddp_state.items() if n in state and not torch.equal(state[n], v)]
-    assert not differ, f"{len(differ)} tensors differ from DDP's, first {differ[:5]}"
+    _assert_holds_exactly(state, ddp_state, "DDP's")
 
 
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
@@ -187,8 +193,4 @@ def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, 
         assert "param_init_fn" in payload, payload[:500]
         pytest.skip(f"{model_type}: refused by name: {payload.splitlines()[0][:200]}")
     assert status == "ok", payload[:3000]
-    state = torch.load(io.BytesIO(payload), weights_only=True)
-    missing = sorted(set(want) - set(state))
-    differ = [n for n, v in want.items() if n in state and not torch.equal(state[n], v)]
-    assert not missing, f"not loaded: {missing[:5]}"
-    assert not differ, f"{len(differ)} tensors differ from from_pretrained's, first {differ[:5]}"
+    _assert_holds_exactly(_loaded(payload), want, "from_pretrained's")

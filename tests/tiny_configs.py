@@ -102,10 +102,8 @@ QUIET: dict[str, Any] = {
 
 
 def _is_dropout(name: str, value: Any) -> bool:
-    return (
-        isinstance(value, float)
-        and not isinstance(value, bool)
-        and ("dropout" in name or name.endswith("pdrop") or name.endswith("drop_rate"))
+    return isinstance(value, float) and (
+        "dropout" in name or name.endswith("pdrop") or name.endswith("drop_rate")
     )
 
 
