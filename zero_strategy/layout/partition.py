@@ -24,6 +24,12 @@ from ..tensor_parallel import TensorPlacement, local_tensor, placement_of
 from .shard_spec import ShardSpec, owner_of, within
 
 FROZEN_GROUP = -1  # parameters that the optimizer does not update
+# Each parameter starts at a multiple of this many elements of its unit's buffer: 64 bytes
+# at 2-byte compute dtypes, where a fresh allocation would start. Kernels pick their
+# vectorised paths by the address (oneDNN's convolutions round differently at another
+# alignment; CUDA's vector loads need 16 bytes), so a parameter in a flat buffer computes
+# as the same parameter allocated on its own: as under DDP, to the bit.
+SLOT_ALIGNMENT = 32
 FROZEN_PART = " (frozen)"  # the name of a module's second unit: its frozen parameters
 
 
@@ -128,6 +134,18 @@ class UnitLayout:
     def all_trainable(self) -> bool:
         return all(s.trainable for s in self.slots)
 
+    def padding(self) -> list[tuple[int, int]]:
+        """The [start, end) runs of the flat buffer that no parameter holds: between slots
+        (`SLOT_ALIGNMENT`) and after the last, to `padded_numel`."""
+        runs, at = [], 0
+        for slot in self.slots:
+            if at < slot.offset:
+                runs.append((at, slot.offset))
+            at = slot.end
+        if at < self.padded_numel:
+            runs.append((at, self.padded_numel))
+        return runs
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
@@ -152,9 +170,9 @@ class UnitLayout:
                 if lo >= hi or not slot.trainable:
                     continue
                 last = pieces[-1] if pieces else None
-                if (
+                if (  # the padding between two slots of one group steps with them
                     last is not None
-                    and last.end == lo
+                    and _aligned(last.end) >= lo
                     and (last.group_index, last.later_groups)
                     == (slot.group_index, slot.later_groups)
                 ):
@@ -206,8 +224,12 @@ def _make_slots(params: Sequence[_Param], group_of: dict[int, int]) -> list[Para
                 tensor=p.tensor,
             )
         )
-        offset += p.local.numel()
+        offset = _aligned(offset + p.local.numel())
     return slots
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
 def _is_trainable(p: _Param, group_of: dict[int, int]) -> bool:

@@ -545,7 +545,8 @@ class GradReducer:
         for slot_index, slot in enumerate(unit.layout.slots):
             if slot_index not in written:
                 fill_no_gradient(unit.grad_full[slot.offset : slot.end])
-        fill_no_gradient(unit.grad_full[unit.layout.numel :])
+        for start, end in unit.layout.padding():
+            fill_no_gradient(unit.grad_full[start:end])
 
     def _land(self, job: _InFlight) -> None:
         job.work.wait()
