@@ -184,6 +184,12 @@ def test_transformers_initialiser_and_experts_names():
     )
     model = transformers.MixtralForCausalLM(config)
     assert ti.hf_init_weights(model) is not None and ti.hf_init_weights(nn.Linear(2, 2)) is None
+
+    class OwnInit(nn.Linear):  # a layer's own initialiser, called by its model's (MiniCPM-o)
+        def _init_weights(self):
+            nn.init.zeros_(self.weight)
+
+    assert ti.hf_init_weights(OwnInit(2, 2)) is None
     experts = [m for m in model.modules() if ti.is_hf_experts_module(m)]
     assert experts, "no experts module carries Transformers' marker"
     cfg = experts[0].config

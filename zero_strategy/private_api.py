@@ -10,6 +10,7 @@ Lightning's, Fabric's, Accelerate's and Transformers' private names are the inte
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -119,10 +120,18 @@ def compiled_wrapper_inner(model: torch.nn.Module) -> torch.nn.Module | None:
 # Checked against Transformers 5.24.0. The core loads and shards Hugging Face models.
 def hf_init_weights(module: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
     """A Hugging Face model's per-module initialiser (`PreTrainedModel._init_weights`),
-    or None: the public `init_weights()` initialises the whole model, and a meta-built
-    model is initialised one unit at a time."""
+    or that of a model following its convention (nanoGPT's), or None (a layer's own
+    `_init_weights()`, taking no module): the public
+    `init_weights()` initialises the whole model, and a meta-built model is initialised
+    one unit at a time."""
     init = getattr(module, "_init_weights", None)
-    return init if callable(init) else None
+    if not callable(init):
+        return None
+    try:  # `_init_weights(module)`; a layer's own `_init_weights()` (MiniCPM-o's merger)
+        inspect.signature(init).bind(module)  # is left to its model's, which calls it
+    except (TypeError, ValueError):
+        return None
+    return init
 
 
 def is_hf_experts_module(module: torch.nn.Module) -> bool:
