@@ -91,15 +91,16 @@ def test_eager_construction_does_hold_the_full_model_for_contrast():
 
 class _WithBuffers(torch.nn.Module):
     """A model with its own `_init_weights`, as Hugging Face models have, that recomputes
-    one of its two parameter-free buffers (as they recompute rotary frequencies)."""
+    one of its two parameter-free buffers (as they recompute rotary frequencies); the
+    other is persistent, or not."""
 
-    def __init__(self, fill_both: bool):
+    def __init__(self, fill_both: bool, persistent: bool = True):
         super().__init__()
         self.fill_both = fill_both
         self.linear = torch.nn.Linear(4, 4)
         self.rotary = torch.nn.Module()
         self.rotary.register_buffer("inv_freq", torch.arange(4.0))
-        self.rotary.register_buffer("steps", torch.arange(4))
+        self.rotary.register_buffer("steps", torch.arange(4), persistent=persistent)
 
     def _init_weights(self, module):
         if isinstance(module, torch.nn.Linear):
@@ -109,19 +110,43 @@ class _WithBuffers(torch.nn.Module):
             if self.fill_both:
                 module.steps.copy_(torch.arange(4))
 
+    def forward(self, x):
+        return self.linear(x) * self.rotary.inv_freq + self.rotary.steps
+
 
 def test_meta_buffers_are_recomputed_by_the_models_init_or_named():
     """A model built under torch.device("meta") has meta buffers: its initialiser
-    recomputes them, or the engine names those it left."""
+    recomputes them, or the engine names those it left: at construction where no
+    checkpoint carries them (non-persistent ones)."""
     with torch.device("meta"):
         model = _WithBuffers(fill_both=True)
     ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.equal(model.rotary.inv_freq, torch.arange(4.0))
     assert torch.equal(model.rotary.steps, torch.arange(4))
     with torch.device("meta"):
-        model = _WithBuffers(fill_both=False)
+        model = _WithBuffers(fill_both=False, persistent=False)
     with pytest.raises(ValueError, match=r"\['rotary.steps'\].*did not fill them"):
         ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_persistent_buffer_no_initialiser_fills_waits_for_the_load(tmp_path):
+    """Apertus's activation constants: made in `__init__`, recomputed by no initialiser,
+    carried by every checkpoint, as `from_pretrained` loads them. On the meta device the
+    engine builds the model and lets `load_pretrained` fill them; the first forward
+    without that names them and the fix, instead of computing with placeholders."""
+    import safetensors.torch
+
+    want = _WithBuffers(fill_both=True)
+    with torch.device("meta"):
+        model = _WithBuffers(fill_both=False)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"\['rotary.steps'\].*load_pretrained"):
+        engine(torch.ones(2, 4))
+    safetensors.torch.save_file(want.state_dict(), tmp_path / "model.safetensors")
+    engine.load_pretrained(tmp_path / "model.safetensors")
+    assert torch.equal(model.rotary.steps, torch.arange(4))
+    assert torch.equal(engine(torch.ones(2, 4)), want(torch.ones(2, 4)))
+    engine.close()
 
 
 class _WithMask(torch.nn.Module):

@@ -210,6 +210,7 @@ def saved_tiny(family: str, model_type: str, out) -> dict:
         ("AutoModelForMaskedLM", "modernvbert"),  # SigLIP's embeddings' init draws a child
         ("AutoModelForCausalLM", "deepseek_v4"),  # `model.norm` under a rule for `.norm.`
         ("AutoModelForImageTextToText", "minicpm_ocr"),  # a layer's own `_init_weights()`
+        ("AutoModelForCausalLM", "apertus"),  # buffers no initialiser makes: loaded
     ],
 )
 def test_a_transformers_layout_loads_by_shards_as_from_pretrained(family, model_type, tmp_path):

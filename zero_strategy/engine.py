@@ -133,7 +133,7 @@ class ZeroEngine:
         self.units = steps.units(  # 5
             model, layouts, homes, self.groups, self.device, cfg.compute_torch_dtype
         )
-        materialise(  # 6
+        awaited = materialise(  # 6
             model,
             self.units,
             self.stage,
@@ -143,7 +143,7 @@ class ZeroEngine:
             prepared.params,
         )
         self._buffers = BufferSync(
-            model, self.groups.world.comm, self.device, cfg.broadcast_buffers
+            model, self.groups.world.comm, self.device, cfg.broadcast_buffers, awaited
         )
         self._buffers.sync()  # as DDP at construction, whatever broadcast_buffers says
         return experts, homes

@@ -26,8 +26,10 @@ def materialise(
     tensor_group,
     init_fn: meta_init.InitFn | None,
     params: list,
-) -> None:
-    """Give every unit its values, then run the buffers' initialisers of a meta model."""
+) -> meta_init.AwaitedBuffers:
+    """Give every unit its values, then run the buffers' initialisers of a meta model.
+    Returns the persistent buffers that no initialiser filled, which a load must fill
+    (`meta_init.awaiting_load`)."""
     on_meta = meta_init.has_meta_params(model)
     recomputed: list[str] = []
     if on_meta:
@@ -37,7 +39,8 @@ def materialise(
     if on_meta:
         owners = meta_init.buffer_owners(model, recomputed)
         meta_init.run_init(model, owners, init_fn, keep=set())
-        meta_init.check_no_meta_buffers(model, recomputed)
+        return meta_init.awaiting_load(model, recomputed)
+    return meta_init.AwaitedBuffers(model)
 
 
 def _materialise_units(model, units, on_meta, init_fn, stage, device, tensor_group) -> None:

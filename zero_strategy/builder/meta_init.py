@@ -188,7 +188,7 @@ def detach_meta_buffers(
     """Where the model's initialisation can recompute buffers (`init_fn`, or a Hugging
     Face model's `_init_weights`, which fills rotary frequencies and norm statistics),
     make its meta buffers real ones holding a sentinel (NaN, or the lowest integer), so
-    that `check_no_meta_buffers` can tell any it leaves unfilled (a boolean mask has none:
+    that `unfilled_buffers` can tell any it leaves unfilled (a boolean mask has none:
     it is trusted to the initialiser, as `from_pretrained` trusts it); returns their
     names."""
     if init_fn is None and not any(hf_init_weights(m) is not None for m in model.modules()):
@@ -219,24 +219,61 @@ def _sentinel(dtype: torch.dtype) -> float | int:
     return float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
 
 
-def check_no_meta_buffers(model: nn.Module, recomputed: Sequence[str] = ()) -> None:
-    """Every buffer is real, and those `detach_meta_buffers` made real were filled."""
+def unfilled_buffers(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """Those of `names` (buffers `detach_meta_buffers` made real) that still hold the
+    sentinel: nothing filled them since."""
     buffers = dict(model.named_buffers())
-    meta = [name for name, b in buffers.items() if b.is_meta]
-    unfilled = [
+    return [
         name
-        for name in recomputed
+        for name in names
         if (
             buffers[name].dtype != torch.bool
             and bool((buffers[name] == _sentinel(buffers[name].dtype)).any())
         )
         or bool(buffers[name].isnan().any())
     ]
-    if meta or unfilled:
-        raise ValueError(
-            f"Buffers {(meta + unfilled)[:5]} were built on the meta device and "
-            + ("the model's initialisation did not fill them: " if unfilled else "")
-            + "buffers are not sharded and cannot be recomputed after construction. Create "
-            "them on the real device (e.g. register them after the meta context) or "
-            "recreate them in param_init_fn."
-        )
+
+
+class AwaitedBuffers:
+    """Persistent buffers of a meta-built model that no initialiser filled: a checkpoint
+    carries them (Apertus's activation constants, which `from_pretrained` loads too), so
+    a load may fill them before the first forward, which asks (`check`)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str] = ()):
+        self.model = model
+        self.names = list(names)
+
+    def check(self) -> None:
+        """Raises, naming them, while any of them still holds its placeholder."""
+        if self.names:
+            self.names = unfilled_buffers(self.model, self.names)
+            if self.names:
+                raise missing_buffers_error(self.names)
+
+
+def awaiting_load(model: nn.Module, recomputed: Sequence[str] = ()) -> AwaitedBuffers:
+    """Every buffer is real, and those `detach_meta_buffers` made real were filled, or are
+    persistent (`AwaitedBuffers`); returns those. Raises for the rest."""
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    unfilled = unfilled_buffers(model, recomputed)
+    awaiting = [name for name in unfilled if _persistent(model, name)]
+    left = meta + [name for name in unfilled if name not in awaiting]
+    if left:
+        raise missing_buffers_error(left, bool(unfilled))
+    return AwaitedBuffers(model, awaiting)
+
+
+def missing_buffers_error(names: Sequence[str], unfilled: bool = True) -> ValueError:
+    return ValueError(
+        f"Buffers {list(names)[:5]} were built on the meta device and "
+        + ("the model's initialisation did not fill them: " if unfilled else "")
+        + "buffers are not sharded and cannot be recomputed after construction. Create "
+        "them on the real device (e.g. register them after the meta context), recreate "
+        "them in param_init_fn, or (persistent ones) load them with load_pretrained() or "
+        "a checkpoint before the first forward."
+    )
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    path, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(path).state_dict(keep_vars=True)

@@ -1,7 +1,9 @@
 """The model's buffers kept as DDP keeps them: rank 0's overwrite every rank's at
 construction, and (with `broadcast_buffers`) before the forward that follows a
 synchronised training forward, one collective per dtype. BatchNorm statistics then match
-what DDP would give each rank, in training and in evaluation."""
+what DDP would give each rank, in training and in evaluation. Before the first forward,
+persistent buffers of a meta-built model that a load was to fill are checked
+(`awaited`)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,23 @@ from ..comm.communicator import Communicator
 
 class BufferSync:
     def __init__(
-        self, module: nn.Module, world: Communicator, device: torch.device, every_forward: bool
+        self,
+        module: nn.Module,
+        world: Communicator,
+        device: torch.device,
+        every_forward: bool,
+        awaited=None,
     ):
         self.module = module
         self.world = world  # every data-parallel rank
         self.device = device
         self.every_forward = every_forward  # config.broadcast_buffers
         self.stale = True  # DDP's require_forward_param_sync, for buffers
+        self.awaited = awaited  # `meta_init.AwaitedBuffers`: raises while any is unfilled
 
     def before_forward(self) -> None:
+        if self.awaited is not None:
+            self.awaited.check()
         if self.every_forward and self.stale:
             self.sync()
             self.stale = False
