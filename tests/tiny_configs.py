@@ -1,6 +1,8 @@
 """A tiny configuration of any Hugging Face architecture, made by rule from its defaults:
-the width, depth, heads, experts and vocabulary each named by the usual attribute names,
-made small; dropout and router noise off, so that two runs of one model are the same."""
+the width, depth, heads, experts, vocabulary and image size each named by the usual
+attribute names, made small, and the per-stage lists of vision and speech models with
+them; dropout, LayerDrop and router noise off, so that two runs of one model are the
+same."""
 
 from __future__ import annotations
 
@@ -91,7 +93,28 @@ SMALL: dict[str, Any] = {
     "mamba_headdim": 16,
     "adapter_rank": 8,
     "num_labels": 2,
+    "image_size": 64,
+    "out_hidden_size": 64,  # a vision tower's output: the text model's width
+    "text_hidden_size": 64,
+    "max_source_positions": 32,
+    "max_length": 64,
 }
+# Per-stage lists of the vision and speech families (a convolutional network's stages,
+# a hierarchical transformer's): one block a stage, each width about an eighth, a
+# multiple of 8 (which keeps the ratios between stages, and their divisibility), one
+# attention head a stage.
+STAGE_DEPTHS = ("depths", "depth", "num_block_repeats")
+STAGE_WIDTHS = (
+    "hidden_sizes",
+    "embed_dim",
+    "embed_dims",
+    "conv_dim",
+    "tdnn_dim",
+    "neck_hidden_sizes",
+)
+STAGE_HEADS = ("num_heads", "num_attention_heads")
+# A backbone's output stages, named after the old depth: the config makes them again.
+BACKBONE_OUTPUTS = ("stage_names", "out_features", "out_indices")
 # Stochastic in training: made deterministic, so that a run equals its reference.
 QUIET: dict[str, Any] = {
     "router_jitter_noise": 0.0,
@@ -103,14 +126,20 @@ QUIET: dict[str, Any] = {
 
 def _is_dropout(name: str, value: Any) -> bool:
     return isinstance(value, float) and (
-        "dropout" in name or name.endswith("pdrop") or name.endswith("drop_rate")
+        "dropout" in name or name.endswith(("pdrop", "drop_rate", "layerdrop"))  # LayerDrop too
     )
 
 
 def _overrides(config, extra: dict[str, Any]) -> dict[str, Any]:
     names = set(inspect.signature(type(config).__init__).parameters) | set(vars(config))
     names |= set(getattr(config, "attribute_map", {}))
-    out = {k: v for k, v in SMALL.items() if k in names}
+    now, alias = config.to_dict(), getattr(config, "attribute_map", {})
+    # A per-stage list keeps its form (`_stages` makes it small), never a scalar.
+    out = {
+        k: v
+        for k, v in SMALL.items()
+        if k in names and not isinstance(now.get(alias.get(k, k)), (list, tuple))
+    }
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention
         out["head_dim"] = out["qk_rope_head_dim"]  # its rotary part
     out.update({k: v for k, v in QUIET.items() if k in names})
@@ -146,6 +175,39 @@ def _per_layer(values: dict[str, Any], before: int | None, after: int | None) ->
             values[key] = [i for i in value if i < after] or [0]
 
 
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(i) is int for i in value)
+
+
+def _stages(values: dict[str, Any]) -> None:
+    """The per-stage lists made small (`STAGE_DEPTHS`, `STAGE_WIDTHS`, `STAGE_HEADS`); a
+    list of per-block lists keeps each stage's first entry; an image size pair, small."""
+    old_depths = None
+    for key in STAGE_DEPTHS:
+        if _int_list(values.get(key)):
+            old_depths = values[key]
+            values[key] = [1] * len(old_depths)
+    for key in STAGE_WIDTHS:
+        if _int_list(values.get(key)):
+            values[key] = [max(8, v // 64 * 8) for v in values[key]]
+    for key in STAGE_HEADS:
+        if _int_list(values.get(key)):
+            values[key] = [1] * len(values[key])
+    for key, value in list(values.items()):
+        if (
+            old_depths
+            and isinstance(value, list)
+            and len(value) == len(old_depths)
+            and all(isinstance(v, list) and len(v) == d for v, d in zip(value, old_depths))
+        ):
+            values[key] = [v[:1] for v in value]
+    if _int_list(values.get("image_size")) and len(values["image_size"]) == 2:
+        values["image_size"] = [SMALL["image_size"]] * 2
+    if old_depths or any(isinstance(values.get(k), list) for k in BACKBONE_OUTPUTS[1:]):
+        for key in BACKBONE_OUTPUTS:
+            values.pop(key, None)
+
+
 def _token_ids(values: dict[str, Any]) -> None:
     """Special token ids inside the small vocabulary."""
     vocab = values.get("vocab_size")
@@ -173,6 +235,7 @@ def shrink(config, **extra: Any):
     values.update(_overrides(config, extra))
     values = {k: v for k, v in values.items() if k not in ("transformers_version", "model_type")}
     _per_layer(values, before, _layers(values))
+    _stages(values)
     _token_ids(values)
     return type(config)(**values)
 
@@ -190,6 +253,10 @@ def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000):
         transformers.AutoConfig.for_model(model_type), **({"is_decoder": True} if causal else {})
     )
     torch.manual_seed(0)
+    if not config.architectures:  # where a family maps to several classes, the first
+        names = auto_class._model_mapping._model_mapping.get(model_type)
+        if isinstance(names, (list, tuple)):
+            config.architectures = [names[0]]
     model = auto_class.from_config(config).float()
     count = sum(p.numel() for p in model.parameters())
     if count > max_params:
