@@ -23,6 +23,7 @@ from test_pretrained_doors import load_by_shards, saved_tiny
 
 from distributed import run_world
 from tiny_configs import tiny_model
+from training import step_and_state
 from zero_strategy import ZeroConfig, ZeroEngine
 
 transformers = pytest.importorskip("transformers")
@@ -72,21 +73,9 @@ def _train(rank, world, family, model_type, stage, sgd=False, checkpointing=Fals
     for step in range(STEPS):
         batch = _batch(model, family, shape, step)
         loss = runner(**{k: v.chunk(world)[rank] for k, v in batch.items()}).loss
-        if stage == "ddp":
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        else:
-            runner.backward(loss)
-            runner.step()
-            runner.zero_grad()
+        step_and_state(runner, opt, loss)
         losses.append(loss.item())
-    if stage == "ddp":
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    else:
-        state = runner.full_state_dict()
-        runner.close()
-    return losses, state
+    return losses, step_and_state(runner, opt, finish=True)
 
 
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])

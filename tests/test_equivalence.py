@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from training import rel_l2, train_ddp, train_reference, train_zero
+from training import rel_l2, step_and_state, train_ddp, train_reference, train_zero
 
 STEPS, ACCUM, CLIP = 20, 2, 0.5
 
@@ -165,23 +165,8 @@ def _squeeze_excite_run(rank, world, stage):
         )
     for step in range(3):
         x = torch.randn(8, 24, 4, 4, generator=torch.Generator().manual_seed(step))
-        loss = runner(x.chunk(world)[rank]).square().mean()
-        if stage == "ddp":
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        else:
-            runner.backward(loss)
-            runner.step()
-            runner.zero_grad()
-    state = (
-        {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if stage == "ddp"
-        else runner.full_state_dict()
-    )
-    if stage != "ddp":
-        runner.close()
-    return state, addresses
+        step_and_state(runner, opt, runner(x.chunk(world)[rank]).square().mean())
+    return step_and_state(runner, opt, finish=True), addresses
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

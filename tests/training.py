@@ -54,6 +54,29 @@ def train_reference(steps: int, accum: int, clip: float, seed: int = 0):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def step_and_state(runner, optimizer, loss=None, finish: bool = False):
+    """One optimizer step by the runner's spelling: torch DDP's (backward, step,
+    zero_grad on the optimizer) or the engine's. With `finish` (no loss), the model's
+    whole state instead: DDP's module's, or the engine's `full_state_dict()`, the engine
+    closed after."""
+    engine = runner if isinstance(runner, ZeroEngine) else None
+    if finish:
+        if engine is None:
+            return {k: v.detach().clone() for k, v in runner.module.state_dict().items()}
+        state = engine.full_state_dict()
+        engine.close()
+        return state
+    if engine is None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    else:
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    return None
+
+
 def rel_l2(state: dict, ref: dict) -> float:
     """Relative L2 distance between two state dicts, over all their tensors."""
     num = sum(((state[k].double() - ref[k].double()) ** 2).sum() for k in ref)
