@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.training import local_batch, make_model, make_optimizer
+from tests.training import local_batch, make_model, make_optimizer, step_and_state
 from zero_strategy import ZeroConfig, ZeroEngine
 
 WRITTEN = ("blocks.0.fc.weight", "blocks.1.attn.proj.bias")
@@ -42,15 +42,7 @@ def _train(rank, world, kind, stage, how, compute="fp32"):
                 with engine.gathered_parameters(modifier_rank=None), torch.no_grad():
                     for name, value in values.items():
                         params[name].copy_(value)
-        loss = engine(*local_batch(step, 0, rank, world))
-        if kind == "ddp":
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
+        step_and_state(engine, optimizer, engine(*local_batch(step, 0, rank, world)))
     if kind == "ddp":
         return {n: p.detach().clone() for n, p in params.items()}
     state = engine.full_state_dict(rank0_only=False)
