@@ -7,10 +7,15 @@ persistent buffers of a meta-built model that a load was to fill are checked
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
+
+if TYPE_CHECKING:
+    from ..builder.meta_init import AwaitedBuffers
 
 
 class BufferSync:
@@ -20,7 +25,7 @@ class BufferSync:
         world: Communicator,
         device: torch.device,
         every_forward: bool,
-        awaited=None,
+        awaited: AwaitedBuffers | None = None,
     ):
         self.module = module
         self.world = world  # every data-parallel rank
