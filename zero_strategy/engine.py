@@ -143,7 +143,7 @@ class ZeroEngine:
             prepared.params,
         )
         self._buffers = BufferSync(
-            model, self.groups.world.comm, self.device, cfg.broadcast_buffers, awaited
+            model, self.groups.world.comm, self.device, cfg.broadcast_buffers, awaited.check
         )
         self._buffers.sync()  # as DDP at construction, whatever broadcast_buffers says
         return experts, homes

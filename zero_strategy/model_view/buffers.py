@@ -3,19 +3,16 @@ construction, and (with `broadcast_buffers`) before the forward that follows a
 synchronised training forward, one collective per dtype. BatchNorm statistics then match
 what DDP would give each rank, in training and in evaluation. Before the first forward,
 persistent buffers of a meta-built model that a load was to fill are checked
-(`awaited`)."""
+(`check_awaited`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-
-if TYPE_CHECKING:
-    from ..builder.meta_init import AwaitedBuffers
 
 
 class BufferSync:
@@ -25,18 +22,19 @@ class BufferSync:
         world: Communicator,
         device: torch.device,
         every_forward: bool,
-        awaited: AwaitedBuffers | None = None,
+        check_awaited: Callable[[], None] | None = None,
     ):
         self.module = module
         self.world = world  # every data-parallel rank
         self.device = device
         self.every_forward = every_forward  # config.broadcast_buffers
         self.stale = True  # DDP's require_forward_param_sync, for buffers
-        self.awaited = awaited  # `meta_init.AwaitedBuffers`: raises while any is unfilled
+        # Raises while a buffer that a load was to fill is unfilled (the builder's check).
+        self.check_awaited = check_awaited
 
     def before_forward(self) -> None:
-        if self.awaited is not None:
-            self.awaited.check()
+        if self.check_awaited is not None:
+            self.check_awaited()
         if self.every_forward and self.stale:
             self.sync()
             self.stale = False
