@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distributed import run_world
-from training import make_model, make_optimizer
+from training import make_model, make_optimizer, step_and_state
 from zero_strategy import (
     CheckpointError,
     UnsupportedOptimizerError,
@@ -142,15 +142,7 @@ def _tiny(rank, world, stage):
     else:
         model = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
     for _ in range(3):
-        loss = model(torch.full((2, 1), float(rank + 1))).pow(2).mean()
-        if stage is None:
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            model.backward(loss)
-            model.step()
-            model.zero_grad()
+        step_and_state(model, optimizer, model(torch.full((2, 1), float(rank + 1))).pow(2).mean())
     module = model.module
     with model.gathered_parameters() if stage is not None else torch.no_grad():
         return module.weight.item()
