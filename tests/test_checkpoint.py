@@ -394,12 +394,20 @@ def _offsets_past_the_file(path: str) -> None:
     index_path.write_text(json.dumps(index))
 
 
+def _lags_not_counts(path: str) -> None:
+    index_path = Path(path, "index.json")
+    index = json.loads(index_path.read_text())
+    index["optimizer"]["step_lags"] = [{"ln_f.bias": "three"}]
+    index_path.write_text(json.dumps(index))
+
+
 @pytest.mark.parametrize(
     ("corrupt", "problem"),
     [
         (_flip_a_weight_byte, "fails its checksum"),
         (_truncate, "truncated"),
         (_offsets_past_the_file, "index does not match the files"),
+        (_lags_not_counts, "'step_lags' is not one"),
     ],
 )
 def test_a_refused_checkpoint_leaves_the_model_as_it_was(corrupt, problem, tmp_path):

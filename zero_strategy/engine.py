@@ -97,6 +97,7 @@ class ZeroEngine:
             self.device,
             steps.tensor_sharded(prepared.params),
             experts.names,
+            self.optim.step_lags,
         )
         hooks = (self.zero_grad, self.before_forward, self.after_forward)
         calls = wiring.EngineCalls(

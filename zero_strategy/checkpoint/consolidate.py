@@ -32,6 +32,7 @@ import torch
 
 from ..layout.partition import FROZEN_GROUP
 from ..optim.ema import EMA_KEY
+from ..optim.step_lag import COUNT
 from ..private_api import fake_tensor_mode
 from .one_file import ENGINE_KEY, MODEL_AT
 from .read import CheckpointReader
@@ -146,8 +147,10 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
     the names in the optimizer's order, so a plain optimizer loads it by position too).
     `elementwise[name]` is a parameter's state tensors by stored key (a later
     optimizer's of a parameter that an earlier one steps too, marked); the scalar state
-    (Adam's step) is its group's."""
+    (Adam's step) is its group's, less the steps the parameter missed (`step_lags`): a
+    parameter that never took one has no entry, as in torch."""
     opt = index["optimizer"]
+    lags = opt.get("step_lags") or [{} for _ in opt["param_groups"]]
     names = _group_names(index)
     counts = opt.get("groups_per_optimizer") or [len(opt["param_groups"])]
     out, first = [], 0
@@ -165,16 +168,25 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
                     key: elementwise[name][stored]
                     for stored, key in keys_of_group(stored_keys, g, first_group)
                 }
-                if own:  # a tensor of its own each: Adam steps it in place
-                    scalars = {
-                        key: torch.tensor(spec["value"], dtype=getattr(torch, spec["dtype"]))
-                        if spec["dtype"]
-                        else spec["value"]
-                        for key, spec in opt["scalar_state"][g].items()
-                    }
+                scalars = _scalars(opt["scalar_state"][g], lags[g].get(name, 0))
+                if own and scalars is not None:  # a tensor each: Adam steps it in place
                     state[name] = {**own, **scalars}
         out.append({"state": state, "param_groups": groups})
         first += count
+    return out
+
+
+def _scalars(saved: dict[str, Any], lag: int) -> dict[str, Any] | None:
+    """A parameter's scalar state: its group's, its step count less its `lag`; None for
+    one that has taken no step."""
+    out = {}
+    for key, spec in saved.items():
+        value = spec["value"] - lag if key == COUNT else spec["value"]
+        if key == COUNT and lag and value <= 0:
+            return None
+        out[key] = (
+            torch.tensor(value, dtype=getattr(torch, spec["dtype"])) if spec["dtype"] else value
+        )
     return out
 
 

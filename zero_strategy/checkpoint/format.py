@@ -23,7 +23,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from ..comm.communicator import Communicator
 from ..layout.partition import ParamSlot, Stored
 from ..offload.state_store import OptimizerStateStore
 from ..optim.optimizer_set import OptimizerSet
+from ..optim.step_lag import StepLags
 from ..private_api import persistent_direct_buffers
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
@@ -79,6 +80,8 @@ class ShardedState:
     # Tensor parallelism: this rank's position (parameters whole on every position are
     # written by position 0 alone; `world` is then every rank, numbered globally).
     tensor_position: int = 0
+    # How far each parameter's step count is behind its param group's (`optim/step_lag`).
+    step_lags: StepLags = field(default_factory=StepLags)
 
 
 @dataclass
@@ -89,6 +92,29 @@ class LoadedCheckpoint:
 
 
 # ============================================================================ saving
+def step_lags_by_name(state: ShardedState) -> list[dict[str, int]]:
+    """Per param group, {stored name: lag} of this rank's parameters behind their
+    group's step count."""
+    units = {unit.layout.index: unit for unit in state.units}
+
+    def name_of(unit_index: int, slot_index: int) -> str:
+        unit = units[unit_index]
+        slot = unit.layout.slots[slot_index]
+        return state.stored(unit, slot.name, slot.shape).name
+
+    return state.step_lags.by_name(name_of, len(state.optimizer.param_groups))
+
+
+def slots_by_name(state: ShardedState) -> dict[str, list[tuple[int, int]]]:
+    """Each stored name of this rank's parameters: its (unit index, slot index)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for unit in state.units:
+        for index, slot in enumerate(unit.layout.slots):
+            name = state.stored(unit, slot.name, slot.shape).name
+            out.setdefault(name, []).append((unit.layout.index, index))
+    return out
+
+
 def param_order(state: ShardedState) -> list[list[str]]:
     """Per param group, the stored names of this rank's parameters in the optimizer's
     order: a one-file checkpoint lists each group's parameters as torch does."""

@@ -4,15 +4,13 @@ unsharded optimizer has it: what `Strategy.optimizer_state()` hands a user under
 The one-file checkpoint's plan says what there is (`plan_optimizer`: every parameter's
 elementwise state, in the optimizer's order); every rank reports the ranges it owns, as
 for a save, and each tensor is assembled from them one at a time (a sum of disjoint
-ranges), so no rank holds more than one parameter's state besides what it returns. The
-scalar state (Adam's `step`) is its param group's; parameters are numbered as torch
-numbers them, group after group.
+ranges), so no rank holds more than one parameter's state besides what it returns.
+Parameters are numbered as torch numbers them, group after group.
 
-Where it is not torch's: the engine steps each param group's shard whole, so a parameter
-that no rank ever gave a gradient has an entry (zero moments) where torch has none, and
-the step count is the group's (torch counts per parameter: a parameter skipped in some
-steps has fewer). The hyperparameters are those a checkpoint records (JSON: a tensor
-learning rate comes back a float).
+Each parameter's step count is its own, as torch's (its group's less the steps it
+missed: `optim/step_lag`), and one that never took a step has no entry. Where it is not
+torch's: the hyperparameters are those a checkpoint records (JSON: a tensor learning rate
+comes back a float).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from .format import (
     ShardedState,
     param_order,
     persistent_buffers,
+    slots_by_name,
 )
 from .one_file import OneFileReader
 from .read import CheckpointReader, client_state_in
@@ -146,6 +147,21 @@ def _check_optimizer_groups(state: ShardedState, opt_index: dict[str, Any]) -> N
             f"{mine}; build the optimizer with the same groups to resume, or pass "
             "load_optimizer_states=False to load the parameters alone."
         )
+    lags = opt_index.get("step_lags") or [{} for _ in range(mine)]
+    if (
+        not isinstance(lags, list)
+        or len(lags) != mine
+        or not all(isinstance(g, dict) for g in lags)
+        or not all(
+            isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for g in lags
+            for n, v in g.items()
+        )
+    ):
+        raise CheckpointError(
+            "The checkpoint's optimizer 'step_lags' is not one {parameter name: steps "
+            f"behind}} per param group ({mine} groups): the index is corrupt. {RESTORE}"
+        )
     for group in opt_index["scalar_state"]:
         for key, spec in group.items():
             dtype = spec.get("dtype")
@@ -194,6 +210,7 @@ def _load_optimizer_state(state: ShardedState, reader: Reader) -> None:
                 buf[at : at + hi - lo].copy_(values)
             entry[key] = buf
         store.put(view, entry)
+    state.step_lags.load(opt_index.get("step_lags") or [], slots_by_name(state))
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:

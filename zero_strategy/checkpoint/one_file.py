@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..layout.partition import FROZEN_GROUP
+from ..optim.step_lag import COUNT
 from ..tensor_parallel import TensorPlacement
 from .safe_load import CheckpointError, safe_torch_load
 from .state_keys import state_key
@@ -89,15 +90,19 @@ class OneFileReader:
             optimizers = [self.checkpoint[k] for k in optimizer_keys if k is not None]
         self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
+        # Parameters of a stepped group that have taken no step (torch keeps no state
+        # for them): their state keys, read as zeros.
+        self._unstepped: dict[str, set[str]] = {}
         # Why the optimizer state cannot be resumed (raised only by a load that asks for
         # it: the weights alone still load).
         self.optimizer_error: str | None = None
         try:
-            groups, scalars, names = self._read_optimizer(optimizers)
+            groups, scalars, names, lags = self._read_optimizer(optimizers)
         except CheckpointError as e:
             self.optimizer_error = str(e)
             self._state.clear()
-            groups, scalars, names = [], [], []
+            self._unstepped.clear()
+            groups, scalars, names, lags = [], [], [], []
         group_of: dict[str, int] = {}  # several optimizers' parameter: the first's group
         for g, members in enumerate(names):
             for name in members:
@@ -122,18 +127,22 @@ class OneFileReader:
                 "param_groups": groups,
                 "elementwise_state": sorted({k for s in self._state.values() for k in s}),
                 "scalar_state": scalars,
+                "step_lags": lags,
                 "param_names": names,
             },
         }
 
     def _read_optimizer(
         self, states: Any
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[str]]]:
-        """(each group's hyperparameters, its scalar state, its parameters' names), and
-        every parameter's elementwise state into `_state`."""
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[str]], list[dict[str, int]]]:
+        """(each group's hyperparameters, its scalar state, its parameters' names, how
+        many steps each parameter is behind the group's count), and every parameter's
+        elementwise state into `_state`. torch counts steps per parameter: a group's count
+        is its parameters' largest, and one with no state has taken none."""
         groups: list[dict[str, Any]] = []
         scalars: list[dict[str, Any]] = []
         names: list[list[str]] = []
+        lags: list[dict[str, int]] = []
         first_group: dict[str, int] = {}  # a parameter that two optimizers step: the first's
         for optimizer in states or []:
             for group in optimizer["param_groups"]:
@@ -143,6 +152,8 @@ class OneFileReader:
                 groups.append({k: v for k, v in group.items() if k != "params"})
                 names.append(named)
                 scalar: dict[str, Any] = {}
+                counts: dict[str, float] = {}
+                stored_keys: set[str] = set()
                 g = len(groups) - 1
                 for member, name in zip(members, named):
                     first = first_group.setdefault(name, g)
@@ -150,13 +161,38 @@ class OneFileReader:
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             stored = state_key(key, g, first)
                             self._state.setdefault(name, {})[stored] = value
-                        elif isinstance(value, torch.Tensor):
+                            stored_keys.add(stored)
+                            continue
+                        if isinstance(value, torch.Tensor):
                             dtype = str(value.dtype).removeprefix("torch.")
-                            scalar[key] = {"value": value.item(), "dtype": dtype}
+                            spec = {"value": value.item(), "dtype": dtype}
                         else:
-                            scalar[key] = {"value": value, "dtype": None}
+                            spec = {"value": value, "dtype": None}
+                        if key == COUNT:
+                            counts[name] = spec["value"]
+                            if spec["value"] < scalar.get(key, spec)["value"]:
+                                continue  # the group's count: the largest
+                        scalar[key] = spec
                 scalars.append(scalar)
-        return groups, scalars, names
+                lags.append(self._lags(named, counts, stored_keys))
+        return groups, scalars, names, lags
+
+    def _lags(
+        self, named: list[str], counts: dict[str, float], stored_keys: set[str]
+    ) -> dict[str, int]:
+        """One group's parameters behind its largest count; those with no state (none
+        taken) read their `stored_keys` as zeros."""
+        if not counts:
+            return {}
+        top = max(counts.values())
+        lags = {}
+        for name in named:
+            lag = int(top - counts.get(name, 0))
+            if lag > 0:
+                lags[name] = lag
+            if name not in counts and name not in self._state:
+                self._unstepped[name] = set(stored_keys)
+        return lags
 
     def _named(self, positions: list[Any], g: int) -> list[str]:
         """Group `g`'s parameter positions as the engine's parameter names: the i-th of
@@ -186,7 +222,8 @@ class OneFileReader:
     def holds(self, name: str, prefix: str) -> bool:
         if not prefix:
             return name in self._weights
-        return prefix.removesuffix("/") in self._state.get(name, {})
+        key = prefix.removesuffix("/")
+        return key in self._state.get(name, {}) or key in self._unstepped.get(name, ())
 
     def read(
         self,
@@ -200,6 +237,9 @@ class OneFileReader:
     ) -> torch.Tensor:
         """Elements [lo, hi) of `name` (or its `prefix` state) in the stored coordinates
         of `layout`: a tensor-parallel block is cut out of the whole tensor first."""
+        if prefix and name in self._unstepped:  # no step taken: no state, zeros
+            zeros = torch.zeros(hi - lo, dtype=dtype)
+            return zeros if out is None else out.copy_(zeros)
         tensor, at = self._tensor(name, prefix), 0
         if layout is not None and layout.sharded:
             start, shape = layout.block(layout.position)

@@ -27,6 +27,7 @@ from .format import (
     param_order,
     persistent_buffers,
     rank_file,
+    step_lags_by_name,
     views_covering,
 )
 from .safe_load import CheckpointError
@@ -177,6 +178,7 @@ def owned_report(
         "wrote": written,
         "keys": sorted(state_keys),
         "scalars": scalar_state(state.optimizer),
+        "step_lags": step_lags_by_name(state),
         "order": param_order(state),
     }
 
@@ -306,6 +308,11 @@ def build_index(
     groups = [
         {k: _json_safe(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
     ]
+    lags: list[dict[str, int]] = [{} for _ in optimizer.param_groups]
+    for report in reports:  # the ranks holding parts of one parameter agree
+        for gi, by_name in enumerate(report.get("step_lags", ())):
+            for name, lag in by_name.items():
+                lags[gi][name] = max(lag, lags[gi].get(name, 0))
     return {
         "format": FORMAT,
         "complete": True,
@@ -337,6 +344,9 @@ def build_index(
             "param_groups": groups,
             "elementwise_state": sorted({k for report in reports for k in report["keys"]}),
             "scalar_state": scalars,
+            # Per group, how many of its steps a parameter missed (no gradient on any
+            # rank): its own step count is the group's less that (torch's, per parameter).
+            "step_lags": lags,
             # Each group's parameters in the optimizer's order, and how many groups each
             # of the engine's optimizers has (a one-file checkpoint's optimizer_states).
             "param_names": _merged_order(reports, len(optimizer.param_groups)),

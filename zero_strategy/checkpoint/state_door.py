@@ -19,6 +19,7 @@ from ..comm.topology import ProcessGroups
 from ..layout.partition import Stored
 from ..moe.expert_placement import ExpertNames
 from ..optim.optimizer_set import OptimizerSet
+from ..optim.step_lag import StepLags
 from ..tensor_parallel import full_tensor, match_local_dtype
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
@@ -43,6 +44,7 @@ class StateDoor:
         device: torch.device,
         tensor_sharded: dict[str, Any],
         expert_names: ExpertNames,
+        step_lags: StepLags,
     ):
         self.units = units
         self.module = module
@@ -55,6 +57,7 @@ class StateDoor:
         # Tensor-parallel shards, by every name: checkpointed as blocks of the full tensor.
         self._tensor_sharded = tensor_sharded
         self._expert_names = expert_names
+        self._step_lags = step_lags  # the optimizer's: saved and loaded with its state
 
     # ---------------------------------------------------------------- names
     def stored(
@@ -105,6 +108,7 @@ class StateDoor:
             self.model_names(),
             self.state_store,
             self.groups.tensor.rank if self.groups.tensor is not None else 0,
+            self._step_lags,
         )
 
     def save(

@@ -7,9 +7,10 @@ the optimizer side honours the mark. An optimizer parameter is a rank's slice of
 marked parameters in it, and in its optimizer state (the tensors shaped as it), are put
 back as they were after the step.
 
-Its scalar state (Adam's `step`) advances all the same: checkpoints keep one per param
+Its scalar state (Adam's `step`) advances with the slice: checkpoints keep one per param
 group, equal for all its slices, so that they can be cut again at another world size or
-stage. Hiding a whole slice's `.grad` would skip that too, and split the count.
+stage. Each held-back parameter's lag behind that count is kept by `step_lag`, which
+steps it with its own count when it has a gradient again.
 """
 
 from __future__ import annotations
@@ -25,28 +26,37 @@ from ..units.optimizer_view import OptimizerView
 Ranges = list[tuple[int, int]]  # [start, end) within one view
 
 
+def slot_parts(view: OptimizerView) -> list[tuple[int, int, int]]:
+    """(slot index, start, end) of each trainable model parameter in `view`, the range
+    relative to the view: the pieces that are held back, or lag (`step_lag`)."""
+    unit = view.unit
+    parts = []
+    for index, slot in enumerate(unit.layout.slots):
+        if not slot.trainable:
+            continue
+        mine_lo, mine_hi = unit.mine_of(slot)
+        lo = max(mine_lo - unit.opt_start, view.lo)
+        hi = min(mine_hi - unit.opt_start, view.hi)
+        if lo < hi:
+            parts.append((index, lo - view.lo, hi - view.lo))
+    return parts
+
+
 def no_gradient_parts(views: Sequence[OptimizerView], resident: bool = False) -> dict[int, Ranges]:
     """For each view (by id) with any: the ranges that got no gradient on any rank (one
     per model parameter). Views whose gradients are offloaded count as having them,
     unless `resident` (their shards are in memory now: a step's tile)."""
-    parts: list[tuple[OptimizerView, int, int]] = []
-    for view in views:
-        if view.grad is None or (view.unit.grad_home is not None and not resident):
-            continue
-        unit = view.unit
-        for slot in unit.layout.slots:
-            if not slot.trainable:
-                continue
-            mine_lo, mine_hi = unit.mine_of(slot)
-            lo = max(mine_lo - unit.opt_start, view.lo)
-            hi = min(mine_hi - unit.opt_start, view.hi)
-            if lo < hi:
-                parts.append((view, lo, hi))
-    marked = got_no_gradient([v.unit.grad_opt[lo:hi] for v, lo, hi in parts])
+    parts = [
+        (view, lo, hi)
+        for view in views
+        if view.grad is not None and (view.unit.grad_home is None or resident)
+        for _, lo, hi in slot_parts(view)
+    ]
+    marked = got_no_gradient([v.unit.grad_opt[v.lo + lo : v.lo + hi] for v, lo, hi in parts])
     ranges: dict[int, Ranges] = {}
     for (view, lo, hi), none in zip(parts, marked):
         if none:
-            ranges.setdefault(id(view), []).append((lo - view.lo, hi - view.lo))
+            ranges.setdefault(id(view), []).append((lo, hi))
     return ranges
 
 

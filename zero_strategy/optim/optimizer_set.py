@@ -122,11 +122,19 @@ class OptimizerSet:
             self.group_offsets[k], self.group_offsets[k] + len(self.optimizers[k].param_groups)
         )
 
+    def _optimizer_of_group(self, gi: int) -> int:
+        return max(i for i, offset in enumerate(self.group_offsets) if offset <= gi)
+
+    def owner_of(self, gi: int) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+        """Combined group `gi`'s optimizer, and the group's dict in it."""
+        k = self._optimizer_of_group(gi)
+        return self.optimizers[k], self.optimizers[k].param_groups[gi - self.group_offsets[k]]
+
     def describe_group(self, gi: int) -> str:
         """Combined group `gi` in the user's terms: "param group 1", or with several
         optimizers "optimizer 1 (Adam) param group 0"."""
         if len(self.optimizers) == 1:
             return f"param group {gi}"
-        k = max(i for i, offset in enumerate(self.group_offsets) if offset <= gi)
+        k = self._optimizer_of_group(gi)
         name = type(self.optimizers[k]).__name__
         return f"optimizer {k} ({name}) param group {gi - self.group_offsets[k]}"

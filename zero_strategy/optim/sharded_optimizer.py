@@ -38,6 +38,7 @@ from .held_back import held_back, no_gradient_parts
 from .loss_scaler import LossScaler
 from .optimizer_set import OptimizerSet
 from .state_dict_guard import guard_state_dicts
+from .step_lag import StepLags
 
 
 class GradMirror(Protocol):
@@ -91,6 +92,8 @@ class ShardedOptimizer:
         # The parts of each view that no rank gave a gradient to since the last
         # zero_grad: put back after the step, as if skipped (`held_back`).
         self._held_back: dict[int, list[tuple[int, int]]] = {}
+        # How far each held-back parameter's step count is behind its group's.
+        self.step_lags = StepLags()
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
         # Param groups with no gradient since their last zero_grad() to None (or since the
         # start): a step skips them whole, as torch skips parameters whose .grad is None.
@@ -290,7 +293,11 @@ class ShardedOptimizer:
             held = self._held_back
             if self._grads is not None:  # offloaded gradient shards, in memory now
                 held = {**held, **no_gradient_parts(tile, resident=True)}
-            with held_back(tile, held, self.optimizer_set.state):
+            state = self.optimizer_set.state
+            with (
+                held_back(tile, held, state),
+                self.step_lags.kept(tile, held, state, self.optimizer_set.owner_of),
+            ):
                 written[0] &= self._step_optimizers(chosen, tile)
             if self.config.ema_decay:
                 self.ema.update(self.config.ema_decay, groups, tile)
@@ -411,6 +418,7 @@ class ShardedOptimizer:
                 not partial
                 and fused is not None
                 and not any(id(v) in self._held_back for v in views)
+                and not self.step_lags.lagging(views)
                 and self._gradless.isdisjoint(groups)
                 and fused.applies([v.param for v in views])
             ):
