@@ -1,8 +1,8 @@
 """A tiny configuration of any Hugging Face architecture, made by rule from its defaults:
 the width, depth, heads, experts, vocabulary and image size each named by the usual
 attribute names, made small, and the per-stage lists of vision and speech models with
-them; dropout, LayerDrop and router noise off, so that two runs of one model are the
-same."""
+them; dropout and router noise off, so that two runs of one model are the same. LayerDrop
+is off unless asked for (its draws come from the seeded generator: two runs drop alike)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _is_dropout(name: str, value: Any) -> bool:
     )
 
 
-def _overrides(config, extra: dict[str, Any]) -> dict[str, Any]:
+def _overrides(config, extra: dict[str, Any], layerdrop: float) -> dict[str, Any]:
     names = set(inspect.signature(type(config).__init__).parameters) | set(vars(config))
     names |= set(getattr(config, "attribute_map", {}))
     now, alias = config.to_dict(), getattr(config, "attribute_map", {})
@@ -144,6 +144,7 @@ def _overrides(config, extra: dict[str, Any]) -> dict[str, Any]:
         out["head_dim"] = out["qk_rope_head_dim"]  # its rotary part
     out.update({k: v for k, v in QUIET.items() if k in names})
     out.update({k: 0.0 for k, v in vars(config).items() if _is_dropout(k, v)})
+    out.update({k: layerdrop for k in out if k.endswith("layerdrop")})
     out.update({k: v for k, v in extra.items() if k in names})
     return out
 
@@ -223,16 +224,17 @@ def _token_ids(values: dict[str, Any]) -> None:
             values[key] = [v for v in value if v < vocab] or [small.get(key, 3)]
 
 
-def shrink(config, **extra: Any):
+def shrink(config, layerdrop: float = 0.0, **extra: Any):
     """The config, each of its sub-configs (a text or vision tower) made small in turn;
-    `extra` overrides the attributes it names, where the config has them."""
+    every LayerDrop probability it has set to `layerdrop`; `extra` overrides the
+    attributes it names, where the config has them."""
     for key in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            setattr(config, key, shrink(sub, **extra))
+            setattr(config, key, shrink(sub, layerdrop, **extra))
     values = config.to_dict()
     before = _layers(values)
-    values.update(_overrides(config, extra))
+    values.update(_overrides(config, extra, layerdrop))
     values = {k: v for k, v in values.items() if k not in ("transformers_version", "model_type")}
     _per_layer(values, before, _layers(values))
     _stages(values)
@@ -240,17 +242,19 @@ def shrink(config, **extra: Any):
     return type(config)(**values)
 
 
-def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000):
+def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000, layerdrop: float = 0.0):
     """The architecture `model_type` built tiny by a transformers auto class
-    (`AutoModelForCausalLM`), with seed 0, in fp32; raises with the reason where it
-    cannot be built so."""
+    (`AutoModelForCausalLM`), with seed 0, in fp32, its LayerDrop (if any) at `layerdrop`;
+    raises with the reason where it cannot be built so."""
     import torch
     import transformers
 
     causal = auto_class is transformers.AutoModelForCausalLM
     # The causal-LM head of an encoder family (BERT's, Reformer's) runs as a decoder.
     config = shrink(
-        transformers.AutoConfig.for_model(model_type), **({"is_decoder": True} if causal else {})
+        transformers.AutoConfig.for_model(model_type),
+        layerdrop,
+        **({"is_decoder": True} if causal else {}),
     )
     torch.manual_seed(0)
     if not config.architectures:  # where a family maps to several classes, the first
