@@ -3,14 +3,11 @@
 One process leaves such a parameter's `.grad` at None and its optimizer skips it: no
 weight decay, no momentum coasting. The reduction marks them (`units/no_gradient`); here
 the optimizer side honours the mark. An optimizer parameter is a rank's slice of a unit
-(at stages 0-2 a bucket of many model parameters), stepped whole; the elements of the
-marked parameters in it, and in its optimizer state (the tensors shaped as it), are put
-back as they were after the step.
-
-Its scalar state (Adam's `step`) advances with the slice: checkpoints keep one per param
-group, equal for all its slices, so that they can be cut again at another world size or
-stage. Each held-back parameter's lag behind that count is kept by `step_lag`, which
-steps it with its own count when it has a gradient again.
+(at stages 0-2 a bucket of many model parameters). Here the marked parameters are found;
+a slice holding one is stepped by parts without it (`step_lag`), except on its first
+step, which makes its state: it is stepped whole, and the elements of the marked
+parameters in it, and in its optimizer state (the tensors shaped as it), are put back as
+they were after the step (`held_back`).
 """
 
 from __future__ import annotations

@@ -288,17 +288,20 @@ class ShardedOptimizer:
             self._clip_to(self.config.gradient_clipping, norm, groups)
         self.expose_grads()
         written = [True]  # whether every update also wrote the compute copies
+        chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
+        stepped = chosen_groups - self._gradless
 
         def step_tile(tile: list[OptimizerView]) -> None:
             held = self._held_back
             if self._grads is not None:  # offloaded gradient shards, in memory now
                 held = {**held, **no_gradient_parts(tile, resident=True)}
             state = self.optimizer_set.state
-            with (
-                held_back(tile, held, state),
-                self.step_lags.kept(tile, held, state, self.optimizer_set.owner_of),
-            ):
-                written[0] &= self._step_optimizers(chosen, tile)
+            # Slices holding a parameter with no gradient, or one behind its group's
+            # count, are stepped by parts after the optimizer's own step (`step_lag`).
+            plan = self.step_lags.plan(tile, held, state, stepped)
+            with held_back(tile, plan.held_for_whole_steps(), state), plan.counted(state):
+                written[0] &= self._step_optimizers(chosen, tile, plan.apart)
+            plan.finish(state, self.optimizer_set.owner_of)
             if self.config.ema_decay:
                 self.ema.update(self.config.ema_decay, groups, tile)
             if self.masters_offloaded:  # while the masters are in memory
@@ -307,7 +310,6 @@ class ShardedOptimizer:
 
         # Views of `_gradless` groups go through the tiles too (the EMA follows every
         # step): their `.grad` is None (`expose_grads`), so the optimizer skips them.
-        chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
         self._run_user_hooks(chosen, before=True)
         self.apply(
             [v for v in self.views if v.group_index in chosen_groups], step_tile, needs_grads=True
@@ -401,11 +403,14 @@ class ShardedOptimizer:
 
             self.state_store.apply(views, run)
 
-    def _step_optimizers(self, chosen: list[int], tile: list[OptimizerView]) -> bool:
+    def _step_optimizers(
+        self, chosen: list[int], tile: list[OptimizerView], apart: set[int]
+    ) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
         the state offloaded one tile at a time, the other views' gradients hidden so that
-        the optimizer skips them, and no hook (`_run_user_hooks` runs those). Returns
-        whether every update also wrote the compute copies (the fused kernel)."""
+        the optimizer skips them, and no hook (`_run_user_hooks` runs those). The views
+        `apart` (by id) are skipped too: they are stepped by parts. Returns whether every
+        update also wrote the compute copies (the fused kernel)."""
         partial = self.stepped_in_parts
         copies_written = True
         for k in chosen:
@@ -417,8 +422,7 @@ class ShardedOptimizer:
             if (
                 not partial
                 and fused is not None
-                and not any(id(v) in self._held_back for v in views)
-                and not self.step_lags.lagging(views)
+                and not any(id(v) in self._held_back or id(v) in apart for v in views)
                 and self._gradless.isdisjoint(groups)
                 and fused.applies([v.param for v in views])
             ):
@@ -429,7 +433,10 @@ class ShardedOptimizer:
                 shown = {id(v) for v in views if v.group_index not in self._gradless}
                 for view in self.views:
                     if view.group_index in groups:
-                        view.param.grad = view.grad if id(view) in shown else None
+                        view.param.grad = view.grad if id(view) in shown - apart else None
+            hidden = [v for v in views if id(v) in apart and v.param.grad is not None]
+            for view in hidden:
+                view.param.grad = None
             self.inside_step, self._in_tile = True, partial
             try:
                 if partial:
@@ -438,6 +445,8 @@ class ShardedOptimizer:
                     opt.step()
             finally:
                 self.inside_step = self._in_tile = False
+                for view in hidden:
+                    view.param.grad = view.grad
         return copies_written
 
     def _fused_views(

@@ -2,16 +2,20 @@
 
 One process keeps Adam's `step` per parameter: a parameter with no gradient on a step
 (its `.grad` None) is skipped, count and all, and the bias correction of its later steps
-uses its own, smaller count. The engine steps a rank's slice of a unit whole, many model
-parameters at once, with one count; `held_back` puts back the values and moments of those
-no rank gave a gradient, and here each one's lag behind its group's count is kept.
+uses its own, smaller count. The engine's optimizer parameters are a rank's slices of
+units, many model parameters each, with one count. So each model parameter's lag behind
+its slice's count is kept here, and a slice that holds a parameter with no gradient on
+this step, or one that lags, is not stepped whole: its model parameters are stepped as
+sub-parameters (views of the slice, of its gradient and of its state), by the same
+optimizer with its param group's settings, in one step: each with its own count, the
+runs between them with the slice's, and those with no gradient not at all. The slice's
+count then advances by one. An elementwise optimizer so computes what one process does,
+to the bit, at the cost of a step over a few more, shorter tensors; slices with neither
+step whole, as before.
 
-When a lagging parameter has a gradient again, its range is stepped twice: with the
-slice (the group's count), then, put back as it was, alone with its own count. The second
-step is the same optimizer's (its class, its param group's settings), over sub-parameters
-that are views of the slice and of its state, with a count of their own: an elementwise
-optimizer then computes what one process does, to the bit. It costs a second step over
-the lagging ranges only, and none at all while no parameter lags.
+A slice whose state does not exist yet (its first step) is stepped whole, and its
+parameters with no gradient are put back after it (`held_back`): the optimizer makes the
+state, whatever its kind.
 
 Lags are kept per model parameter and param group, so that checkpoints record them by
 name (`step_lags`) and a checkpoint can be cut again at another world size or stage.
@@ -58,68 +62,38 @@ class StepLags:
     def __init__(self) -> None:
         self.lags: dict[SlotKey, int] = {}
 
-    def lagging(self, views: Sequence[OptimizerView]) -> bool:
-        """Whether any of `views` holds a parameter behind its group's count (its step
-        is then not the fused kernel's, which steps a view with one count)."""
-        if not self.lags:
-            return False
-        return any(
-            (v.group_index, v.unit.layout.index, slot) in self.lags
-            for v in views
-            for slot, _, _ in slot_parts(v)
-        )
-
-    @contextlib.contextmanager
-    def kept(
-        self,
-        views: Sequence[OptimizerView],
-        held: Ranges,
-        state: Mapping,
-        owner: GroupOwner,
-    ) -> Iterator[None]:
-        """Around a step of `views`, whose `held` ranges got no gradient: after it, the
-        lagging ranges that did are stepped again with their own counts, and the held
-        ranges of every view whose count advanced fall one step further behind."""
+    def plan(
+        self, views: Sequence[OptimizerView], held: Ranges, state: Mapping, stepped: set[int]
+    ) -> StepPlan:
+        """How a step treats `views`, whose `held` ranges got no gradient, the views of
+        the param groups in `stepped` being stepped: which are stepped by parts."""
+        plan = StepPlan(self, held)
         if not self.lags and not any(held.get(id(v)) for v in views):
-            yield
-            return
-        plans = []
+            return plan
         for view in views:
+            if view.group_index not in stepped:
+                continue
             held_here = set(held.get(id(view), ()))
             unit_index = view.unit.layout.index
-            missed, behind = [], []
+            parts = []
             for slot, lo, hi in slot_parts(view):
                 key = (view.group_index, unit_index, slot)
                 if (lo, hi) in held_here:
-                    missed.append(key)
-                elif key in self.lags:
-                    behind.append((key, lo, hi))
-            if not missed and not behind:
+                    parts.append((key, lo, hi, None))
+                else:
+                    parts.append((key, lo, hi, self.lags.get(key, 0)))
+            if all(lag == 0 for *_, lag in parts):
                 continue
-            own = state.get(view.param) or {}
-            before = _count(own)
-            tensors = [view.param.data, *_shaped(own, view.param).values()] if behind else []
-            saved = [[t[lo:hi].clone() for t in tensors] for _, lo, hi in behind]
-            plans.append((view, before, missed, behind, saved))
-        yield
-        again: dict[int, list[tuple[nn.Parameter, dict[str, Any]]]] = {}
-        for view, before, missed, behind, saved in plans:
-            own = state.get(view.param) or {}
-            if COUNT not in own or _count(own) == before:
-                continue  # not stepped here, or an optimizer with no count
-            for key in missed:
-                self.lags[key] = self.lags.get(key, 0) + 1
-            if view.param.grad is None:
-                continue
-            shaped = _shaped(own, view.param)
-            for (key, lo, hi), values in zip(behind, saved):
-                for tensor, value in zip([view.param.data, *shaped.values()], values):
-                    tensor[lo:hi].copy_(value)
-                again.setdefault(view.group_index, []).append(
-                    _sub_parameter(view, own, shaped, lo, hi, before - self.lags[key])
-                )
-        if again:
-            _step_alone(again, owner)
+            own = state.get(view.param)
+            if own is None or COUNT not in own:  # its first step, or no count to keep
+                plan.whole.append((view, [k for k, *_, lag in parts if lag is None]))
+            else:
+                plan.by_parts.append((view, parts))
+        return plan
+
+    def fell_behind(self, keys: Sequence[SlotKey]) -> None:
+        for key in keys:
+            self.lags[key] = self.lags.get(key, 0) + 1
 
     # ---------------------------------------------------------------- checkpoints
     def by_name(self, name_of: Callable[[int, int], str], groups: int) -> list[dict[str, int]]:
@@ -144,6 +118,77 @@ class StepLags:
         self.lags = {}
 
 
+class StepPlan:
+    """One step's treatment of the views with a parameter that has no gradient or lags:
+    `by_parts` (with their parts: key, range, lag, or None for no gradient) are kept out
+    of the optimizer's own step and stepped by `finish`; `whole` (no state yet) are
+    stepped whole, their `held` ranges put back (`held_back`)."""
+
+    def __init__(self, lags: StepLags, held: Ranges) -> None:
+        self._lags = lags
+        self._held = held
+        self.by_parts: list[tuple[OptimizerView, list[tuple[SlotKey, int, int, int | None]]]] = []
+        self.whole: list[tuple[OptimizerView, list[SlotKey]]] = []
+
+    @property
+    def apart(self) -> set[int]:
+        """The views (by id) the optimizer's own step must skip (their `.grad` hidden)."""
+        return {id(view) for view, _ in self.by_parts}
+
+    def held_for_whole_steps(self) -> Ranges:
+        """The ranges to put back after the optimizer's own step: those of the views it
+        steps (the views stepped by parts skip theirs)."""
+        apart = self.apart
+        return {k: v for k, v in self._held.items() if k not in apart}
+
+    @contextlib.contextmanager
+    def counted(self, state: Mapping) -> Iterator[None]:
+        """Around the optimizer's own step: a view stepped whole for the first time
+        leaves its parameters with no gradient one step behind, if it made a count."""
+        yield
+        for view, missed in self.whole:
+            if COUNT in (state.get(view.param) or {}):
+                self._lags.fell_behind(missed)
+
+    def finish(self, state: Mapping, owner: GroupOwner) -> None:
+        """Step the views kept apart, by parts, in one step of each optimizer; their
+        counts advance by one, and their parameters with no gradient fall behind."""
+        subs: dict[int, list[tuple[nn.Parameter, dict[str, Any]]]] = {}
+        counts = []
+        for view, parts in self.by_parts:
+            own = state[view.param]
+            count = _count(own)
+            shaped = _shaped(own, view.param)
+            for lo, hi, lag in _runs(parts):
+                subs.setdefault(view.group_index, []).append(
+                    _sub_parameter(view, own, shaped, lo, hi, count - lag)
+                )
+            self._lags.fell_behind([key for key, *_, lag in parts if lag is None])
+            counts.append(own)
+        if subs:
+            _step_alone(subs, owner)
+        for own in counts:  # the slice's count, as its own step would have advanced it
+            if isinstance(own[COUNT], torch.Tensor):
+                own[COUNT].add_(1)
+            else:
+                own[COUNT] += 1
+
+
+def _runs(parts: list[tuple[SlotKey, int, int, int | None]]) -> list[tuple[int, int, int]]:
+    """The ranges of a view to step, with their lags: the parts with a gradient, each run
+    of neighbours with one lag merged (the padding between them steps with them, as in a
+    whole step)."""
+    runs: list[tuple[int, int, int]] = []
+    joinable = False  # the last part had a gradient
+    for _, lo, hi, lag in sorted(parts, key=lambda part: part[1]):
+        if lag is not None and joinable and runs[-1][2] == lag:
+            runs[-1] = (runs[-1][0], hi, lag)
+        elif lag is not None:
+            runs.append((lo, hi, lag))
+        joinable = lag is not None
+    return runs
+
+
 def _sub_parameter(
     view: OptimizerView,
     own: Mapping[str, Any],
@@ -155,7 +200,7 @@ def _sub_parameter(
     """A parameter over [lo, hi) of the view (sharing its memory), its gradient's range,
     and a state of views of the view's, with `count` as its step count."""
     sub = nn.Parameter(view.param.data[lo:hi])
-    sub.grad = view.param.grad[lo:hi]
+    sub.grad = view.grad[lo:hi]
     state = {k: v for k, v in own.items() if k not in shaped}
     state.update({k: v[lo:hi] for k, v in shaped.items()})
     kept = own[COUNT]
