@@ -76,8 +76,10 @@ class ShardedOptimizer:
         self.guards = guards  # the engine's direct-step guard on each optimizer (handles)
         # ... and every hook the engine put on the optimizers, to remove on release.
         self.handles = [*guards]
+        # How far each parameter's step count is behind its group's (`step_lag`).
+        self.step_lags = StepLags()
         for optimizer in self.optimizers:
-            self.handles += guard_state_dicts(optimizer, views, stage)
+            self.handles += guard_state_dicts(optimizer, views, stage, self.step_lags)
         self._fused = fused
         self.state_store = state_store  # where the optimizer's state lives
         self.norm = norm
@@ -92,8 +94,6 @@ class ShardedOptimizer:
         # The parts of each view that no rank gave a gradient to since the last
         # zero_grad: put back after the step, as if skipped (`held_back`).
         self._held_back: dict[int, list[tuple[int, int]]] = {}
-        # How far each held-back parameter's step count is behind its group's.
-        self.step_lags = StepLags()
         self._groups_off: set[int] = set()  # param groups whose requires_grad is off
         # Param groups with no gradient since their last zero_grad() to None (or since the
         # start): a step skips them whole, as torch skips parameters whose .grad is None.

@@ -9,6 +9,10 @@ state dict the optimizer hands out carries a mark (the rank, the world size, the
 and the shard ranges it covers), and a load whose mark differs, or that has none (a
 whole state dict, as DDP's optimizer gives), is refused, naming what loads at any world
 size: the engine's checkpoints. Both through torch's public optimizer hooks.
+
+The mark also carries how far each of the rank's parameters is behind its group's step
+count (`step_lag`), which the flat shards' one count per slice cannot say: a load puts
+the lags back with the state.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ import torch
 import torch.distributed as dist
 
 from ..units.optimizer_view import OptimizerView
+from .step_lag import StepLags
 
 MARK = "zero_strategy_shards"
+LAGS = "step_lags"  # in the mark: [param group, unit, slot, lag] of each lagging parameter
 
 
 def guard_state_dicts(
-    optimizer: torch.optim.Optimizer, views: Sequence[OptimizerView], stage: int
+    optimizer: torch.optim.Optimizer,
+    views: Sequence[OptimizerView],
+    stage: int,
+    step_lags: StepLags,
 ) -> list[Any]:
     """Mark `optimizer`'s state dicts and check the mark on load; returns the handles."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -37,9 +46,12 @@ def guard_state_dicts(
         if id(v.param) in held
     ]
     mark = {"rank": rank, "world_size": world, "stage": stage, "ranges": ranges}
+    groups = {v.group_index for v in views if id(v.param) in held}
+    loaded_lags: list[list[int]] = []  # between the load's pre-hook and its post-hook
 
     def add_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        state_dict[MARK] = {**mark, "ranges": [list(r) for r in ranges]}
+        lags = [[*key, lag] for key, lag in sorted(step_lags.lags.items()) if key[0] in groups]
+        state_dict[MARK] = {**mark, "ranges": [list(r) for r in ranges], LAGS: lags}
 
     def check_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         found = state_dict.get(MARK)
@@ -53,6 +65,8 @@ def guard_state_dicts(
                 "dict]}), which loads a whole state into the shards at any world size and "
                 "stage."
             )
+        found = dict(found)
+        lags = found.pop(LAGS, [])  # (a state dict saved before lags were kept: none)
         if found != mark:
             raise ValueError(
                 f"optimizer.load_state_dict() got the shards rank {found['rank']} of "
@@ -62,9 +76,16 @@ def guard_state_dicts(
                 "engine.save_checkpoint()/load_checkpoint() (any world size and stage), "
                 "or have every rank save and load its own state dict."
             )
+        loaded_lags[:] = [list(entry) for entry in lags]
         return {k: v for k, v in state_dict.items() if k != MARK}
+
+    def put_lags(_optimizer: torch.optim.Optimizer) -> None:
+        """The load took the state: the lags saved with it replace this optimizer's."""
+        step_lags.replace(groups, {(g, u, s): lag for g, u, s, lag in loaded_lags})
+        loaded_lags.clear()
 
     return [
         optimizer.register_state_dict_post_hook(add_mark),
         optimizer.register_load_state_dict_pre_hook(check_mark),
+        optimizer.register_load_state_dict_post_hook(put_lags),
     ]

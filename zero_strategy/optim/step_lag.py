@@ -114,8 +114,10 @@ class StepLags:
                     if lag > 0:
                         self.lags[(group, unit, slot)] = int(lag)
 
-    def clear(self) -> None:
-        self.lags = {}
+    def replace(self, groups: set[int], lags: Mapping[SlotKey, int]) -> None:
+        """The lags of `groups`' parameters are `lags` (an optimizer's state loaded)."""
+        self.lags = {k: v for k, v in self.lags.items() if k[0] not in groups}
+        self.lags.update({k: v for k, v in lags.items() if k[0] in groups and v > 0})
 
 
 class StepPlan:
