@@ -395,9 +395,19 @@ def _offsets_past_the_file(path: str) -> None:
 
 
 def _lags_not_counts(path: str) -> None:
+    _set_lags(path, {"ln_f.bias": "three"})
+
+
+def _lag_past_the_count(path: str) -> None:
+    _set_lags(path, {"ln_f.bias": 10**6})  # behind by more steps than were taken
+
+
+def _set_lags(path: str, lags: dict) -> None:
     index_path = Path(path, "index.json")
     index = json.loads(index_path.read_text())
-    index["optimizer"]["step_lags"] = [{"ln_f.bias": "three"}]
+    lags_per_group = [{} for _ in index["optimizer"]["param_groups"]]
+    lags_per_group[index["params"]["ln_f.bias"]["group"]] = lags
+    index["optimizer"]["step_lags"] = lags_per_group
     index_path.write_text(json.dumps(index))
 
 
@@ -407,7 +417,8 @@ def _lags_not_counts(path: str) -> None:
         (_flip_a_weight_byte, "fails its checksum"),
         (_truncate, "truncated"),
         (_offsets_past_the_file, "index does not match the files"),
-        (_lags_not_counts, "'step_lags' is not one"),
+        (_lags_not_counts, "'step_lags' gives 'ln_f.bias' a lag of 'three'"),
+        (_lag_past_the_count, r"a lag of 1000000 in param group \d, whose step count is 1"),
     ],
 )
 def test_a_refused_checkpoint_leaves_the_model_as_it_was(corrupt, problem, tmp_path):

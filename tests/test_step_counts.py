@@ -54,12 +54,22 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
-def _reference(world: int, steps: int = STEPS):
-    """torch's AdamW on one process: the weights after each step, and the optimizer's
-    state after `LAST_JOINS - 1` steps and after all."""
+def _halve(optimizer, args, kwargs) -> None:
+    """A step pre-hook that changes the gradients it is shown."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+def _reference(world: int, steps: int = STEPS, make_optimizer=None, hook=None):
+    """torch's AdamW (or `make_optimizer`'s) on one process: the weights after each step,
+    and the optimizer's state after `LAST_JOINS - 1` steps and after all."""
     torch.manual_seed(0)
     model = Stack()
-    optimizer = _adamw(model.parameters())
+    optimizer = (make_optimizer or _adamw)(model.parameters())
+    if hook is not None:
+        optimizer.register_step_pre_hook(hook)
     weights, states = [], {}
     for step in range(steps):
         for rank in range(world):
@@ -73,11 +83,14 @@ def _reference(world: int, steps: int = STEPS):
     return weights, states
 
 
-def _engine(stage: int, seed: int = 0, **config) -> ZeroEngine:
+def _engine(stage: int, seed: int = 0, make_optimizer=None, hook=None, **config) -> ZeroEngine:
     torch.manual_seed(seed)
     model = Stack()
+    optimizer = (make_optimizer or _adamw)(model.parameters())
+    if hook is not None:
+        optimizer.register_step_pre_hook(hook)
     config = ZeroConfig(stage, collective_timeout=30.0, **config)
-    return ZeroEngine(model, _adamw(model.parameters()), config)
+    return ZeroEngine(model, optimizer, config)
 
 
 def _one_step(engine: ZeroEngine, x: torch.Tensor, step: int) -> None:
@@ -95,12 +108,14 @@ def _closed(engine: ZeroEngine) -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, stage: int, steps: int = STEPS, **config):
     engine = _engine(stage, **config)
+    lags = engine.optim.step_lags
     weights, states = [], {}
     for step in range(steps):
         _one_step(engine, _batch(step, rank), step)
         weights.append({k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()})
         if step + 1 in (LAST_JOINS - 1, steps):
             states[step + 1] = engine.full_optimizer_state_dict(rank0_only=False)["state"]
+    states["lags"] = dict(lags.lags)
     engine.close()
     return weights, states
 
@@ -143,6 +158,7 @@ def test_each_parameter_steps_with_its_own_count(stage, offload, tmp_path):
                 )
         for at, want in states.items():
             _assert_states_equal(got_states[at], want)
+        assert got_states["lags"]  # the schedule leaves blocks behind
 
 
 def _resumed(rank: int, world: int, stage: int, path: str, save: bool) -> dict:
@@ -232,3 +248,86 @@ def test_each_ranks_own_optimizer_state_dict_keeps_the_counts(stage, tmp_path):
     for got in run_world(_own_state_dicts, 2, stage, str(tmp_path / "ckpt"), timeout=120):
         for key, value in weights[-1].items():
             torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_a_step_hook_changes_every_gradient_of_a_step_taken_by_parts():
+    """A step pre-hook sees and changes the gradients of the slices stepped by parts too
+    (it runs around the whole step, as with the state offloaded), as around torch's."""
+    weights, _ = _reference(2, hook=_halve)
+    for got_weights, _ in run_world(_train, 2, 2, hook=_halve, timeout=120):
+        for key, value in weights[-1].items():
+            torch.testing.assert_close(got_weights[-1][key], value, rtol=1e-6, atol=1e-7)
+
+
+def _nadam(params) -> torch.optim.NAdam:
+    return torch.optim.NAdam(params, lr=0.05)
+
+
+def _held_back_reference(make_optimizer, world: int = 2) -> list[dict[str, torch.Tensor]]:
+    """One process whose optimizer steps every parameter on every step (a zero gradient
+    where none came), then puts back the values and moments of those that got none:
+    counts and other scalars advance for all, as they do for a whole slice."""
+    torch.manual_seed(0)
+    model = Stack()
+    optimizer = make_optimizer(model.parameters())
+    weights = []
+    for step in range(STEPS):
+        for rank in range(world):
+            (model(_batch(step, rank), _dropped(step)) / world).backward()
+        skipped = [p for p in model.parameters() if p.grad is None]
+        kept = [(p, p.detach().clone(), _moments(optimizer, p)) for p in skipped]
+        for p in skipped:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p, value, moments in kept:
+                p.copy_(value)
+                for key, before in moments.items():
+                    optimizer.state[p][key].copy_(before)
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return weights
+
+
+def _moments(optimizer, p) -> dict[str, torch.Tensor]:
+    """A parameter's state tensors shaped as it: zeros before its first step makes them."""
+    if p not in optimizer.state:
+        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    state = optimizer.state[p]
+    return {k: v.clone() for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_with_another_per_parameter_scalar_steps_by_slices(stage):
+    """NAdam keeps `mu_product` beside its count: the slice's, which stepping by parts
+    would multiply once per part. Such an optimizer steps whole slices and keeps no lags
+    (the documented limit): a parameter with no gradient is put back, and its count and
+    `mu_product` advance with its slice's, step by step as in a process that does so."""
+    weights = _held_back_reference(_nadam)
+    for got_weights, got_states in run_world(_train, 2, stage, make_optimizer=_nadam):
+        assert got_states["lags"] == {}
+        for step, (got, want) in enumerate(zip(got_weights, weights)):
+            for key, value in want.items():
+                torch.testing.assert_close(
+                    got[key], value, rtol=1e-6, atol=1e-7, msg=f"step {step} {key}"
+                )
+
+
+def _edited_mark(rank: int, world: int) -> str:
+    engine = _engine(2)
+    for step in range(2):
+        _one_step(engine, _batch(step, rank), step)
+    state_dict = engine.optimizer.state_dict()
+    state_dict["zero_strategy_shards"]["step_lags"] = [[7, 0, 0, 1]]  # no such group
+    try:
+        engine.optimizer.load_state_dict(state_dict)
+    except ValueError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return "loaded"
+
+
+def test_a_state_dict_whose_lags_were_edited_is_refused_before_the_load():
+    (message,) = run_world(_edited_mark, 1)
+    assert "'step_lags' is not a list of [param group, unit, slot, lag]" in message

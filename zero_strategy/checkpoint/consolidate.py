@@ -37,6 +37,7 @@ from ..private_api import fake_tensor_mode
 from .one_file import ENGINE_KEY, MODEL_AT
 from .read import CheckpointReader
 from .state_keys import keys_of_group
+from .step_lags_index import checked_step_lags
 from .torch_archive import (
     Record,
     patch_crcs,
@@ -150,7 +151,7 @@ def optimizer_states(index: dict[str, Any], elementwise: dict[str, dict[str, Any
     (Adam's step) is its group's, less the steps the parameter missed (`step_lags`): a
     parameter that never took one has no entry, as in torch."""
     opt = index["optimizer"]
-    lags = opt.get("step_lags") or [{} for _ in opt["param_groups"]]
+    lags = checked_step_lags(opt)
     names = _group_names(index)
     counts = opt.get("groups_per_optimizer") or [len(opt["param_groups"])]
     out, first = [], 0

@@ -26,6 +26,7 @@ from .one_file import OneFileReader
 from .read import CheckpointReader, client_state_in
 from .safe_load import CheckpointError
 from .state_keys import keys_of_group
+from .step_lags_index import checked_step_lags
 
 Reader = CheckpointReader | OneFileReader
 
@@ -147,21 +148,7 @@ def _check_optimizer_groups(state: ShardedState, opt_index: dict[str, Any]) -> N
             f"{mine}; build the optimizer with the same groups to resume, or pass "
             "load_optimizer_states=False to load the parameters alone."
         )
-    lags = opt_index.get("step_lags") or [{} for _ in range(mine)]
-    if (
-        not isinstance(lags, list)
-        or len(lags) != mine
-        or not all(isinstance(g, dict) for g in lags)
-        or not all(
-            isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            for g in lags
-            for n, v in g.items()
-        )
-    ):
-        raise CheckpointError(
-            "The checkpoint's optimizer 'step_lags' is not one {parameter name: steps "
-            f"behind}} per param group ({mine} groups): the index is corrupt. {RESTORE}"
-        )
+    checked_step_lags(opt_index)
     for group in opt_index["scalar_state"]:
         for key, spec in group.items():
             dtype = spec.get("dtype")
@@ -210,7 +197,7 @@ def _load_optimizer_state(state: ShardedState, reader: Reader) -> None:
                 buf[at : at + hi - lo].copy_(values)
             entry[key] = buf
         store.put(view, entry)
-    state.step_lags.load(opt_index.get("step_lags") or [], slots_by_name(state))
+    state.step_lags.load(checked_step_lags(opt_index), slots_by_name(state))
 
 
 def _check_same_model(state: ShardedState, index: dict[str, Any]) -> None:

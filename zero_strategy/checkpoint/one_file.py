@@ -91,7 +91,7 @@ class OneFileReader:
         self._weights: dict[str, torch.Tensor] = self.checkpoint[model_key]
         self._state: dict[str, dict[str, torch.Tensor]] = {}  # name -> key -> tensor
         # Parameters of a stepped group that have taken no step (torch keeps no state
-        # for them): their state keys, read as zeros.
+        # for them): that group's stored state keys, read as zeros.
         self._unstepped: dict[str, set[str]] = {}
         # Why the optimizer state cannot be resumed (raised only by a load that asks for
         # it: the weights alone still load).
@@ -180,8 +180,8 @@ class OneFileReader:
     def _lags(
         self, named: list[str], counts: dict[str, float], stored_keys: set[str]
     ) -> dict[str, int]:
-        """One group's parameters behind its largest count; those with no state (none
-        taken) read their `stored_keys` as zeros."""
+        """One group's parameters behind its largest count; and those with no state in
+        it (none taken) noted to read the group's `stored_keys` as zeros."""
         if not counts:
             return {}
         top = max(counts.values())
@@ -190,8 +190,8 @@ class OneFileReader:
             lag = int(top - counts.get(name, 0))
             if lag > 0:
                 lags[name] = lag
-            if name not in counts and name not in self._state:
-                self._unstepped[name] = set(stored_keys)
+            if name not in counts:
+                self._unstepped.setdefault(name, set()).update(stored_keys)
         return lags
 
     def _named(self, positions: list[Any], g: int) -> list[str]:
@@ -225,6 +225,10 @@ class OneFileReader:
         key = prefix.removesuffix("/")
         return key in self._state.get(name, {}) or key in self._unstepped.get(name, ())
 
+    def _reads_zeros(self, name: str, prefix: str) -> bool:
+        key = prefix.removesuffix("/")
+        return key not in self._state.get(name, {}) and key in self._unstepped.get(name, ())
+
     def read(
         self,
         name: str,
@@ -237,7 +241,7 @@ class OneFileReader:
     ) -> torch.Tensor:
         """Elements [lo, hi) of `name` (or its `prefix` state) in the stored coordinates
         of `layout`: a tensor-parallel block is cut out of the whole tensor first."""
-        if prefix and name in self._unstepped:  # no step taken: no state, zeros
+        if prefix and self._reads_zeros(name, prefix):  # no step taken: no state, zeros
             zeros = torch.zeros(hi - lo, dtype=dtype)
             return zeros if out is None else out.copy_(zeros)
         tensor, at = self._tensor(name, prefix), 0

@@ -18,25 +18,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from ..units.no_gradient import got_no_gradient
-from ..units.optimizer_view import OptimizerView
+from ..units.optimizer_view import OptimizerView, slot_parts
 
 Ranges = list[tuple[int, int]]  # [start, end) within one view
-
-
-def slot_parts(view: OptimizerView) -> list[tuple[int, int, int]]:
-    """(slot index, start, end) of each trainable model parameter in `view`, the range
-    relative to the view: the pieces that are held back, or lag (`step_lag`)."""
-    unit = view.unit
-    parts = []
-    for index, slot in enumerate(unit.layout.slots):
-        if not slot.trainable:
-            continue
-        mine_lo, mine_hi = unit.mine_of(slot)
-        lo = max(mine_lo - unit.opt_start, view.lo)
-        hi = min(mine_hi - unit.opt_start, view.hi)
-        if lo < hi:
-            parts.append((index, lo - view.lo, hi - view.lo))
-    return parts
 
 
 def no_gradient_parts(views: Sequence[OptimizerView], resident: bool = False) -> dict[int, Ranges]:

@@ -290,6 +290,14 @@ class ShardedOptimizer:
         written = [True]  # whether every update also wrote the compute copies
         chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
         stepped = chosen_groups - self._gradless
+        chosen_views = [v for v in self.views if v.group_index in chosen_groups]
+        # The user's step hooks run around the whole step, with every gradient shown,
+        # where the optimizer's own step does not see every slice: one taken in tiles,
+        # or one with slices stepped by parts after it.
+        by_parts = self.step_lags.plan(
+            chosen_views, self._held_back, self.optimizer_set.state, stepped
+        ).by_parts
+        hooks_outside = self.stepped_in_parts or bool(by_parts)
 
         def step_tile(tile: list[OptimizerView]) -> None:
             held = self._held_back
@@ -299,9 +307,16 @@ class ShardedOptimizer:
             # Slices holding a parameter with no gradient, or one behind its group's
             # count, are stepped by parts after the optimizer's own step (`step_lag`).
             plan = self.step_lags.plan(tile, held, state, stepped)
-            with held_back(tile, plan.held_for_whole_steps(), state), plan.counted(state):
-                written[0] &= self._step_optimizers(chosen, tile, plan.apart)
-            plan.finish(state, self.optimizer_set.owner_of)
+            with (
+                held_back(tile, plan.held_for_whole_steps(), state),
+                plan.missed_by_first_steps(state),
+            ):
+                written[0] &= self._step_optimizers(chosen, tile, plan.apart, hooks_outside)
+            self.inside_step = True  # (a step() of a parent class the optimizer calls)
+            try:
+                plan.finish(state, self.optimizer_set.owner_of)
+            finally:
+                self.inside_step = False
             if self.config.ema_decay:
                 self.ema.update(self.config.ema_decay, groups, tile)
             if self.masters_offloaded:  # while the masters are in memory
@@ -310,12 +325,10 @@ class ShardedOptimizer:
 
         # Views of `_gradless` groups go through the tiles too (the EMA follows every
         # step): their `.grad` is None (`expose_grads`), so the optimizer skips them.
-        self._run_user_hooks(chosen, before=True)
-        self.apply(
-            [v for v in self.views if v.group_index in chosen_groups], step_tile, needs_grads=True
-        )
+        self._run_user_hooks(chosen, before=True, outside=hooks_outside)
+        self.apply(chosen_views, step_tile, needs_grads=True)
         self.expose_grads()
-        self._run_user_hooks(chosen, before=False)
+        self._run_user_hooks(chosen, before=False, outside=hooks_outside)
         for k in chosen:  # an LR scheduler built on a ZeroRedundancyOptimizer watches it
             if (wrapper := self.optimizer_set.wrapper_of(k)) is not None:
                 private_api.mark_stepped(wrapper)
@@ -324,18 +337,19 @@ class ShardedOptimizer:
         self._norms.clear()
         return True, written[0] or self.masters_offloaded
 
-    def _run_user_hooks(self, chosen: list[int], before: bool) -> None:
-        """With the state offloaded, each optimizer's step runs in tiles: the user's step
-        hooks run here instead, once, with every gradient in place, as around one
-        `optimizer.step()` (torch's order: global then own pre-hooks, own then global
-        post-hooks). A ZeroRedundancyOptimizer's own hooks always run here: the optimizer
-        stepping for it has none."""
+    def _run_user_hooks(self, chosen: list[int], before: bool, outside: bool) -> None:
+        """With the state offloaded, each optimizer's step runs in tiles, and a step with
+        slices stepped by parts (`step_lag`) runs after the optimizer's own (`outside`):
+        the user's step hooks run here instead, once, with every gradient in place, as
+        around one `optimizer.step()` (torch's order: global then own pre-hooks, own then
+        global post-hooks). A ZeroRedundancyOptimizer's own hooks always run here: the
+        optimizer stepping for it has none."""
         hooks = []
         for k in chosen:
             facing = self.optimizer_set.facing[k]
-            if self.stepped_in_parts or self.optimizer_set.wrapper_of(k) is not None:
+            if outside or self.optimizer_set.wrapper_of(k) is not None:
                 # Whole steps: `optimizer.step()` of the stepping one runs the global hooks.
-                every = self.stepped_in_parts
+                every = outside
                 found = user_step_hooks(facing, self.guards[k].id, with_global=every)
                 hooks += [(facing, hook) for hook in found[0 if before else 1]]
         if not hooks:
@@ -404,13 +418,18 @@ class ShardedOptimizer:
             self.state_store.apply(views, run)
 
     def _step_optimizers(
-        self, chosen: list[int], tile: list[OptimizerView], apart: set[int]
+        self,
+        chosen: list[int],
+        tile: list[OptimizerView],
+        apart: set[int],
+        hooks_outside: bool,
     ) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
         the state offloaded one tile at a time, the other views' gradients hidden so that
-        the optimizer skips them, and no hook (`_run_user_hooks` runs those). The views
-        `apart` (by id) are skipped too: they are stepped by parts. Returns whether every
-        update also wrote the compute copies (the fused kernel)."""
+        the optimizer skips them. The views `apart` (by id) are skipped too: they are
+        stepped by parts. With `hooks_outside`, no hook runs (`_run_user_hooks` runs
+        those). Returns whether every update also wrote the compute copies (the fused
+        kernel)."""
         partial = self.stepped_in_parts
         copies_written = True
         for k in chosen:
@@ -439,7 +458,7 @@ class ShardedOptimizer:
                 view.param.grad = None
             self.inside_step, self._in_tile = True, partial
             try:
-                if partial:
+                if hooks_outside:
                     private_api.step_without_hooks(opt)
                 else:
                     opt.step()

@@ -50,7 +50,7 @@ def guard_state_dicts(
     loaded_lags: list[list[int]] = []  # between the load's pre-hook and its post-hook
 
     def add_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        lags = [[*key, lag] for key, lag in sorted(step_lags.lags.items()) if key[0] in groups]
+        lags = [[*key, lag] for key, lag in sorted(step_lags.of_groups(groups).items())]
         state_dict[MARK] = {**mark, "ranges": [list(r) for r in ranges], LAGS: lags}
 
     def check_mark(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +67,13 @@ def guard_state_dicts(
             )
         found = dict(found)
         lags = found.pop(LAGS, [])  # (a state dict saved before lags were kept: none)
+        if not _lags_fit(lags, groups):
+            raise ValueError(
+                f"optimizer.load_state_dict() got a mark whose {LAGS!r} is not a list of "
+                "[param group, unit, slot, lag] of this optimizer's groups: the state dict "
+                "was changed since this engine saved it. Save it again, or resume with "
+                "engine.load_checkpoint()."
+            )
         if found != mark:
             raise ValueError(
                 f"optimizer.load_state_dict() got the shards rank {found['rank']} of "
@@ -89,3 +96,17 @@ def guard_state_dicts(
         optimizer.register_load_state_dict_pre_hook(check_mark),
         optimizer.register_load_state_dict_post_hook(put_lags),
     ]
+
+
+def _lags_fit(lags: Any, groups: set[int]) -> bool:
+    """Whether a mark's lags are [param group, unit, slot, lag] entries of `groups`."""
+    if not isinstance(lags, list):
+        return False
+    for entry in lags:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+            return False
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry):
+            return False
+        if entry[0] not in groups:
+            return False
+    return True

@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from .. import private_api
-from ..units.optimizer_view import OptimizerView
-from .held_back import slot_parts
+from ..units.optimizer_view import OptimizerView, slot_parts
 
 # (param group, unit index, slot index): one model parameter as one group steps it.
 SlotKey = tuple[int, int, int]
-Ranges = Mapping[int, list[tuple[int, int]]]  # per view (by id): [start, end) within it
+# Per view (by id): the [start, end) ranges within it that got no gradient.
+HeldRanges = Mapping[int, list[tuple[int, int]]]
 # A param group's optimizer and the group's dict in it.
 GroupOwner = Callable[[int], tuple[torch.optim.Optimizer, dict[str, Any]]]
 
@@ -56,6 +56,17 @@ def _shaped(state: Mapping[str, Any], param: torch.Tensor) -> dict[str, torch.Te
     }
 
 
+def counts_alone(state: Mapping[str, Any] | None, param: torch.Tensor) -> bool:
+    """Whether a parameter's state is elementwise tensors and a step count, nothing else:
+    Adam's, AdamW's, RAdam's, Adamax's, Adagrad's... Another scalar that changes with
+    each step (NAdam's `mu_product`, ASGD's `eta`) would be the slice's, not each
+    parameter's: such an optimizer is stepped by slices, with no lags kept."""
+    if not state or COUNT not in state:
+        return False
+    shaped = _shaped(state, param)
+    return all(key == COUNT or key in shaped for key in state)
+
+
 class StepLags:
     """How many of its group's steps each model parameter has missed (only those behind)."""
 
@@ -63,7 +74,7 @@ class StepLags:
         self.lags: dict[SlotKey, int] = {}
 
     def plan(
-        self, views: Sequence[OptimizerView], held: Ranges, state: Mapping, stepped: set[int]
+        self, views: Sequence[OptimizerView], held: HeldRanges, state: Mapping, stepped: set[int]
     ) -> StepPlan:
         """How a step treats `views`, whose `held` ranges got no gradient, the views of
         the param groups in `stepped` being stepped: which are stepped by parts."""
@@ -85,15 +96,26 @@ class StepLags:
             if all(lag == 0 for *_, lag in parts):
                 continue
             own = state.get(view.param)
-            if own is None or COUNT not in own:  # its first step, or no count to keep
+            if own is None:  # its first step makes its state: whole, the held put back
                 plan.whole.append((view, [k for k, *_, lag in parts if lag is None]))
-            else:
+            elif counts_alone(own, view.param):
                 plan.by_parts.append((view, parts))
+            for *_, lag in parts:  # (a lag larger than the count: a bad load)
+                if lag and own is not None and lag > _count(own):
+                    raise RuntimeError(
+                        f"A parameter's step count would be negative: it is {lag} steps "
+                        f"behind a count of {_count(own):g}. The lags loaded with the "
+                        "optimizer's state do not fit it; load a checkpoint the engine saved."
+                    )
         return plan
 
     def fell_behind(self, keys: Sequence[SlotKey]) -> None:
         for key in keys:
             self.lags[key] = self.lags.get(key, 0) + 1
+
+    def of_groups(self, groups: set[int]) -> dict[SlotKey, int]:
+        """The lags of `groups`' parameters (one optimizer's)."""
+        return {key: lag for key, lag in self.lags.items() if key[0] in groups}
 
     # ---------------------------------------------------------------- checkpoints
     def by_name(self, name_of: Callable[[int, int], str], groups: int) -> list[dict[str, int]]:
@@ -126,7 +148,7 @@ class StepPlan:
     of the optimizer's own step and stepped by `finish`; `whole` (no state yet) are
     stepped whole, their `held` ranges put back (`held_back`)."""
 
-    def __init__(self, lags: StepLags, held: Ranges) -> None:
+    def __init__(self, lags: StepLags, held: HeldRanges) -> None:
         self._lags = lags
         self._held = held
         self.by_parts: list[tuple[OptimizerView, list[tuple[SlotKey, int, int, int | None]]]] = []
@@ -137,19 +159,20 @@ class StepPlan:
         """The views (by id) the optimizer's own step must skip (their `.grad` hidden)."""
         return {id(view) for view, _ in self.by_parts}
 
-    def held_for_whole_steps(self) -> Ranges:
+    def held_for_whole_steps(self) -> HeldRanges:
         """The ranges to put back after the optimizer's own step: those of the views it
         steps (the views stepped by parts skip theirs)."""
         apart = self.apart
         return {k: v for k, v in self._held.items() if k not in apart}
 
     @contextlib.contextmanager
-    def counted(self, state: Mapping) -> Iterator[None]:
+    def missed_by_first_steps(self, state: Mapping) -> Iterator[None]:
         """Around the optimizer's own step: a view stepped whole for the first time
-        leaves its parameters with no gradient one step behind, if it made a count."""
+        leaves its parameters with no gradient one step behind, if the state it made
+        counts steps per parameter (`counts_alone`)."""
         yield
         for view, missed in self.whole:
-            if COUNT in (state.get(view.param) or {}):
+            if counts_alone(state.get(view.param), view.param):
                 self._lags.fell_behind(missed)
 
     def finish(self, state: Mapping, owner: GroupOwner) -> None:
@@ -158,7 +181,7 @@ class StepPlan:
         subs: dict[int, list[tuple[nn.Parameter, dict[str, Any]]]] = {}
         counts = []
         for view, parts in self.by_parts:
-            own = state[view.param]
+            own = state.get(view.param)
             count = _count(own)
             shaped = _shaped(own, view.param)
             for lo, hi, lag in _runs(parts):

@@ -32,3 +32,20 @@ class OptimizerView:
     group_index: int
     grad: torch.Tensor | None = None
     alias_of: int | None = None
+
+
+def slot_parts(view: OptimizerView) -> list[tuple[int, int, int]]:
+    """(slot index, start, end) of each trainable model parameter in `view`, the range
+    relative to the view: the pieces the optimizer holds back (no gradient) or steps
+    with their own counts (`optim/step_lag`)."""
+    unit = view.unit
+    parts = []
+    for index, slot in enumerate(unit.layout.slots):
+        if not slot.trainable:
+            continue
+        mine_lo, mine_hi = unit.mine_of(slot)
+        lo = max(mine_lo - unit.opt_start, view.lo)
+        hi = min(mine_hi - unit.opt_start, view.hi)
+        if lo < hi:
+            parts.append((index, lo - view.lo, hi - view.lo))
+    return parts
