@@ -291,22 +291,27 @@ class ShardedOptimizer:
         chosen_groups = {gi for k in chosen for gi in self.optimizer_set.groups_of(k)}
         stepped = chosen_groups - self._gradless
         chosen_views = [v for v in self.views if v.group_index in chosen_groups]
-        # The user's step hooks run around the whole step, with every gradient shown,
-        # where the optimizer's own step does not see every slice: one taken in tiles,
-        # or one with slices stepped by parts after it.
-        by_parts = self.step_lags.plan(
-            chosen_views, self._held_back, self.optimizer_set.state, stepped
-        ).by_parts
-        hooks_outside = self.stepped_in_parts or bool(by_parts)
+        state = self.optimizer_set.state
+        # A step in one tile (state and shards in memory) is planned here: the user's
+        # step hooks run around the whole step, with every gradient shown, where the
+        # optimizer's own step does not see every slice: one taken in tiles, or one
+        # with slices stepped by parts after it.
+        one_tile = None
+        if not self.stepped_in_parts:
+            one_tile = self.step_lags.plan(chosen_views, self._held_back, state, stepped)
+        hooks_outside = one_tile is None or bool(one_tile.by_parts)
 
         def step_tile(tile: list[OptimizerView]) -> None:
             held = self._held_back
             if self._grads is not None:  # offloaded gradient shards, in memory now
                 held = {**held, **no_gradient_parts(tile, resident=True)}
-            state = self.optimizer_set.state
             # Slices holding a parameter with no gradient, or one behind its group's
             # count, are stepped by parts after the optimizer's own step (`step_lag`).
-            plan = self.step_lags.plan(tile, held, state, stepped)
+            same = [id(v) for v in tile] == [id(v) for v in chosen_views]
+            if one_tile is not None and held is self._held_back and same:
+                plan = one_tile  # (planned above, with the same views and marks)
+            else:
+                plan = self.step_lags.plan(tile, held, state, stepped)
             with (
                 held_back(tile, plan.held_for_whole_steps(), state),
                 plan.missed_by_first_steps(state),

@@ -98,15 +98,16 @@ class StepLags:
             own = state.get(view.param)
             if own is None:  # its first step makes its state: whole, the held put back
                 plan.whole.append((view, [k for k, *_, lag in parts if lag is None]))
-            elif counts_alone(own, view.param):
+                continue
+            behind = max((lag for *_, lag in parts if lag), default=0)
+            if behind > (count := _count(own)):  # the lags loaded do not fit the state
+                raise RuntimeError(
+                    f"A parameter's step count would be negative: it is {behind} steps "
+                    f"behind a count of {count:g}. The lags loaded with the optimizer's "
+                    "state do not fit it; load a checkpoint the engine saved."
+                )
+            if counts_alone(own, view.param):
                 plan.by_parts.append((view, parts))
-            for *_, lag in parts:  # (a lag larger than the count: a bad load)
-                if lag and own is not None and lag > _count(own):
-                    raise RuntimeError(
-                        f"A parameter's step count would be negative: it is {lag} steps "
-                        f"behind a count of {_count(own):g}. The lags loaded with the "
-                        "optimizer's state do not fit it; load a checkpoint the engine saved."
-                    )
         return plan
 
     def fell_behind(self, keys: Sequence[SlotKey]) -> None:
