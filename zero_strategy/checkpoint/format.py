@@ -92,26 +92,29 @@ class LoadedCheckpoint:
 
 
 # ============================================================================ saving
+def _stored_names(state: ShardedState) -> dict[tuple[int, int], str]:
+    """The stored name of each of this rank's parameters, by (unit index, slot index)."""
+    return {
+        (unit.layout.index, index): state.stored(unit, slot.name, slot.shape).name
+        for unit in state.units
+        for index, slot in enumerate(unit.layout.slots)
+    }
+
+
 def step_lags_by_name(state: ShardedState) -> list[dict[str, int]]:
     """Per param group, {stored name: lag} of this rank's parameters behind their
     group's step count."""
-    units = {unit.layout.index: unit for unit in state.units}
-
-    def name_of(unit_index: int, slot_index: int) -> str:
-        unit = units[unit_index]
-        slot = unit.layout.slots[slot_index]
-        return state.stored(unit, slot.name, slot.shape).name
-
-    return state.step_lags.by_name(name_of, len(state.optimizer.param_groups))
+    names = _stored_names(state)
+    return state.step_lags.by_name(
+        lambda unit, slot: names[unit, slot], len(state.optimizer.param_groups)
+    )
 
 
 def slots_by_name(state: ShardedState) -> dict[str, list[tuple[int, int]]]:
     """Each stored name of this rank's parameters: its (unit index, slot index)."""
     out: dict[str, list[tuple[int, int]]] = {}
-    for unit in state.units:
-        for index, slot in enumerate(unit.layout.slots):
-            name = state.stored(unit, slot.name, slot.shape).name
-            out.setdefault(name, []).append((unit.layout.index, index))
+    for key, name in _stored_names(state).items():
+        out.setdefault(name, []).append(key)
     return out
 
 
