@@ -1,11 +1,14 @@
 """Every architecture of the installed transformers that a task's auto mapping names,
 chosen by rule: the causal-LM, sequence-to-sequence, masked-LM, image-classification,
-audio-classification and CTC mappings (trained), and the image-text-to-text one (loaded
-only). Each is built tiny (`tiny_configs.py`) and fed by rule (`_candidate_shapes`: token
-ids, an image, a waveform or a spectrogram, whichever its main input takes). On 2 ranks
-at stage 3: it trains as under torch's DDP to the bit (with its LayerDrop, where it has
-one, at 0.5), with Transformers' gradient checkpointing too; it loads `save_pretrained`'s weights by shards as `from_pretrained`
-does; with experts, it trains expert-parallel as under DDP, or is refused by name.
+audio-classification, CTC and image-text-to-text mappings. Each is built tiny
+(`tiny_configs.py`) and fed by rule (`_candidate_shapes`: token ids, an image, a waveform
+or a spectrogram, whichever its main input takes; a vision-language model, images and
+their placeholders, `vision_language_inputs.py`). On 2 ranks at stage 3: it trains as
+under torch's DDP to the bit (with its LayerDrop, where it has one, at 0.5), with
+Transformers' gradient checkpointing too; a vision-language model does so while one rank,
+then both, see no image; it loads `save_pretrained`'s weights by shards as
+`from_pretrained` does; with experts, it trains expert-parallel as under DDP, or is
+refused by name.
 
 An architecture that cannot be built tiny, that takes none of the inputs the rule makes,
 or that DDP itself cannot train so, is skipped with the reason: not a finding about this
@@ -20,9 +23,10 @@ import io
 import pytest
 import torch
 from test_pretrained_doors import load_by_shards, saved_tiny
+from vision_language_inputs import VisionLanguageInputs
 
 from distributed import run_world
-from tiny_configs import tiny_model
+from tiny_configs import setting, tiny_model
 from training import step_and_state
 from zero_strategy import ZeroConfig, ZeroEngine
 
@@ -40,14 +44,11 @@ FAMILIES = {
     "AutoModelForCTC": modeling_auto.MODEL_FOR_CTC_MAPPING_NAMES,
 }
 CASES = [(family, name) for family, names in FAMILIES.items() for name in sorted(names)]
-# Families whose pretrained weights the sweep loads by shards, without training them (a
-# vision-language model's inputs are its processor's): these and those above.
-LOAD_ONLY = {
-    "AutoModelForImageTextToText": modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-}
-LOAD_CASES = CASES + [
-    (family, name) for family, names in LOAD_ONLY.items() for name in sorted(names)
-]
+# Vision-language models: trained with inputs of their own (`vision_language_inputs.py`).
+VISION_LANGUAGE = "AutoModelForImageTextToText"
+VISION_LANGUAGE_CASES = sorted(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+# Families whose pretrained weights the sweep loads by shards: all of them.
+LOAD_CASES = CASES + [(VISION_LANGUAGE, name) for name in VISION_LANGUAGE_CASES]
 # Families whose labels are one class a sample, and CTC's (a short transcript a sample).
 ONE_LABEL = ("AutoModelForImageClassification", "AutoModelForAudioClassification")
 
@@ -180,17 +181,6 @@ def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_t
         )
 
 
-def _setting(config, name: str):
-    """`name` of the config, or of the first of its sub-configs (a tower) that has it."""
-    if getattr(config, name, None) is not None:
-        return getattr(config, name)
-    for key in getattr(config, "sub_configs", {}) or {}:
-        found = _setting(getattr(config, key, None), name)
-        if found is not None:
-            return found
-    return None
-
-
 def _candidate_shapes(model) -> list[tuple[int, ...]]:
     """Shapes of the whole batch's main input (`model.main_input_name`) to try, in order:
     token ids; an image at the config's size; a waveform; a spectrogram, frames first or
@@ -199,11 +189,11 @@ def _candidate_shapes(model) -> list[tuple[int, ...]]:
     if name == "input_ids":
         return [(BATCH, SEQ)]
     if name == "pixel_values":
-        size = _setting(config, "image_size") or 64  # a convolutional network's: any
+        size = setting(config, "image_size") or 64  # a convolutional network's: any
         height, width = (size, size) if isinstance(size, int) else tuple(size)
-        return [(BATCH, _setting(config, "num_channels") or 3, height, width)]
-    bins = _setting(config, "num_mel_bins") or _setting(config, "feature_size") or 80
-    frames = 2 * (_setting(config, "max_source_positions") or 32)
+        return [(BATCH, setting(config, "num_channels") or 3, height, width)]
+    bins = setting(config, "num_mel_bins") or setting(config, "feature_size") or 80
+    frames = 2 * (setting(config, "max_source_positions") or 32)
     spectrograms = [(BATCH, frames, bins), (BATCH, bins, frames)]
     return [(BATCH, 4000), *spectrograms] if name == "input_values" else spectrograms
 
@@ -239,7 +229,7 @@ def _batch(model, family: str, shape, step: int) -> dict[str, torch.Tensor]:
     if family in ONE_LABEL:
         labels = torch.randint(0, model.config.num_labels, (BATCH,), generator=g)
     elif family == "AutoModelForCTC":  # a short transcript, no blank (id 0)
-        labels = torch.randint(1, _setting(model.config, "vocab_size"), (BATCH, 4), generator=g)
+        labels = torch.randint(1, setting(model.config, "vocab_size"), (BATCH, 4), generator=g)
     else:
         labels = main
     return {model.main_input_name: main, "labels": labels}
@@ -286,3 +276,76 @@ def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, 
     )
     assert status == "ok", payload[:3000]
     _assert_holds_exactly(_loaded(payload), want, "from_pretrained's")
+
+
+# Which ranks see an image, step by step: both; rank 0 alone (rank 1's vision tower sits
+# idle, the path on which ZeRO-3 elsewhere hangs); neither (no gradient for the tower).
+IMAGES_BY_STEP = ((True, True), (True, False), (False, False))
+
+
+def _train_vision_language(rank, world, model_type, stage, images_by_step, checkpointing=False):
+    model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    inputs = VisionLanguageInputs(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if stage == "ddp":
+        runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    else:
+        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+    model.train()
+    losses = []
+    for step, images in enumerate(images_by_step):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        batch = inputs.collate([inputs.sample(g, images[rank]) for _ in range(BATCH // world)])
+        loss = runner(**batch).loss
+        step_and_state(runner, opt, loss)
+        losses.append(loss.item())
+    return losses, step_and_state(runner, opt, finish=True)
+
+
+@functools.cache
+def _vision_language_ddp(model_type: str, checkpointing: bool):
+    """DDP's (losses, state) and the images it trained with: `IMAGES_BY_STEP`, or an
+    image on every rank at every step where the model cannot take a text-only batch.
+    Skips where DDP cannot train it at all."""
+    for images in dict.fromkeys((IMAGES_BY_STEP, ((True, True),) * len(IMAGES_BY_STEP))):
+        ddp = run_world(
+            _train_vision_language, 2, model_type, "ddp", images, checkpointing, expect_errors=True
+        )
+        if all(status == "ok" for status, _ in ddp):
+            return _loaded(ddp[0][1]), images
+    reason = next(payload for status, payload in ddp if status != "ok")
+    pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
+
+
+def _vision_language_or_skip(model_type: str) -> torch.nn.Module:
+    """The tiny vision-language model, or a skip that says why the rule cannot build it
+    or feed it."""
+    try:
+        model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    try:
+        VisionLanguageInputs(model)
+    except ValueError as e:
+        pytest.skip(f"{model_type}: not fed by the rule: {e}")
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize("model_type", VISION_LANGUAGE_CASES)
+def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, checkpointing):
+    """Images on both ranks, then on one, then on neither: at stage 3 each step equals
+    DDP's to the bit (losses, and every tensor of the full state), with Transformers'
+    gradient checkpointing too. The rank without an image never runs the vision tower,
+    so the ranks' forwards differ; where the model cannot take a text-only batch, both
+    see images on every step."""
+    model = _vision_language_or_skip(model_type)
+    if checkpointing and not model.supports_gradient_checkpointing:
+        pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")
+    (ddp_losses, ddp_state), images = _vision_language_ddp(model_type, checkpointing)
+    runs = run_world(_train_vision_language, 2, model_type, 3, images, checkpointing)
+    losses, state = runs[0]
+    assert losses == ddp_losses, (losses, ddp_losses)
+    _assert_holds_exactly(state, ddp_state, "DDP's")

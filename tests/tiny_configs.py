@@ -98,6 +98,7 @@ SMALL: dict[str, Any] = {
     "text_hidden_size": 64,
     "max_source_positions": 32,
     "max_length": 64,
+    "mm_tokens_per_image": 4,  # Gemma 3's image: 2x2 pooled features
 }
 # Per-stage lists of the vision and speech families (a convolutional network's stages,
 # a hierarchical transformer's): one block a stage, each width about an eighth, a
@@ -210,18 +211,53 @@ def _stages(values: dict[str, Any]) -> None:
 
 
 def _token_ids(values: dict[str, Any]) -> None:
-    """Special token ids inside the small vocabulary."""
+    """Special token ids inside the small vocabulary (a composite model's is its text
+    tower's): padding, start and end at 0, 1 and 2, each other one (an image's or a
+    video's placeholder) at an id of its own from the top down, so that two that were
+    distinct stay so, and two that were one (an id and its alias) stay one."""
     vocab = values.get("vocab_size")
+    if not isinstance(vocab, int):
+        vocab = (values.get("text_config") or {}).get("vocab_size")
     if not isinstance(vocab, int):
         return
     small = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    moved: dict[int, int] = {}
+
+    def inside(key: str, value: int) -> int:
+        if value < vocab:
+            return value
+        if key in small:
+            return small[key]
+        return moved.setdefault(value, vocab - 1 - len(moved))
+
     for key, value in list(values.items()):
-        if not key.endswith("token_id"):
+        if not key.endswith(("token_id", "token_index")):
             continue
-        if isinstance(value, int) and value >= vocab:
-            values[key] = small.get(key, 3)
+        if isinstance(value, int) and not isinstance(value, bool):
+            values[key] = inside(key, value)
         elif isinstance(value, list):
-            values[key] = [v for v in value if v < vocab] or [small.get(key, 3)]
+            values[key] = [inside(key, v) for v in value if isinstance(v, int)] or [
+                small.get(key, 3)
+            ]
+
+
+def _rotary_sections(config, values: dict[str, Any]) -> None:
+    """Multimodal rotary sections (Qwen-VL's time, height and width) sized to the small
+    head's rotary half (of its rotary part, where only part of it turns): an old one in its proportions; where a config that takes them
+    (`ignore_keys_at_rope_validation` names them) has none, the model's own default
+    would be the large head's, so the rule sets three near-equal ones."""
+    rope, head = values.get("rope_parameters"), values.get("head_dim")
+    if not isinstance(head, int) and isinstance(values.get("hidden_size"), int):
+        head = values["hidden_size"] // (values.get("num_attention_heads") or 1)
+    takes = "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", ()) or ())
+    if not isinstance(rope, dict) or not head or not (takes or "mrope_section" in rope):
+        return
+    partial = rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1.0
+    half = int(head * partial) // 2
+    old = rope.get("mrope_section") if _int_list(rope.get("mrope_section")) else [1, 1, 1]
+    new = [max(1, s * half // sum(old)) for s in old]
+    new[0] += half - sum(new)
+    values["rope_parameters"] = {**rope, "mrope_section": new}
 
 
 def shrink(config, layerdrop: float = 0.0, **extra: Any):
@@ -239,7 +275,19 @@ def shrink(config, layerdrop: float = 0.0, **extra: Any):
     _per_layer(values, before, _layers(values))
     _stages(values)
     _token_ids(values)
+    _rotary_sections(config, values)
     return type(config)(**values)
+
+
+def setting(config, name: str):
+    """`name` of the config, or of the first of its sub-configs (a tower) that has it."""
+    if getattr(config, name, None) is not None:
+        return getattr(config, name)
+    for key in getattr(config, "sub_configs", {}) or {}:
+        found = setting(getattr(config, key, None), name)
+        if found is not None:
+            return found
+    return None
 
 
 def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000, layerdrop: float = 0.0):
