@@ -256,6 +256,75 @@ def test_a_branch_inside_one_unit_steps_as_one_process(stage):
             torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+class AttentionPooledVision(nn.Module):
+    """A vision branch pooled by `nn.MultiheadAttention`, which reads its `out_proj`'s
+    weight inside its own forward instead of calling it (SigLIP's head, under PEFT a unit
+    of its own): made a unit here (`unit_module_classes`), only a read in a forward some
+    ranks skip gathers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.vision = nn.Linear(DIM, DIM)
+        self.pool = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.probe = nn.Parameter(torch.randn(1, 1, DIM))
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(2)])
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor, images: torch.Tensor | None) -> torch.Tensor:
+        h = self.embed(x)
+        if images is not None:
+            v = torch.tanh(self.vision(images)).unsqueeze(0)
+            h = h + self.pool(self.probe, v, v)[0][0]
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h).pow(2).mean()
+
+
+def _pooled_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rank 0 sees images on two steps of three, rank 1 never."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+    x = torch.randn(4, DIM, generator=g)
+    return x, torch.randn(4, DIM, generator=g) if rank == 0 and step % 3 != 2 else None
+
+
+def _train_pooled(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = AttentionPooledVision()
+    config = ZeroConfig(
+        stage=stage,
+        collective_timeout=30.0,
+        unit_module_classes=["NonDynamicallyQuantizableLinear", "Linear"],
+    )
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
+    for step in range(STEPS):
+        engine.backward(engine(*_pooled_data(step, rank)))
+        engine.step()
+        engine.zero_grad()
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_weight_read_in_a_forward_one_rank_skips_steps_as_one_process(stage):
+    """At stage 3 the read of `out_proj.weight` gathers its unit as that forward's use of
+    it: on a step where only rank 0 runs the branch, rank 1 takes part in the gather, and
+    the unit's gradient (rank 0's alone) is waited for before its reduction. Before, the
+    read counted as a state-dict read on one rank: ModulePathDivergenceError."""
+    torch.manual_seed(0)
+    model = AttentionPooledVision()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(2):
+            (model(*_pooled_data(step, rank)) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for state in run_world(_train_pooled, 2, stage, timeout=120):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
 def _count_collectives(rank: int, world: int, stage: int, diverge: bool):
     torch.manual_seed(0)
     model = LayerDrop()

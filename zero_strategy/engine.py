@@ -101,7 +101,7 @@ class ZeroEngine:
         )
         hooks = (self.zero_grad, self.before_forward, self.after_forward)
         calls = wiring.EngineCalls(
-            *hooks, self.optim.follow_requires_grad, self.schedule.make_whole
+            *hooks, self.optim.follow_requires_grad, self.schedule.gather_for_read
         )
         reads = self._reads if self.gather is not None else None  # stage 3 only
         self._handles = [

@@ -41,7 +41,7 @@ class EngineCalls:
     before_forward: Callable[[], None]
     after_forward: Callable[[Any], None]
     follow_requires_grad: Callable[[], None]
-    make_whole: Callable[[FlatUnit], None]
+    gather_for_read: Callable[[FlatUnit], None]
 
 
 def wire_model(
@@ -73,5 +73,5 @@ def wire_model(
         ),
     ]
     if reads is not None:
-        handles += reads.install(model, units, calls.make_whole)
+        handles += reads.install(model, units, calls.gather_for_read)
     return handles

@@ -115,6 +115,9 @@ class GatherManager:
         self._cursor = 0
         # A framework's step holds the root unit (begin_step) until it ends (release_all).
         self._step_holds_root = False
+        # A forward of the model (or a framework's step) is running on this rank: a read of
+        # a freed unit's values now is that forward's use of the unit (`gather_for_read`).
+        self._in_forward = False
         self._backward_left: set[int] = set()  # this backward: units it has passed through
         self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
@@ -152,6 +155,7 @@ class GatherManager:
         for path in sorted(owners):
             module = model.get_submodule(path)
             self.handles.append(module.register_forward_pre_hook(EngineHook(gather_root)))
+        self.handles.append(model.register_forward_pre_hook(EngineHook(self._root_pre_forward)))
         self.handles.append(model.register_forward_hook(EngineHook(self._root_post_forward)))
 
     def begin_step(self) -> None:
@@ -161,6 +165,7 @@ class GatherManager:
         evaluation step's reshard), even across root forwards inside the step."""
         if not in_backward():
             self._cursor = 0
+            self._in_forward = True
         self._step_holds_root = True
         self.gather_root()
 
@@ -259,9 +264,29 @@ class GatherManager:
             torch.is_grad_enabled() and distance is not None and distance < self.max_reuse_distance
         )
 
+    def _root_pre_forward(self, *_) -> None:
+        if not in_backward():
+            self._in_forward = True
+
+    def gather_for_read(self, unit: FlatUnit) -> None:
+        """Make `unit` whole for a read of its values (`model_view/parameter_reads.py`).
+        Inside a forward the read is that forward's use of the unit, as its module's call
+        would be: a module that reads another's weight instead of calling it
+        (MultiheadAttention reads its `out_proj`'s; under PEFT that is a unit of its own)
+        on a path other ranks skip (a vision tower on a text-only batch) is merged as a
+        skipped module's gather is. Outside a forward every rank must read alike."""
+        if not self._in_forward or in_backward():
+            self.ensure(unit, STATE_DICT)
+            return
+        if torch.is_grad_enabled():  # its gradients will come, as an entered module's
+            self._post_use(unit, FORWARD)
+            self._entered.add(unit.layout.index)
+        self.ensure(unit, FORWARD)
+
     def _root_post_forward(self, module, args, output):
         if in_backward():
             return output
+        self._in_forward = False
         if not torch.is_grad_enabled():
             if not self._step_holds_root:  # evaluation: nothing needs the parameters again
                 self.release_all()
@@ -299,7 +324,8 @@ class GatherManager:
 
     def not_run(self) -> set[int]:
         """The units (but the root) no training forward of this pass entered: no parameter
-        of theirs can get a gradient (a unit is gathered only for its module's forward)."""
+        of theirs can get a gradient (a unit is gathered for a forward only by its
+        module's call, or by a read of its values inside the forward, which enters it)."""
         return {
             u.layout.index
             for u in self.units[1:]
@@ -367,6 +393,7 @@ class GatherManager:
             self._reuse_distance = self._reuse_distances(self.order)
         self._recording = []
         self._cursor = 0
+        self._in_forward = False
         self._entered.clear()
         self._backward_left.clear()
         self._grads_in.clear()
@@ -496,6 +523,7 @@ class GatherManager:
 
     def _free_all(self) -> None:
         self._step_holds_root = False
+        self._in_forward = False
         for unit in self.units:
             unit.drop_secondary()  # the pass is over (or the shards change next)
             if not unit.persistent:

@@ -156,10 +156,15 @@ class UnitSchedule:
             self.make_whole(unit)
 
     def make_whole(self, unit: FlatUnit) -> None:
-        """Stage 3: `unit` whole now (a read outside forward), until its next use frees
-        it."""
+        """Stage 3: `unit` whole now (a state dict), until its next use frees it."""
         if self.gather is not None:
             self.gather.ensure(unit, STATE_DICT)
+
+    def gather_for_read(self, unit: FlatUnit) -> None:
+        """Stage 3: `unit` whole now for a read of its values (in a forward: that
+        forward's use of it), until its next use frees it."""
+        if self.gather is not None:
+            self.gather.gather_for_read(unit)
 
     def release_all(self) -> None:
         """Stage 3: free every gathered unit now (the spare buffers stay for reuse)."""
