@@ -283,12 +283,17 @@ def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, 
 IMAGES_BY_STEP = ((True, True), (True, False), (False, False))
 
 
-def _train_vision_language(rank, world, model_type, stage, images_by_step, checkpointing=False):
+def _train_vision_language(rank, world, model_type, stage, images_by_step, mode=""):
     model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
-    if checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
     inputs = VisionLanguageInputs(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "checkpointing":
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    elif mode == "frozen tower":  # the usual fine-tuning recipe: only the language side
+        for param in inputs.image_only_parameters(model):
+            param.requires_grad_(False)
+    elif mode == "lora":  # PEFT's adapters on every linear layer, the towers' too
+        model = _with_lora(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if stage == "ddp":
         runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     else:
@@ -305,18 +310,32 @@ def _train_vision_language(rank, world, model_type, stage, images_by_step, check
 
 
 @functools.cache
-def _vision_language_ddp(model_type: str, checkpointing: bool):
+def _vision_language_ddp(model_type: str, mode: str):
     """DDP's (losses, state) and the images it trained with: `IMAGES_BY_STEP`, or an
     image on every rank at every step where the model cannot take a text-only batch.
     Skips where DDP cannot train it at all."""
     for images in dict.fromkeys((IMAGES_BY_STEP, ((True, True),) * len(IMAGES_BY_STEP))):
         ddp = run_world(
-            _train_vision_language, 2, model_type, "ddp", images, checkpointing, expect_errors=True
+            _train_vision_language, 2, model_type, "ddp", images, mode, expect_errors=True
         )
         if all(status == "ok" for status, _ in ddp):
             return _loaded(ddp[0][1]), images
     reason = next(payload for status, payload in ddp if status != "ok")
     pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
+
+
+def _with_lora(model):
+    """The model with PEFT's LoRA adapters on every linear layer, B drawn at random (PEFT
+    starts it at zero, which would leave A's first step without a gradient)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model
 
 
 def _vision_language_or_skip(model_type: str) -> torch.nn.Module:
@@ -333,19 +352,23 @@ def _vision_language_or_skip(model_type: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize("mode", ["", "checkpointing", "frozen tower", "lora"])
 @pytest.mark.parametrize("model_type", VISION_LANGUAGE_CASES)
-def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, checkpointing):
+def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, mode):
     """Images on both ranks, then on one, then on neither: at stage 3 each step equals
-    DDP's to the bit (losses, and every tensor of the full state), with Transformers'
-    gradient checkpointing too. The rank without an image never runs the vision tower,
-    so the ranks' forwards differ; where the model cannot take a text-only batch, both
-    see images on every step."""
+    DDP's to the bit (losses, and every tensor of the full state); with Transformers'
+    gradient checkpointing; with the parameters only an image reaches (the vision tower,
+    its projector) frozen, as fine-tuning recipes do; with PEFT's LoRA adapters on every
+    linear layer. The rank without an image never
+    runs the tower, so the ranks' forwards differ; where the model cannot take a
+    text-only batch, both see images on every step."""
     model = _vision_language_or_skip(model_type)
-    if checkpointing and not model.supports_gradient_checkpointing:
+    if mode == "checkpointing" and not model.supports_gradient_checkpointing:
         pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")
-    (ddp_losses, ddp_state), images = _vision_language_ddp(model_type, checkpointing)
-    runs = run_world(_train_vision_language, 2, model_type, 3, images, checkpointing)
+    if mode == "lora":
+        pytest.importorskip("peft")
+    (ddp_losses, ddp_state), images = _vision_language_ddp(model_type, mode)
+    runs = run_world(_train_vision_language, 2, model_type, 3, images, mode)
     losses, state = runs[0]
     assert losses == ddp_losses, (losses, ddp_losses)
     _assert_holds_exactly(state, ddp_state, "DDP's")

@@ -260,6 +260,23 @@ def _rotary_sections(config, values: dict[str, Any]) -> None:
     values["rope_parameters"] = {**rope, "mrope_section": new}
 
 
+def _vision_choices(values: dict[str, Any]) -> None:
+    """What a composite model takes from its small vision tower: the hidden layers it reads
+    (LLaVA's `vision_feature_layer`, VipLLaVA's list) among the tower's few, and the
+    any-resolution grid (LLaVA-NeXT's `image_grid_pinpoints`, in tiles of the old image
+    size) in tiles of the small one."""
+    vision = values.get("vision_config") or {}
+    depth, size = vision.get("num_hidden_layers"), vision.get("image_size")
+    for key in ("vision_feature_layer", "vision_feature_layers"):
+        chosen = values.get(key)
+        if isinstance(depth, int) and _int_list(chosen):
+            values[key] = [i for i in chosen if -depth - 1 <= i <= depth] or [-1]
+    grid = values.get("image_grid_pinpoints")
+    if isinstance(size, int) and isinstance(grid, list) and grid and all(map(_int_list, grid)):
+        tile = min(min(pair) for pair in grid)
+        values["image_grid_pinpoints"] = [[v // tile * size for v in pair] for pair in grid]
+
+
 def shrink(config, layerdrop: float = 0.0, **extra: Any):
     """The config, each of its sub-configs (a text or vision tower) made small in turn;
     every LayerDrop probability it has set to `layerdrop`; `extra` overrides the
@@ -276,6 +293,7 @@ def shrink(config, layerdrop: float = 0.0, **extra: Any):
     _stages(values)
     _token_ids(values)
     _rotary_sections(config, values)
+    _vision_choices(values)
     return type(config)(**values)
 
 

@@ -38,7 +38,9 @@ def _special_ids(config, found: set[int] | None = None) -> set[int]:
 
 
 def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]]:
-    """One image in each layout the rule knows, in order of trial."""
+    """One image in each layout the rule knows, in order of trial: a flat batch; 1 to 5
+    tiles (an any-resolution model's image, in its grid's tiles and a thumbnail); patches
+    flattened, with their grid."""
     vision = getattr(model.config, "vision_config", None) or model.config
     takes = inspect.signature(model.get_image_features).parameters
     channels = setting(vision, "num_channels") or setting(vision, "in_channels") or 3
@@ -49,8 +51,12 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
     def batched(g):
         return {"pixel_values": torch.randn(1, channels, height, width, generator=g), **sizes}
 
-    def tiled(g):
-        return {"pixel_values": torch.randn(1, 1, channels, height, width, generator=g), **sizes}
+    def tiled(tiles):
+        def image(g):
+            pixels = torch.randn(1, tiles, channels, height, width, generator=g)
+            return {"pixel_values": pixels, **sizes}
+
+        return image
 
     def patches(g):
         patch = setting(vision, "patch_size") or 14
@@ -59,7 +65,9 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
         flat = torch.randn(side * side, channels * temporal * patch * patch, generator=g)
         return {"pixel_values": flat, "image_grid_thw": torch.tensor([[1, side, side]])}
 
-    return [patches] if "image_grid_thw" in takes else [batched, tiled]
+    if "image_grid_thw" in takes:
+        return [patches]
+    return [batched, *map(tiled, range(1, 6))]
 
 
 def _features(model, image: dict[str, torch.Tensor]) -> int:
@@ -104,6 +112,18 @@ class VisionLanguageInputs:
         out = {"input_ids": ids, "labels": ids.masked_fill(ids == self.token, -100), **pixels}
         out.update({k: (ids == self.token).long() for k in self.token_types})
         return out
+
+    def image_only_parameters(self, model) -> list[torch.nn.Parameter]:
+        """The parameters a text-only sample leaves without a gradient and a sample with an
+        image gives one (the vision tower, its projector), found by a backward of each;
+        the model's gradients are cleared after."""
+        reached = []
+        for image in (False, True):
+            batch = self.sample(torch.Generator().manual_seed(0), image)
+            model(**batch).loss.backward()
+            reached.append({id(p) for p in model.parameters() if p.grad is not None})
+            model.zero_grad(set_to_none=True)
+        return [p for p in model.parameters() if id(p) in reached[1] - reached[0]]
 
     @staticmethod
     def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
