@@ -20,7 +20,10 @@ masters.
 
 A value read is collective over the unit's shard group: every rank must read, as every
 rank must read a DTensor's values; one rank alone is caught by the divergence check (or
-the collective timeout). Reads inside backward or a compiled region see the placeholder.
+the collective timeout). Inside a forward the read is that forward's use of the unit
+(the gather decides: `GatherManager.gather_for_read`), so a module that reads another's
+weight (`nn.MultiheadAttention`, its `out_proj`'s) on a path some ranks skip is merged
+with their gathers as a skipped module's is. Reads inside backward or a compiled region see the placeholder.
 Parameters of another tensor class (a DTensor under tensor parallelism) cannot be marked:
 the module owning one is re-classed instead (as `fully_shard` re-classes a module, under
 the class's own name), and its attribute read of such a parameter gathers the unit.
