@@ -338,17 +338,19 @@ def _with_lora(model):
     return model
 
 
-def _vision_language_or_skip(model_type: str) -> torch.nn.Module:
-    """The tiny vision-language model, or a skip that says why the rule cannot build it
-    or feed it."""
+def _vision_language_or_skip(model_type: str, mode: str) -> torch.nn.Module:
+    """The tiny vision-language model, or a skip that says why the rule cannot build it,
+    feed it, or tell its vision tower (`mode` "frozen tower")."""
     try:
         model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
     except Exception as e:  # any reason it cannot be built tiny
         pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
     try:
-        VisionLanguageInputs(model)
+        inputs = VisionLanguageInputs(model)
+        if mode == "frozen tower":
+            inputs.image_only_parameters(model)
     except ValueError as e:
-        pytest.skip(f"{model_type}: not fed by the rule: {e}")
+        pytest.skip(f"{model_type}: not fed by the rule ({mode or 'trained'}): {str(e)[:300]}")
     return model
 
 
@@ -362,7 +364,7 @@ def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, mode
     linear layer. The rank without an image never
     runs the tower, so the ranks' forwards differ; where the model cannot take a
     text-only batch, both see images on every step."""
-    model = _vision_language_or_skip(model_type)
+    model = _vision_language_or_skip(model_type, mode)
     if mode == "checkpointing" and not model.supports_gradient_checkpointing:
         pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")
     if mode == "lora":

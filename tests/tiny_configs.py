@@ -214,7 +214,8 @@ def _token_ids(values: dict[str, Any]) -> None:
     """Special token ids inside the small vocabulary (a composite model's is its text
     tower's): padding, start and end at 0, 1 and 2, each other one (an image's or a
     video's placeholder) at an id of its own from the top down, so that two that were
-    distinct stay so, and two that were one (an id and its alias) stay one."""
+    distinct stay so, and two that were one (an id and its alias) stay one. An image
+    placeholder the config leaves to the processor (BLIP-2's) gets one too."""
     vocab = values.get("vocab_size")
     if not isinstance(vocab, int):
         vocab = (values.get("text_config") or {}).get("vocab_size")
@@ -230,6 +231,9 @@ def _token_ids(values: dict[str, Any]) -> None:
             return small[key]
         return moved.setdefault(value, vocab - 1 - len(moved))
 
+    for key in ("image_token_id", "image_token_index"):  # left to the processor: one here
+        if key in values and values[key] is None and "vision_config" in values:
+            values[key] = moved.setdefault(-1, vocab - 1 - len(moved))
     for key, value in list(values.items()):
         if not key.endswith(("token_id", "token_index")):
             continue

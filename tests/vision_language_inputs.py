@@ -1,9 +1,11 @@
 """Training inputs for any Hugging Face vision-language model, made by rule from the tiny
 model itself, where its processor would make them: an image in the first layout that the
-model's `get_image_features` takes (a flat batch of images; one tile an image, with its
-size; patches flattened, with their grid), and as many image placeholders before the text
-as that image gives features. Token types, where the forward takes them, mark the
-placeholders. A text-only sample has no image and no placeholder."""
+model takes (a flat batch of images; tiles of an image, with its size; patches flattened,
+with their grid), and, where the text says where the image's features go, as many image
+placeholders before the text as `get_image_features` gives features. Token types, where
+the forward takes them, mark the placeholders. A model with no placeholder (BLIP-2, GIT,
+an image encoder-decoder) takes the image beside the text. A text-only sample has no
+image and no placeholder."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
     tiles (an any-resolution model's image, in its grid's tiles and a thumbnail); patches
     flattened, with their grid."""
     vision = getattr(model.config, "vision_config", None) or model.config
-    takes = inspect.signature(model.get_image_features).parameters
+    images_by = getattr(model, "get_image_features", model.forward)
+    takes = inspect.signature(images_by).parameters
     channels = setting(vision, "num_channels") or setting(vision, "in_channels") or 3
     size = setting(vision, "image_size") or 64
     height, width = (size, size) if isinstance(size, int) else tuple(size)
@@ -89,41 +92,73 @@ class VisionLanguageInputs:
 
     def __init__(self, model) -> None:
         self.token = placeholder(model.config)
-        if self.token is None or not hasattr(model, "get_image_features"):
-            raise ValueError("no image placeholder token or no get_image_features()")
         takes = inspect.signature(model.forward).parameters
+        self.takes_text = "input_ids" in takes  # an image encoder-decoder takes labels only
         self.token_types = [k for k in ("token_type_ids", "mm_token_type_ids") if k in takes]
-        vocab = model.config.get_text_config().vocab_size
+        vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+        if not isinstance(vocab, int):  # an action model (PI0): no text to train
+            raise ValueError("no text vocabulary (vocab_size)")
         self.text_ids = torch.tensor(sorted(set(range(vocab)) - _special_ids(model.config)))
+        self.per_image = 0
         why = "no layout"
         for layout in _layouts(model):
+            self.layout = layout
             try:
-                self.per_image = _features(model, layout(torch.Generator().manual_seed(0)))
-                self.layout = layout
+                if self.placed_by_text(model):
+                    self.per_image = _features(model, layout(torch.Generator().manual_seed(0)))
+                else:  # the model places the image itself: a forward takes it, or not
+                    with torch.no_grad():
+                        model(**self.sample(torch.Generator().manual_seed(0), image=True))
                 return
             except Exception as e:  # another layout, or none the rule knows
                 why = f"{type(e).__name__}: {str(e)[:200]}"
         raise ValueError(f"takes no image layout the rule makes: {why}")
 
+    def placed_by_text(self, model) -> bool:
+        """Whether the text says where each image feature goes (placeholders), or the
+        model places the image itself (BLIP-2's queries, GIT's prefix, an encoder's
+        input)."""
+        return self.token is not None and hasattr(model, "get_image_features")
+
     def sample(self, g: torch.Generator, image: bool) -> dict[str, torch.Tensor]:
         text = self.text_ids[torch.randint(0, len(self.text_ids), (1, TEXT), generator=g)]
         pixels = self.layout(g) if image else {}
-        ids = torch.cat([torch.full((1, self.per_image), self.token), text], 1) if image else text
-        out = {"input_ids": ids, "labels": ids.masked_fill(ids == self.token, -100), **pixels}
-        out.update({k: (ids == self.token).long() for k in self.token_types})
+        ids = text
+        if image and self.per_image:
+            ids = torch.cat([torch.full((1, self.per_image), self.token), text], 1)
+        labels = ids if self.token is None else ids.masked_fill(ids == self.token, -100)
+        out = {"input_ids": ids} if self.takes_text else {}
+        out.update({"labels": labels, **pixels})
+        out.update({k: (ids == self.token).long() for k in self.token_types if self.token})
         return out
 
     def image_only_parameters(self, model) -> list[torch.nn.Parameter]:
-        """The parameters a text-only sample leaves without a gradient and a sample with an
-        image gives one (the vision tower, its projector), found by a backward of each;
-        the model's gradients are cleared after."""
-        reached = []
-        for image in (False, True):
-            batch = self.sample(torch.Generator().manual_seed(0), image)
-            model(**batch).loss.backward()
-            reached.append({id(p) for p in model.parameters() if p.grad is not None})
-            model.zero_grad(set_to_none=True)
-        return [p for p in model.parameters() if id(p) in reached[1] - reached[0]]
+        """The parameters only an image reaches (the vision tower, its projector): where
+        the text places the image's features, those a backward of `get_image_features`
+        reaches; else those a sample with an image reaches and a text-only one does not.
+        The model's gradients are cleared after. Raises `ValueError` where neither tells."""
+        if self.placed_by_text(model):
+            image = self.layout(torch.Generator().manual_seed(0))
+            out = model.get_image_features(**image)
+            features = getattr(out, "pooler_output", out)
+            tensors = [features] if isinstance(features, torch.Tensor) else list(features)
+            sum(t.sum() for t in tensors).backward()
+            found = [p for p in model.parameters() if p.grad is not None]
+        else:
+            reached = []
+            for image in (False, True):
+                batch = self.sample(torch.Generator().manual_seed(0), image)
+                try:
+                    model(**batch).loss.backward()
+                except Exception as e:  # a model that takes no text-only batch
+                    raise ValueError(f"no text-only forward: {type(e).__name__}: {e}") from e
+                reached.append({id(p) for p in model.parameters() if p.grad is not None})
+                model.zero_grad(set_to_none=True)
+            found = [p for p in model.parameters() if id(p) in reached[1] - reached[0]]
+        model.zero_grad(set_to_none=True)
+        if not found:
+            raise ValueError("no parameter that only an image reaches")
+        return found
 
     @staticmethod
     def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
