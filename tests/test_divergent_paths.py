@@ -227,13 +227,15 @@ def _branch_data(step: int, rank: int) -> tuple[torch.Tensor, list[bool]]:
     return x, [bool(torch.rand((), generator=g) < 0.5) for _ in range(3)]
 
 
-def _train_branch(rank: int, world: int, stage: int):
+def _train_sgd(rank: int, world: int, model_class, data, stage: int, **config) -> dict:
+    """`STEPS` SGD steps of `model_class` on this rank's `data(step, rank)`: the full
+    state after."""
     torch.manual_seed(0)
-    model = BranchInBlock()
-    config = ZeroConfig(stage=stage, collective_timeout=30.0)
+    model = model_class()
+    config = ZeroConfig(stage=stage, collective_timeout=30.0, **config)
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
     for step in range(STEPS):
-        engine.backward(engine(*_branch_data(step, rank)))
+        engine.backward(engine(*data(step, rank)))
         engine.step()
         engine.zero_grad()
     state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
@@ -241,19 +243,24 @@ def _train_branch(rank: int, world: int, stage: int):
     return state
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_branch_inside_one_unit_steps_as_one_process(stage):
+def _assert_steps_as_one_process(model_class, data, stage: int, **config) -> None:
+    """2 ranks at `stage` end where one process ends on the union of their batches."""
     torch.manual_seed(0)
-    model = BranchInBlock()
+    model = model_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         for rank in range(2):
-            (model(*_branch_data(step, rank)) / 2).backward()
+            (model(*data(step, rank)) / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
-    for state in run_world(_train_branch, 2, stage, timeout=120):
+    for state in run_world(_train_sgd, 2, model_class, data, stage, timeout=120, **config):
         for key, value in model.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_branch_inside_one_unit_steps_as_one_process(stage):
+    _assert_steps_as_one_process(BranchInBlock, _branch_data, stage)
 
 
 class AttentionPooledVision(nn.Module):
@@ -288,41 +295,18 @@ def _pooled_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | Non
     return x, torch.randn(4, DIM, generator=g) if rank == 0 and step % 3 != 2 else None
 
 
-def _train_pooled(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = AttentionPooledVision()
-    config = ZeroConfig(
-        stage=stage,
-        collective_timeout=30.0,
-        unit_module_classes=["NonDynamicallyQuantizableLinear", "Linear"],
-    )
-    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
-    for step in range(STEPS):
-        engine.backward(engine(*_pooled_data(step, rank)))
-        engine.step()
-        engine.zero_grad()
-    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
-    engine.close()
-    return state
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_weight_read_in_a_forward_one_rank_skips_steps_as_one_process(stage):
     """At stage 3 the read of `out_proj.weight` gathers its unit as that forward's use of
     it: on a step where only rank 0 runs the branch, rank 1 takes part in the gather, and
     the unit's gradient (rank 0's alone) is waited for before its reduction. Before, the
     read counted as a state-dict read on one rank: ModulePathDivergenceError."""
-    torch.manual_seed(0)
-    model = AttentionPooledVision()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for rank in range(2):
-            (model(*_pooled_data(step, rank)) / 2).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for state in run_world(_train_pooled, 2, stage, timeout=120):
-        for key, value in model.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    _assert_steps_as_one_process(
+        AttentionPooledVision,
+        _pooled_data,
+        stage,
+        unit_module_classes=["NonDynamicallyQuantizableLinear", "Linear"],
+    )
 
 
 def _count_collectives(rank: int, world: int, stage: int, diverge: bool):
