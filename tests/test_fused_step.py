@@ -86,3 +86,49 @@ def test_fused_step_steps_aside_for_amsgrad():
     fused = run_world(_train, 2, "triton", 1, amsgrad=True)[0]
     assert fused[2] == 0
     assert fused[3] == [("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")]
+
+
+def _train_dropping(rank: int, world: int, backend: str, stage: int):
+    """test_step_counts' stack, blocks dropped alike on both ranks: the weights after each
+    step, the optimizer state, and the fused kernel's launches per step."""
+    from test_step_counts import _batch, _engine, _one_step
+
+    engine = _engine(stage)
+    weights = []
+    with use_backend(backend):
+        for step in range(STEPS_DROPPING):
+            _one_step(engine, _batch(step, rank), step)
+            weights.append(
+                {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+            )
+    state = engine.full_optimizer_state_dict(rank0_only=False)["state"]
+    launches = engine.fused_step.launches
+    engine.close()
+    return weights, state, launches
+
+
+STEPS_DROPPING = 6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_fused_step_steps_beside_the_slices_stepped_by_parts(stage):
+    """LayerDrop: the slices holding a dropped or lagging block are stepped by parts, with
+    each block's own count (`optim/step_lag.py`); the fused kernel still steps the rest,
+    every step after the first (before, one lagging slice turned it off for good). The weights at every
+    step and the whole optimizer state, counts included, are torch's AdamW's on one
+    process."""
+    from test_step_counts import _assert_states_equal, _reference
+
+    want_weights, want_states = _reference(2, steps=STEPS_DROPPING)
+    for weights, state, launches in run_world(_train_dropping, 2, "triton", stage):
+        if stage == 3:  # a slice a block: on every step some block is neither dropped
+            # nor lagging. One param group, one launch a step, but the first: a slice's
+            # first step, which makes its state, is torch's, whole, with the dropped
+            # blocks put back after. (At stage 1 a rank's one slice spans the blocks.)
+            assert launches == STEPS_DROPPING - 1
+        for step, (got, want) in enumerate(zip(weights, want_weights)):
+            for key, value in want.items():
+                torch.testing.assert_close(
+                    got[key], value, rtol=1e-5, atol=1e-6, msg=f"step {step} {key}"
+                )
+        _assert_states_equal(state, want_states[STEPS_DROPPING])

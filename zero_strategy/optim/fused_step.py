@@ -48,13 +48,18 @@ class FusedAdamStep:
         return True
 
     @torch.no_grad()
-    def step(self, views_by_group: Sequence[Views], found_inf: torch.Tensor | None = None) -> None:
-        """Update every group's masters (and compute copies) in place."""
+    def step(
+        self,
+        params_by_group: Sequence[Sequence[torch.Tensor]],
+        views_by_group: Sequence[Views],
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """Update the masters (and compute copies) of `params_by_group`, each group's
+        params the kernel steps (all of them, or those not stepped by parts), in place."""
         opt = self.optimizer
-        for group, views in zip(opt.param_groups, views_by_group):
+        for group, params, views in zip(opt.param_groups, params_by_group, views_by_group):
             if not views:
                 continue
-            params = group["params"]
             steps = [self._state(p)["step"] for p in params]
             copies = [c for _, _, c in views]
             self.launches += 1

@@ -32,7 +32,7 @@ from ..units.flat_unit import FlatUnit, OneResident
 from ..units.no_gradient import fill_no_gradient
 from ..units.optimizer_view import OptimizerView
 from .ema import ShardedEMA
-from .fused_step import FusedAdamStep
+from .fused_step import FusedAdamStep, Views
 from .grad_norm import GradNorm
 from .held_back import held_back, no_gradient_parts
 from .loss_scaler import LossScaler
@@ -316,7 +316,8 @@ class ShardedOptimizer:
                 held_back(tile, plan.held_for_whole_steps(), state),
                 plan.missed_by_first_steps(state),
             ):
-                written[0] &= self._step_optimizers(chosen, tile, plan.apart, hooks_outside)
+                whole = set(plan.held_for_whole_steps())
+                written[0] &= self._step_optimizers(chosen, tile, plan.apart, whole, hooks_outside)
             self.inside_step = True  # (a step() of a parent class the optimizer calls)
             try:
                 plan.finish(state, self.optimizer_set.owner_of)
@@ -427,14 +428,17 @@ class ShardedOptimizer:
         chosen: list[int],
         tile: list[OptimizerView],
         apart: set[int],
+        put_back: set[int],
         hooks_outside: bool,
     ) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
         the state offloaded one tile at a time, the other views' gradients hidden so that
         the optimizer skips them. The views `apart` (by id) are skipped too: they are
-        stepped by parts. With `hooks_outside`, no hook runs (`_run_user_hooks` runs
-        those). Returns whether every update also wrote the compute copies (the fused
-        kernel)."""
+        stepped by parts; the fused kernel steps the others. The views `put_back` (by id)
+        are stepped whole and put back in part after (their first step), which the fused
+        kernel's compute copies would not follow. With `hooks_outside`, no hook runs
+        (`_run_user_hooks` runs those). Returns whether every update also wrote the
+        compute copies (the fused kernel, with no view stepped by parts)."""
         partial = self.stepped_in_parts
         copies_written = True
         for k in chosen:
@@ -446,11 +450,12 @@ class ShardedOptimizer:
             if (
                 not partial
                 and fused is not None
-                and not any(id(v) in self._held_back or id(v) in apart for v in views)
+                and not any(id(v) in put_back for v in views)
                 and self._gradless.isdisjoint(groups)
                 and fused.applies([v.param for v in views])
             ):
-                fused.step(self._fused_views(opt))
+                fused.step(*self._fused_views(opt, leave_out=apart))
+                copies_written &= not any(id(v) in apart for v in views)
                 continue
             copies_written = False
             if partial:
@@ -474,12 +479,15 @@ class ShardedOptimizer:
         return copies_written
 
     def _fused_views(
-        self, optimizer: torch.optim.Optimizer
-    ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
-        """Per param group, in the group's order: (master view, gradient view, the slice of
-        the compute-dtype copy it must be written to, or None when that is the master)."""
+        self, optimizer: torch.optim.Optimizer, leave_out: set[int]
+    ) -> tuple[list[list[torch.Tensor]], list[list[Views]]]:
+        """Per param group, in the group's order, but for the views `leave_out` (by id):
+        the optimizer's params, and (master view, gradient view, the slice of the
+        compute-dtype copy it must be written to, or None when that is the master)."""
         by_param = {}
         for view in self.views:
+            if id(view) in leave_out:
+                continue
             unit, lo, hi = view.unit, view.lo, view.hi
             if not unit.master_apart:
                 copy = None
@@ -488,7 +496,8 @@ class ShardedOptimizer:
             else:
                 copy = unit.shard[lo:hi]
             by_param[id(view.param)] = (view.param.detach(), view.param.grad, copy)
-        return [[by_param[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        params = [[p for p in g["params"] if id(p) in by_param] for g in optimizer.param_groups]
+        return params, [[by_param[id(p)] for p in group] for group in params]
 
     def guard_direct_step(self, optimizer, args, kwargs) -> None:
         """A step pre-hook on each managed optimizer: its own `step()` called by the user
