@@ -106,13 +106,24 @@ class VisionLanguageInputs:
             try:
                 if self.placed_by_text(model):
                     self.per_image = _features(model, layout(torch.Generator().manual_seed(0)))
-                else:  # the model places the image itself: a forward takes it, or not
-                    with torch.no_grad():
-                        model(**self.sample(torch.Generator().manual_seed(0), image=True))
+                else:  # the model places the image itself: a forward reads it, or not
+                    self._reads_the_image(model)
                 return
             except Exception as e:  # another layout, or none the rule knows
                 why = f"{type(e).__name__}: {str(e)[:200]}"
         raise ValueError(f"takes no image layout the rule makes: {why}")
+
+    def _reads_the_image(self, model) -> None:
+        """Two samples alike but for their image give two losses (a forward that takes
+        `pixel_values` into `**kwargs` and drops it would train on the text alone)."""
+        losses = []
+        for seed in (0, 1):
+            sample = self.sample(torch.Generator().manual_seed(0), image=True)
+            sample.update(self.layout(torch.Generator().manual_seed(seed)))
+            with torch.no_grad():
+                losses.append(model(**sample).loss)
+        if torch.equal(*losses):
+            raise ValueError("the forward does not read the image the rule gives it")
 
     def placed_by_text(self, model) -> bool:
         """Whether the text says where each image feature goes (placeholders), or the
