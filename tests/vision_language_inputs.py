@@ -100,7 +100,7 @@ class VisionLanguageInputs:
             raise ValueError("no text vocabulary (vocab_size)")
         self.text_ids = torch.tensor(sorted(set(range(vocab)) - _special_ids(model.config)))
         self.per_image = 0
-        why = "no layout"
+        why = ""  # the first layout's failure: the plainest one's
         for layout in _layouts(model):
             self.layout = layout
             try:
@@ -110,8 +110,8 @@ class VisionLanguageInputs:
                     self._reads_the_image(model)
                 return
             except Exception as e:  # another layout, or none the rule knows
-                why = f"{type(e).__name__}: {str(e)[:200]}"
-        raise ValueError(f"takes no image layout the rule makes: {why}")
+                why = why or f"{type(e).__name__}: {str(e)[:200]}"
+        raise ValueError(f"takes no image layout the rule makes (the first: {why})")
 
     def _reads_the_image(self, model) -> None:
         """Two samples alike but for their image give two losses (a forward that takes
