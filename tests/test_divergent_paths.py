@@ -309,6 +309,35 @@ def test_a_weight_read_in_a_forward_one_rank_skips_steps_as_one_process(stage):
     )
 
 
+def _whole_after_a_read(rank: int, world: int) -> bool:
+    """An EMA-style read of `pool.out_proj` on every rank between steps leaves its unit
+    whole, so the next forward's read of it gathers nothing: is the unit counted as
+    entered (its gradient may come) on the rank that runs the branch?"""
+    torch.manual_seed(0)
+    model = AttentionPooledVision()
+    config = ZeroConfig(
+        stage=3, collective_timeout=30.0, unit_module_classes=["NonDynamicallyQuantizableLinear"]
+    )
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    engine.backward(engine(*_pooled_data(0, rank)))
+    engine.step()
+    engine.zero_grad()
+    float(model.pool.out_proj.weight.sum())  # every rank: the unit is whole from here
+    loss = engine(*_pooled_data(1, rank))
+    (unit,) = [u for u in engine.units if u.layout.module_path == "pool.out_proj"]
+    entered = unit.layout.index not in engine.gather.not_run()
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return entered
+
+
+def test_a_unit_left_whole_by_a_read_counts_as_entered_by_the_next_forward():
+    """Else, on a pass whose paths differ, its reduction's turn would be taken as one no
+    gradient comes to, and the gradient that does come would go out unpaired."""
+    assert run_world(_whole_after_a_read, 2, timeout=120)[0] is True
+
+
 def _count_collectives(rank: int, world: int, stage: int, diverge: bool):
     torch.manual_seed(0)
     model = LayerDrop()

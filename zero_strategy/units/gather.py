@@ -115,9 +115,11 @@ class GatherManager:
         self._cursor = 0
         # A framework's step holds the root unit (begin_step) until it ends (release_all).
         self._step_holds_root = False
-        # A forward of the model (or a framework's step) is running on this rank: a read of
-        # a freed unit's values now is that forward's use of the unit (`gather_for_read`).
-        self._in_forward = False
+        # Root forwards running on this rank (nested ones counted), and whether a training
+        # one (grad enabled) began since the last backward ended: a read of a freed unit's
+        # values inside one is that forward's use of the unit (`gather_for_read`).
+        self._forward_depth = 0
+        self._training_forward = False
         self._backward_left: set[int] = set()  # this backward: units it has passed through
         self._grads_in: set[int] = set()  # this backward: units whose gradients are in
         self.handles: list = []
@@ -157,6 +159,9 @@ class GatherManager:
             self.handles.append(module.register_forward_pre_hook(EngineHook(gather_root)))
         self.handles.append(model.register_forward_pre_hook(EngineHook(self._root_pre_forward)))
         self.handles.append(model.register_forward_hook(EngineHook(self._root_post_forward)))
+        self.handles.append(  # also when the forward raises
+            model.register_forward_hook(EngineHook(self._root_left), always_call=True)
+        )
 
     def begin_step(self) -> None:
         """A framework's step begins instead of the root's forward (Lightning's
@@ -165,7 +170,7 @@ class GatherManager:
         evaluation step's reshard), even across root forwards inside the step."""
         if not in_backward():
             self._cursor = 0
-            self._in_forward = True
+            self._forward_begins()
         self._step_holds_root = True
         self.gather_root()
 
@@ -266,19 +271,35 @@ class GatherManager:
 
     def _root_pre_forward(self, *_) -> None:
         if not in_backward():
-            self._in_forward = True
+            self._forward_depth += 1
+            self._forward_begins()
+
+    def _root_left(self, *_) -> None:
+        if not in_backward():
+            self._forward_depth = max(0, self._forward_depth - 1)
+
+    def _forward_begins(self) -> None:
+        """A root forward or a framework's step begins. In training, the units already
+        whole (a read between steps left them so: an EMA kept by hand) count as entered:
+        a read of them needs no gather, so nothing else would tell that their gradients
+        may come (at worst this rank waits for one until its backward ends)."""
+        if torch.is_grad_enabled():
+            self._training_forward = True
+            self._entered.update(
+                u.layout.index for u in self.units[1:] if u.gathered and not u.persistent
+            )
 
     def gather_for_read(self, unit: FlatUnit) -> None:
         """Make `unit` whole for a read of its values (`model_view/parameter_reads.py`).
-        Inside a forward the read is that forward's use of the unit, as its module's call
-        would be: a module that reads another's weight instead of calling it
-        (MultiheadAttention reads its `out_proj`'s; under PEFT that is a unit of its own)
-        on a path other ranks skip (a vision tower on a text-only batch) is merged as a
-        skipped module's gather is. Outside a forward every rank must read alike."""
-        if not self._in_forward or in_backward():
+        Inside a forward (or a framework's step) the read is that forward's use of the
+        unit, as its module's call would be: a module that reads another's weight instead
+        of calling it (MultiheadAttention reads its `out_proj`'s; under PEFT that is a unit
+        of its own) on a path other ranks skip (a vision tower on a text-only batch) is
+        merged as a skipped module's gather is. Outside one every rank must read alike."""
+        if not (self._forward_depth or self._step_holds_root):
             self.ensure(unit, STATE_DICT)
             return
-        if torch.is_grad_enabled():  # its gradients will come, as an entered module's
+        if self._training_forward:  # its gradients may come, as an entered module's
             self._post_use(unit, FORWARD)
             self._entered.add(unit.layout.index)
         self.ensure(unit, FORWARD)
@@ -286,7 +307,6 @@ class GatherManager:
     def _root_post_forward(self, module, args, output):
         if in_backward():
             return output
-        self._in_forward = False
         if not torch.is_grad_enabled():
             if not self._step_holds_root:  # evaluation: nothing needs the parameters again
                 self.release_all()
@@ -393,7 +413,7 @@ class GatherManager:
             self._reuse_distance = self._reuse_distances(self.order)
         self._recording = []
         self._cursor = 0
-        self._in_forward = False
+        self._training_forward = False
         self._entered.clear()
         self._backward_left.clear()
         self._grads_in.clear()
@@ -523,7 +543,6 @@ class GatherManager:
 
     def _free_all(self) -> None:
         self._step_holds_root = False
-        self._in_forward = False
         for unit in self.units:
             unit.drop_secondary()  # the pass is over (or the shards change next)
             if not unit.persistent:
