@@ -98,13 +98,18 @@ def test_an_architecture_trains_at_stage_3_as_under_ddp(family, model_type):
 def _tiny_or_skip(family: str, model_type: str) -> torch.nn.Module:
     """The model built tiny, here too, so that the ranks inherit its modules and its
     input's shape; skips with the reason where the rule cannot build it or feed it."""
-    try:
-        model = tiny_model(model_type, getattr(transformers, family))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    model = _built_or_skip(family, model_type)
     if isinstance(shape := _shape_of(family, model_type), str):
         pytest.skip(f"{model_type}: takes none of the inputs the rule makes: {shape}")
     return model
+
+
+def _built_or_skip(family: str, model_type: str) -> torch.nn.Module:
+    """The model built tiny, or a skip that says why the rule cannot build it."""
+    try:
+        return tiny_model(model_type, getattr(transformers, family))
+    except Exception as e:  # any reason it cannot be built tiny
+        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
 
 
 def _assert_holds_exactly(state: dict, want: dict, whose: str) -> None:
@@ -341,10 +346,7 @@ def _with_lora(model):
 def _vision_language_or_skip(model_type: str, mode: str) -> torch.nn.Module:
     """The tiny vision-language model, or a skip that says why the rule cannot build it,
     feed it, or tell its vision tower (`mode` "frozen tower")."""
-    try:
-        model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
-    except Exception as e:  # any reason it cannot be built tiny
-        pytest.skip(f"{model_type}: not built tiny: {type(e).__name__}: {str(e)[:200]}")
+    model = _built_or_skip(VISION_LANGUAGE, model_type)
     try:
         inputs = VisionLanguageInputs(model)
         if mode == "frozen tower":
@@ -361,9 +363,9 @@ def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, mode
     DDP's to the bit (losses, and every tensor of the full state); with Transformers'
     gradient checkpointing; with the parameters only an image reaches (the vision tower,
     its projector) frozen, as fine-tuning recipes do; with PEFT's LoRA adapters on every
-    linear layer. The rank without an image never
-    runs the tower, so the ranks' forwards differ; where the model cannot take a
-    text-only batch, both see images on every step."""
+    linear layer. The rank without an image never runs the tower, so the ranks' forwards
+    differ; where the model cannot take a text-only batch, both see images on every
+    step."""
     model = _vision_language_or_skip(model_type, mode)
     if mode == "checkpointing" and not model.supports_gradient_checkpointing:
         pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")

@@ -114,9 +114,9 @@ STEPS_DROPPING = 6
 def test_the_fused_step_steps_beside_the_slices_stepped_by_parts(stage):
     """LayerDrop: the slices holding a dropped or lagging block are stepped by parts, with
     each block's own count (`optim/step_lag.py`); the fused kernel still steps the rest,
-    every step after the first (before, one lagging slice turned it off for good). The weights at every
-    step and the whole optimizer state, counts included, are torch's AdamW's on one
-    process."""
+    every step after the first (before, one lagging slice turned it off for good). The
+    weights at every step and the whole optimizer state, counts included, are torch's
+    AdamW's on one process."""
     from test_step_counts import _assert_states_equal, _reference
 
     want_weights, want_states = _reference(2, steps=STEPS_DROPPING)

@@ -246,10 +246,11 @@ def _token_ids(values: dict[str, Any]) -> None:
 
 
 def _rotary_sections(config, values: dict[str, Any]) -> None:
-    """Multimodal rotary sections (Qwen-VL's time, height and width) sized to the small
-    head's rotary half (of its rotary part, where only part of it turns): an old one in its proportions; where a config that takes them
-    (`ignore_keys_at_rope_validation` names them) has none, the model's own default
-    would be the large head's, so the rule sets three near-equal ones."""
+    """Multimodal rotary sections (Qwen-VL's time, height and width) sized to half the
+    small head's rotary part (all of it, or the part that turns): an old one in its
+    proportions; where a config that takes them (`ignore_keys_at_rope_validation` names
+    them) has none, the model's own default would be the large head's, so the rule sets
+    three near-equal ones."""
     rope, head = values.get("rope_parameters"), values.get("head_dim")
     if not isinstance(head, int) and isinstance(values.get("hidden_size"), int):
         head = values["hidden_size"] // (values.get("num_attention_heads") or 1)

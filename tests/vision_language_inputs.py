@@ -73,15 +73,21 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
     return [batched, *map(tiled, range(1, 6))]
 
 
-def _features(model, image: dict[str, torch.Tensor]) -> int:
-    """How many placeholders one image stands for: its features, in the text's width."""
-    with torch.no_grad():
-        out = model.get_image_features(**image)
+def _feature_tensors(model, image: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The features `get_image_features` gives one image, in the text's width: a tensor,
+    a list of them, or an output whose `pooler_output` (else `last_hidden_state`) is."""
+    out = model.get_image_features(**image)
     features = getattr(out, "pooler_output", out)
     if features is None:
         features = out.last_hidden_state
+    return [features] if isinstance(features, torch.Tensor) else list(features)
+
+
+def _features(model, image: dict[str, torch.Tensor]) -> int:
+    """How many placeholders one image stands for: its features, in the text's width."""
+    with torch.no_grad():
+        tensors = _feature_tensors(model, image)
     width = model.config.get_text_config().hidden_size
-    tensors = [features] if isinstance(features, torch.Tensor) else list(features)
     return sum(t.numel() for t in tensors) // width
 
 
@@ -150,10 +156,7 @@ class VisionLanguageInputs:
         The model's gradients are cleared after. Raises `ValueError` where neither tells."""
         if self.placed_by_text(model):
             image = self.layout(torch.Generator().manual_seed(0))
-            out = model.get_image_features(**image)
-            features = getattr(out, "pooler_output", out)
-            tensors = [features] if isinstance(features, torch.Tensor) else list(features)
-            sum(t.sum() for t in tensors).backward()
+            sum(t.sum() for t in _feature_tensors(model, image)).backward()
             found = [p for p in model.parameters() if p.grad is not None]
         else:
             reached = []

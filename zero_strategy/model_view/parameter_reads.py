@@ -23,10 +23,11 @@ rank must read a DTensor's values; one rank alone is caught by the divergence ch
 the collective timeout). Inside a forward the read is that forward's use of the unit
 (the gather decides: `GatherManager.gather_for_read`), so a module that reads another's
 weight (`nn.MultiheadAttention`, its `out_proj`'s) on a path some ranks skip is merged
-with their gathers as a skipped module's is. Reads inside backward or a compiled region see the placeholder.
-Parameters of another tensor class (a DTensor under tensor parallelism) cannot be marked:
-the module owning one is re-classed instead (as `fully_shard` re-classes a module, under
-the class's own name), and its attribute read of such a parameter gathers the unit.
+with their gathers as a skipped module's is. Reads inside backward or a compiled region
+see the placeholder. Parameters of another tensor class (a DTensor under tensor
+parallelism) cannot be marked: the module owning one is re-classed instead (as
+`fully_shard` re-classes a module, under the class's own name), and its attribute read of
+such a parameter gathers the unit.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -312,12 +312,11 @@ class ShardedOptimizer:
                 plan = one_tile  # (planned above, with the same views and marks)
             else:
                 plan = self.step_lags.plan(tile, held, state, stepped)
-            with (
-                held_back(tile, plan.held_for_whole_steps(), state),
-                plan.missed_by_first_steps(state),
-            ):
-                whole = set(plan.held_for_whole_steps())
-                written[0] &= self._step_optimizers(chosen, tile, plan.apart, whole, hooks_outside)
+            put_back = plan.held_for_whole_steps()  # (by view id)
+            with held_back(tile, put_back, state), plan.missed_by_first_steps(state):
+                written[0] &= self._step_optimizers(
+                    chosen, tile, plan.apart, put_back.keys(), hooks_outside
+                )
             self.inside_step = True  # (a step() of a parent class the optimizer calls)
             try:
                 plan.finish(state, self.optimizer_set.owner_of)
@@ -428,7 +427,7 @@ class ShardedOptimizer:
         chosen: list[int],
         tile: list[OptimizerView],
         apart: set[int],
-        put_back: set[int],
+        put_back: Collection[int],
         hooks_outside: bool,
     ) -> bool:
         """Step the `chosen` optimizers over their views in `tile`: all of them, or with
