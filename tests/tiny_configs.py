@@ -21,6 +21,7 @@ SMALL: dict[str, Any] = {
     "embed_dim": 64,
     "word_embed_proj_dim": 64,
     "intermediate_size": 128,
+    "intermediate_size_mlp": 128,  # Llama 4's dense layers beside its experts
     "ffn_dim": 128,
     "n_inner": 128,
     "d_ff": 128,
@@ -96,8 +97,11 @@ SMALL: dict[str, Any] = {
     "image_size": 64,
     "out_hidden_size": 64,  # a vision tower's output: the text model's width
     "text_hidden_size": 64,
+    "projection_hidden_size": 64,  # Kimi's projector: its vision tower's width
     "max_source_positions": 32,
     "max_length": 64,
+    "num_query_tokens": 4,  # BLIP-2's and InstructBLIP's Q-Former queries
+    "latent_query_num": 4,  # Kosmos-2's image tokens
     "mm_tokens_per_image": 4,  # Gemma 3's image: 2x2 pooled features
 }
 # Per-stage lists of the vision and speech families (a convolutional network's stages,
@@ -269,17 +273,43 @@ def _vision_choices(values: dict[str, Any]) -> None:
     """What a composite model takes from its small vision tower: the hidden layers it reads
     (LLaVA's `vision_feature_layer`, VipLLaVA's list) among the tower's few, and the
     any-resolution grid (LLaVA-NeXT's `image_grid_pinpoints`, in tiles of the old image
-    size) in tiles of the small one."""
+    size) in tiles of the small one; the queries per image of a projector keyed by the
+    image's patch count (Aria's `projector_patch_to_query_dict`) for the small image's."""
     vision = values.get("vision_config") or {}
     depth, size = vision.get("num_hidden_layers"), vision.get("image_size")
     for key in ("vision_feature_layer", "vision_feature_layers"):
         chosen = values.get(key)
         if isinstance(depth, int) and _int_list(chosen):
             values[key] = [i for i in chosen if -depth - 1 <= i <= depth] or [-1]
+    patch, queries = vision.get("patch_size"), values.get("projector_patch_to_query_dict")
+    if isinstance(size, int) and isinstance(patch, int) and isinstance(queries, dict):
+        values["projector_patch_to_query_dict"] = {
+            (size // patch) ** 2: SMALL["mm_tokens_per_image"]
+        }
     grid = values.get("image_grid_pinpoints")
     if isinstance(size, int) and isinstance(grid, list) and grid and all(map(_int_list, grid)):
         tile = min(min(pair) for pair in grid)
         values["image_grid_pinpoints"] = [[v // tile * size for v in pair] for pair in grid]
+
+
+def _derived_widths(values: dict[str, Any]) -> None:
+    """Widths a vision tower's config states but its model derives, made again from the
+    small ones: the output of a tower that concatenates its final and chosen intermediate
+    layers (Mllama's `vision_output_dim`); a tower whose pixel shuffle widens each feature
+    by the ratio's inverse square before its projector (Llama 4's `intermediate_size`, its
+    projector's widths, and the output they make; the defaults do not agree among
+    themselves)."""
+    width = values.get("hidden_size")
+    if not isinstance(width, int) or "vision_output_dim" not in values:
+        return
+    chosen = values.get("intermediate_layers_indices")
+    if _int_list(chosen):
+        values["vision_output_dim"] = width * (1 + len(chosen))
+    ratio = values.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and "projector_output_dim" in values:
+        values["intermediate_size"] = round(width / ratio**2)
+        values["projector_input_dim"] = values["projector_output_dim"] = width
+        values["vision_output_dim"] = width
 
 
 def shrink(config, layerdrop: float = 0.0, **extra: Any):
@@ -299,6 +329,7 @@ def shrink(config, layerdrop: float = 0.0, **extra: Any):
     _token_ids(values)
     _rotary_sections(config, values)
     _vision_choices(values)
+    _derived_widths(values)
     return type(config)(**values)
 
 
@@ -313,10 +344,25 @@ def setting(config, name: str):
     return None
 
 
+def _open_gates(model) -> None:
+    """Gates that start shut (all zero: Mllama's tanh gates on its cross-attention layers
+    and tile embeddings, IDEFICS's `alpha_*`) drawn open, as training would leave them:
+    shut, a branch's output is multiplied by zero, so its inputs (an image) would change
+    neither the loss nor any gradient but the gate's."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if ("gate" in leaf or leaf.startswith("alpha")) and not param.any():
+                param.uniform_(0.25, 0.75, generator=g)
+
+
 def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000, layerdrop: float = 0.0):
     """The architecture `model_type` built tiny by a transformers auto class
-    (`AutoModelForCausalLM`), with seed 0, in fp32, its LayerDrop (if any) at `layerdrop`;
-    raises with the reason where it cannot be built so."""
+    (`AutoModelForCausalLM`), with seed 0, in fp32, its gates open, its LayerDrop (if any)
+    at `layerdrop`; raises with the reason where it cannot be built so."""
     import torch
     import transformers
 
@@ -333,6 +379,7 @@ def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000, layerd
         if isinstance(names, (list, tuple)):
             config.architectures = [names[0]]
     model = auto_class.from_config(config).float()
+    _open_gates(model)
     count = sum(p.numel() for p in model.parameters())
     if count > max_params:
         raise ValueError(f"{count:,} parameters once shrunk, over {max_params:,}")

@@ -1,11 +1,13 @@
 """Training inputs for any Hugging Face vision-language model, made by rule from the tiny
 model itself, where its processor would make them: an image in the first layout that the
 model takes (a flat batch of images; tiles of an image, with its size; patches flattened,
-with their grid), and, where the text says where the image's features go, as many image
-placeholders before the text as `get_image_features` gives features. Token types, where
-the forward takes them, mark the placeholders. A model with no placeholder (BLIP-2, GIT,
-an image encoder-decoder) takes the image beside the text. A text-only sample has no
-image and no placeholder."""
+with their grid, or with their grid's shape; a grid's tiles, with the grid's ratio), and, where the text says where
+the image's features go, as many image placeholders before the text as
+`get_image_features` gives features. Token types, where the forward takes them, mark the
+placeholders. A model with no placeholder (BLIP-2, GIT, an image encoder-decoder) takes
+the image beside the text; one whose text attends to the image (Mllama, IDEFICS) also
+takes which token sees which image; one told where the features go by a mask (Kosmos-2)
+takes the mask of its placeholders. A text-only sample has no image and no placeholder."""
 
 from __future__ import annotations
 
@@ -39,12 +41,24 @@ def _special_ids(config, found: set[int] | None = None) -> set[int]:
     return found
 
 
+def image_encoder(model) -> Callable | None:
+    """The model's `get_image_features`, or its base model's (DeepSeek-VL's, Fuyu's),
+    where only the base has one."""
+    for owner in (model, getattr(model, "model", None)):
+        found = getattr(owner, "get_image_features", None)
+        if callable(found):
+            return found
+    return None
+
+
 def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]]:
     """One image in each layout the rule knows, in order of trial: a flat batch; 1 to 5
-    tiles (an any-resolution model's image, in its grid's tiles and a thumbnail); patches
-    flattened, with their grid."""
+    tiles (an any-resolution model's image, in its grid's tiles and a thumbnail); patches,
+    each flattened or not, with their grid; a grid's tiles, with its ratio's id; patches
+    with their grid's shape and mask (SigLIP 2's); patches in a row (Fuyu's). Each with an
+    instruction where a Q-Former reads one (InstructBLIP's)."""
     vision = getattr(model.config, "vision_config", None) or model.config
-    images_by = getattr(model, "get_image_features", model.forward)
+    images_by = image_encoder(model) or model.forward
     takes = inspect.signature(images_by).parameters
     channels = setting(vision, "num_channels") or setting(vision, "in_channels") or 3
     size = setting(vision, "image_size") or 64
@@ -61,22 +75,78 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
 
         return image
 
-    def patches(g):
+    def patches(flat: bool):
         patch = setting(vision, "patch_size") or 14
         temporal = setting(vision, "temporal_patch_size") or 1
-        side = 2 * (setting(vision, "spatial_merge_size") or 1)
-        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=g)
-        return {"pixel_values": flat, "image_grid_thw": torch.tensor([[1, side, side]])}
+        merged = (
+            setting(vision, "spatial_merge_size")
+            or (setting(vision, "merge_kernel_size") or [1])[0]
+        )
+        side = 2 * merged
+        shape = (channels * temporal * patch * patch,) if flat else (channels, patch, patch)
 
-    if "image_grid_thw" in takes:
-        return [patches]
-    return [batched, *map(tiled, range(1, 6))]
+        def image(g):
+            pixels = torch.randn(side * side, *shape, generator=g)
+            return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+
+        return image
+
+    def tiles_with_their_ratio(g):  # Mllama: the tiles of the first supported grid
+        rows, columns = setting(vision, "supported_aspect_ratios")[0]
+        most = setting(vision, "max_num_tiles")
+        used = torch.zeros(1, 1, most, dtype=torch.long)
+        used[..., : rows * columns] = 1
+        return {
+            "pixel_values": torch.randn(1, 1, most, channels, height, width, generator=g),
+            "aspect_ratio_ids": torch.tensor([[1]]),  # the first supported (0 pads)
+            "aspect_ratio_mask": used,
+        }
+
+    def patches_with_their_shape(g):  # SigLIP 2's: an image's patches, its grid, a mask
+        patch = setting(vision, "patch_size") or 16
+        side = 2 * (setting(model.config, "downsample_factor") or 1)
+        pixels = torch.randn(1, side * side, channels * patch * patch, generator=g)
+        return {
+            "pixel_values": pixels,
+            "spatial_shapes": torch.tensor([[side, side]]),
+            "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.bool),
+        }
+
+    def patches_in_rows(g):  # Fuyu's: an image's patches, each flattened, as a sequence
+        patch = setting(vision, "patch_size") or 16
+        return {"pixel_values": torch.randn(1, 4, channels * patch * patch, generator=g)}
+
+    if "image_grid_thw" in takes:  # each patch flattened (Qwen-VL's), or not (Kimi's)
+        layouts = [patches(flat=True), patches(flat=False)]
+    elif "aspect_ratio_ids" in takes:
+        layouts = [tiles_with_their_ratio]
+    else:
+        shaped = [patches_with_their_shape] if "spatial_shapes" in takes else []
+        layouts = [batched, *map(tiled, range(1, 6)), *shaped, patches_in_rows]
+    if "qformer_input_ids" in takes:  # InstructBLIP's Q-Former reads an instruction too
+        return [_with_instruction(layout, model.config) for layout in layouts]
+    return layouts
+
+
+def _with_instruction(layout, config):
+    """The layout with an instruction for the Q-Former: a few of its vocabulary's ids."""
+    vocab = setting(config.qformer_config, "vocab_size")
+
+    def image(g):
+        instruction = torch.randint(3, vocab, (1, 4), generator=g)
+        return {
+            **layout(g),
+            "qformer_input_ids": instruction,
+            "qformer_attention_mask": torch.ones_like(instruction),
+        }
+
+    return image
 
 
 def _feature_tensors(model, image: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The features `get_image_features` gives one image, in the text's width: a tensor,
     a list of them, or an output whose `pooler_output` (else `last_hidden_state`) is."""
-    out = model.get_image_features(**image)
+    out = image_encoder(model)(**image)
     features = getattr(out, "pooler_output", out)
     if features is None:
         features = out.last_hidden_state
@@ -101,10 +171,20 @@ class VisionLanguageInputs:
         takes = inspect.signature(model.forward).parameters
         self.takes_text = "input_ids" in takes  # an image encoder-decoder takes labels only
         self.token_types = [k for k in ("token_type_ids", "mm_token_type_ids") if k in takes]
+        # A model whose text attends to the image (Mllama's, IDEFICS's cross-attention
+        # layers) takes which text token sees which image: here every token, every image.
+        self.cross_masks = [
+            k for k in ("cross_attention_mask", "image_attention_mask") if k in takes
+        ]
         vocab = getattr(model.config.get_text_config(), "vocab_size", None)
         if not isinstance(vocab, int):  # an action model (PI0): no text to train
             raise ValueError("no text vocabulary (vocab_size)")
         self.text_ids = torch.tensor(sorted(set(range(vocab)) - _special_ids(model.config)))
+        # A model told where the image's features go by a mask (Kosmos-2's) has no
+        # placeholder id: one of the text's ids stands for them, taken out of the text.
+        self.position_mask = "image_embeds_position_mask" in takes
+        if self.position_mask and self.token is None:
+            self.token, self.text_ids = int(self.text_ids[-1]), self.text_ids[:-1]
         self.per_image = 0
         why = ""  # the first layout's failure: the plainest one's
         for layout in _layouts(model):
@@ -135,7 +215,7 @@ class VisionLanguageInputs:
         """Whether the text says where each image feature goes (placeholders), or the
         model places the image itself (BLIP-2's queries, GIT's prefix, an encoder's
         input)."""
-        return self.token is not None and hasattr(model, "get_image_features")
+        return self.token is not None and image_encoder(model) is not None
 
     def sample(self, g: torch.Generator, image: bool) -> dict[str, torch.Tensor]:
         text = self.text_ids[torch.randint(0, len(self.text_ids), (1, TEXT), generator=g)]
@@ -147,6 +227,11 @@ class VisionLanguageInputs:
         out = {"input_ids": ids} if self.takes_text else {}
         out.update({"labels": labels, **pixels})
         out.update({k: (ids == self.token).long() for k in self.token_types if self.token})
+        if image and self.position_mask:
+            out["image_embeds_position_mask"] = (ids == self.token).long()
+        if image:  # the text by the images (and their tiles): pixel_values' middle dims
+            seen = (1, ids.shape[1], *pixels["pixel_values"].shape[1:-3])
+            out.update({k: torch.ones(seen, dtype=torch.long) for k in self.cross_masks})
         return out
 
     def image_only_parameters(self, model) -> list[torch.nn.Parameter]:
