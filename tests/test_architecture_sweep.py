@@ -72,10 +72,7 @@ def _train(
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if stage == "ddp":  # an expert, or a layer of another type, may get no token on a rank
-        runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    else:
-        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage, **config))
+    runner = _runner(model, opt, stage, **config)
     model.train()
     losses = []
     for step in range(STEPS):
@@ -84,6 +81,15 @@ def _train(
         step_and_state(runner, opt, loss)
         losses.append(loss.item())
     return losses, step_and_state(runner, opt, finish=True)
+
+
+def _runner(model, opt, stage, **config):
+    """torch's DDP (`stage` "ddp"), or the engine at `stage` with `config`. DDP finds
+    unused parameters: an expert, a vision tower or a layer of another type may get
+    nothing on a rank."""
+    if stage == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    return ZeroEngine(model, opt, ZeroConfig(stage=stage, **config))
 
 
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
@@ -138,10 +144,21 @@ def _ddp_run(family: str, model_type: str, sgd: bool = False, checkpointing: boo
     """The DDP run's (losses, state) (once per worker), and the LayerDrop it ran with:
     `LAYERDROP`, or none where DDP cannot train the model with it. Skips where DDP
     cannot train it at all."""
-    for layerdrop in dict.fromkeys((LAYERDROP, 0.0)):
-        ddp = _ddp_result(family, model_type, sgd, checkpointing, layerdrop)
+    return _first_trained_by_ddp(
+        model_type,
+        (LAYERDROP, 0.0),
+        lambda layerdrop: _ddp_result(family, model_type, sgd, checkpointing, layerdrop),
+    )
+
+
+def _first_trained_by_ddp(model_type: str, options, ddp_with) -> tuple:
+    """DDP's (losses, state) with the first of `options` that DDP trains the model with
+    (`ddp_with(option)` is `run_world`'s answer), and that option. Skips, with the last
+    one's error, where DDP trains it with none."""
+    for option in dict.fromkeys(options):
+        ddp = ddp_with(option)
         if all(status == "ok" for status, _ in ddp):
-            return _loaded(ddp[0][1]), layerdrop
+            return _loaded(ddp[0][1]), option
     reason = next(payload for status, payload in ddp if status != "ok")
     pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
 
@@ -299,10 +316,7 @@ def _train_vision_language(rank, world, model_type, stage, images_by_step, mode=
     elif mode == "lora":  # PEFT's adapters on every linear layer, the towers' too
         model = _with_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    if stage == "ddp":
-        runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    else:
-        runner = ZeroEngine(model, opt, ZeroConfig(stage=stage))
+    runner = _runner(model, opt, stage)
     model.train()
     losses = []
     for step, images in enumerate(images_by_step):
@@ -319,14 +333,13 @@ def _vision_language_ddp(model_type: str, mode: str):
     """DDP's (losses, state) and the images it trained with: `IMAGES_BY_STEP`, or an
     image on every rank at every step where the model cannot take a text-only batch.
     Skips where DDP cannot train it at all."""
-    for images in dict.fromkeys((IMAGES_BY_STEP, ((True, True),) * len(IMAGES_BY_STEP))):
-        ddp = run_world(
+    return _first_trained_by_ddp(
+        model_type,
+        (IMAGES_BY_STEP, ((True, True),) * len(IMAGES_BY_STEP)),
+        lambda images: run_world(
             _train_vision_language, 2, model_type, "ddp", images, mode, expect_errors=True
-        )
-        if all(status == "ok" for status, _ in ddp):
-            return _loaded(ddp[0][1]), images
-    reason = next(payload for status, payload in ddp if status != "ok")
-    pytest.skip(f"{model_type}: DDP itself does not train it: {reason.splitlines()[0][:200]}")
+        ),
+    )
 
 
 def _with_lora(model):

@@ -355,7 +355,8 @@ def _open_gates(model) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if ("gate" in leaf or leaf.startswith("alpha")) and not param.any():
+            shut = not param.is_meta and not param.any()  # (built on meta: loaded later)
+            if ("gate" in leaf or leaf.startswith("alpha")) and shut:
                 param.uniform_(0.25, 0.75, generator=g)
 
 

@@ -1,8 +1,8 @@
 """Training inputs for any Hugging Face vision-language model, made by rule from the tiny
 model itself, where its processor would make them: an image in the first layout that the
-model takes (a flat batch of images; tiles of an image, with its size; patches flattened,
-with their grid, or with their grid's shape; a grid's tiles, with the grid's ratio), and, where the text says where
-the image's features go, as many image placeholders before the text as
+model takes (a flat batch of images; tiles of an image, with its size; patches, with
+their grid or their grid's shape; a grid's tiles, with the grid's ratio), and, where the
+text says where the image's features go, as many image placeholders before the text as
 `get_image_features` gives features. Token types, where the forward takes them, mark the
 placeholders. A model with no placeholder (BLIP-2, GIT, an image encoder-decoder) takes
 the image beside the text; one whose text attends to the image (Mllama, IDEFICS) also
