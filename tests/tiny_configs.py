@@ -249,16 +249,30 @@ def _token_ids(values: dict[str, Any]) -> None:
             ]
 
 
+def _model_code_reads(config, name: str) -> bool:
+    """Whether the modeling module beside the config's module names `name` (a key the
+    model reads with a default of its own, which the config never states)."""
+    import importlib
+
+    module = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        return name in inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError, TypeError):
+        return False
+
+
 def _rotary_sections(config, values: dict[str, Any]) -> None:
     """Multimodal rotary sections (Qwen-VL's time, height and width) sized to half the
     small head's rotary part (all of it, or the part that turns): an old one in its
     proportions; where a config that takes them (`ignore_keys_at_rope_validation` names
     them) has none, the model's own default would be the large head's, so the rule sets
-    three near-equal ones."""
+    three near-equal ones, as where only the model's code reads them (PaddleOCR-VL)."""
     rope, head = values.get("rope_parameters"), values.get("head_dim")
     if not isinstance(head, int) and isinstance(values.get("hidden_size"), int):
         head = values["hidden_size"] // (values.get("num_attention_heads") or 1)
     takes = "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", ()) or ())
+    text = "vocab_size" in values  # (a vision tower's rotary is its own, not in sections)
+    takes = takes or (text and _model_code_reads(config, "mrope_section"))
     if not isinstance(rope, dict) or not head or not (takes or "mrope_section" in rope):
         return
     partial = rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1.0
