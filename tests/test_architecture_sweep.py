@@ -375,10 +375,11 @@ def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, mode
     """Images on both ranks, then on one, then on neither: at stage 3 each step equals
     DDP's to the bit (losses, and every tensor of the full state); with Transformers'
     gradient checkpointing; with the parameters only an image reaches (the vision tower,
-    its projector) frozen, as fine-tuning recipes do; with PEFT's LoRA adapters on every
-    linear layer. The rank without an image never runs the tower, so the ranks' forwards
-    differ; where the model cannot take a text-only batch, both see images on every
-    step."""
+    its projector; where the text attends to the image, Mllama's and IDEFICS's
+    cross-attention layers too) frozen, as fine-tuning recipes do; with PEFT's LoRA
+    adapters on every linear layer. The rank without an image never runs the tower, so
+    the ranks' forwards differ; where the model cannot take a text-only batch, both see
+    images on every step."""
     model = _vision_language_or_skip(model_type, mode)
     if mode == "checkpointing" and not model.supports_gradient_checkpointing:
         pytest.skip(f"{model_type}: Transformers does not support gradient checkpointing for it")

@@ -100,7 +100,7 @@ SMALL: dict[str, Any] = {
     "projection_hidden_size": 64,  # Kimi's projector: its vision tower's width
     "max_source_positions": 32,
     "max_length": 64,
-    "num_query_tokens": 4,  # BLIP-2's and InstructBLIP's Q-Former queries
+    "num_query_tokens": 4,  # BLIP-2's and InstructBLIP's Q-Former queries (32 before)
     "latent_query_num": 4,  # Kosmos-2's image tokens
     "mm_tokens_per_image": 4,  # Gemma 3's image: 2x2 pooled features
 }
@@ -249,16 +249,19 @@ def _token_ids(values: dict[str, Any]) -> None:
             ]
 
 
-def _model_code_reads(config, name: str) -> bool:
-    """Whether the modeling module beside the config's module names `name` (a key the
-    model reads with a default of its own, which the config never states)."""
+def _model_code_reads(config, key: str) -> bool:
+    """Whether the modeling module beside the config's module reads `key` from a dict
+    (`.get("key"` or `["key"]`: a key the model reads with a default of its own, which
+    the config never states); a mention in a comment does not count."""
     import importlib
+    import re
 
     module = type(config).__module__.replace(".configuration_", ".modeling_")
     try:
-        return name in inspect.getsource(importlib.import_module(module))
+        source = inspect.getsource(importlib.import_module(module))
     except (ImportError, OSError, TypeError):
         return False
+    return re.search(rf"""(\.get\(|\[)\s*["']{re.escape(key)}["']""", source) is not None
 
 
 def _rotary_sections(config, values: dict[str, Any]) -> None:
@@ -266,7 +269,8 @@ def _rotary_sections(config, values: dict[str, Any]) -> None:
     small head's rotary part (all of it, or the part that turns): an old one in its
     proportions; where a config that takes them (`ignore_keys_at_rope_validation` names
     them) has none, the model's own default would be the large head's, so the rule sets
-    three near-equal ones, as where only the model's code reads them (PaddleOCR-VL)."""
+    three near-equal ones, as where only the model's code reads the key from the config's
+    rotary dict (PaddleOCR-VL)."""
     rope, head = values.get("rope_parameters"), values.get("head_dim")
     if not isinstance(head, int) and isinstance(values.get("hidden_size"), int):
         head = values["hidden_size"] // (values.get("num_attention_heads") or 1)
@@ -297,6 +301,7 @@ def _vision_choices(values: dict[str, Any]) -> None:
             values[key] = [i for i in chosen if -depth - 1 <= i <= depth] or [-1]
     patch, queries = vision.get("patch_size"), values.get("projector_patch_to_query_dict")
     if isinstance(size, int) and isinstance(patch, int) and isinstance(queries, dict):
+        values.pop("max_value_projector_patch_to_query_dict", None)  # the config's, anew
         values["projector_patch_to_query_dict"] = {
             (size // patch) ** 2: SMALL["mm_tokens_per_image"]
         }
@@ -358,26 +363,33 @@ def setting(config, name: str):
     return None
 
 
+def _is_gate(leaf: str) -> bool:
+    """A parameter named as a branch's gate: `gate`, `*_gate` (Mllama's), `alpha_*`
+    (IDEFICS's); not a projection or bias of a gated unit (`gate_up_proj_bias`,
+    `input_gate_bias`), which start at zero for other reasons."""
+    return leaf == "gate" or leaf.endswith("_gate") or leaf.startswith("alpha_")
+
+
 def _open_gates(model) -> None:
     """Gates that start shut (all zero: Mllama's tanh gates on its cross-attention layers
     and tile embeddings, IDEFICS's `alpha_*`) drawn open, as training would leave them:
     shut, a branch's output is multiplied by zero, so its inputs (an image) would change
-    neither the loss nor any gradient but the gate's."""
+    neither the loss nor any gradient but the gate's. By name, in every tiny model (text
+    ones too: Mllama's text tower has them)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
             shut = not param.is_meta and not param.any()  # (built on meta: loaded later)
-            if ("gate" in leaf or leaf.startswith("alpha")) and shut:
+            if _is_gate(name.rsplit(".", 1)[-1]) and shut:
                 param.uniform_(0.25, 0.75, generator=g)
 
 
 def tiny_model(model_type: str, auto_class, max_params: int = 20_000_000, layerdrop: float = 0.0):
     """The architecture `model_type` built tiny by a transformers auto class
-    (`AutoModelForCausalLM`), with seed 0, in fp32, its gates open, its LayerDrop (if any)
-    at `layerdrop`; raises with the reason where it cannot be built so."""
+    (`AutoModelForCausalLM`), with seed 0, in fp32, its shut gates open (`_open_gates`),
+    its LayerDrop (if any) at `layerdrop`; raises with the reason where it cannot be built so."""
     import torch
     import transformers
 

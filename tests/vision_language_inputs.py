@@ -1,13 +1,14 @@
 """Training inputs for any Hugging Face vision-language model, made by rule from the tiny
 model itself, where its processor would make them: an image in the first layout that the
 model takes (a flat batch of images; tiles of an image, with its size; patches, with
-their grid or their grid's shape; a grid's tiles, with the grid's ratio), and, where the
-text says where the image's features go, as many image placeholders before the text as
-`get_image_features` gives features. Token types, where the forward takes them, mark the
-placeholders. A model with no placeholder (BLIP-2, GIT, an image encoder-decoder) takes
-the image beside the text; one whose text attends to the image (Mllama, IDEFICS) also
-takes which token sees which image; one told where the features go by a mask (Kosmos-2)
-takes the mask of its placeholders. A text-only sample has no image and no placeholder."""
+their grid or their grid's shape, or in a row; a grid's tiles, with the grid's ratio),
+and, where the text says where the image's features go, as many image placeholders
+before the text as `get_image_features` gives features. Token types, where the forward
+takes them, mark the placeholders. A model with no placeholder (BLIP-2, GIT, an image
+encoder-decoder) takes the image beside the text; one whose text attends to the image
+(Mllama, IDEFICS) also takes which token sees which image; one told where the features
+go by a mask (Kosmos-2) takes the mask of its placeholders. A text-only sample has no
+image and no placeholder."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from tiny_configs import setting
 
 TEXT = 8  # text tokens a sample
+FIRST_PLAIN_ID = 3  # the tiny configs put padding, start and end at 0, 1 and 2
 
 
 def placeholder(config) -> int | None:
@@ -52,10 +54,12 @@ def image_encoder(model) -> Callable | None:
 
 
 def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]]:
-    """One image in each layout the rule knows, in order of trial: a flat batch; 1 to 5
-    tiles (an any-resolution model's image, in its grid's tiles and a thumbnail); patches,
-    each flattened or not, with their grid; a grid's tiles, with its ratio's id; patches
-    with their grid's shape and mask (SigLIP 2's); patches in a row (Fuyu's). Each with an
+    """One image in each layout the model may take, in order of trial. A model that
+    takes a patch grid (`image_grid_thw`) tries patches, each flattened, then not; one
+    that takes a grid's ratio (`aspect_ratio_ids`) tries the grid's tiles with it; any
+    other tries a flat batch, 1 to 5 tiles (an any-resolution model's image, in its
+    grid's tiles and a thumbnail), patches with their grid's shape and mask (SigLIP 2's,
+    where it takes `spatial_shapes`), and patches in a row (Fuyu's). Each with an
     instruction where a Q-Former reads one (InstructBLIP's)."""
     vision = getattr(model.config, "vision_config", None) or model.config
     images_by = image_encoder(model) or model.forward
@@ -133,7 +137,7 @@ def _with_instruction(layout, config):
     vocab = setting(config.qformer_config, "vocab_size")
 
     def image(g):
-        instruction = torch.randint(3, vocab, (1, 4), generator=g)
+        instruction = torch.randint(FIRST_PLAIN_ID, vocab, (1, 4), generator=g)
         return {
             **layout(g),
             "qformer_input_ids": instruction,
@@ -182,8 +186,8 @@ class VisionLanguageInputs:
         self.text_ids = torch.tensor(sorted(set(range(vocab)) - _special_ids(model.config)))
         # A model told where the image's features go by a mask (Kosmos-2's) has no
         # placeholder id: one of the text's ids stands for them, taken out of the text.
-        self.position_mask = "image_embeds_position_mask" in takes
-        if self.position_mask and self.token is None:
+        self.takes_position_mask = "image_embeds_position_mask" in takes
+        if self.takes_position_mask and self.token is None:
             self.token, self.text_ids = int(self.text_ids[-1]), self.text_ids[:-1]
         self.per_image = 0
         why = ""  # the first layout's failure: the plainest one's
@@ -203,9 +207,11 @@ class VisionLanguageInputs:
         """Two samples alike but for their image give two losses (a forward that takes
         `pixel_values` into `**kwargs` and drops it would train on the text alone)."""
         losses = []
-        for seed in (0, 1):
+        for seed in (0, 1):  # only the pixels differ (not a Q-Former's instruction)
             sample = self.sample(torch.Generator().manual_seed(0), image=True)
-            sample.update(self.layout(torch.Generator().manual_seed(seed)))
+            sample["pixel_values"] = self.layout(torch.Generator().manual_seed(seed))[
+                "pixel_values"
+            ]
             with torch.no_grad():
                 losses.append(model(**sample).loss)
         if torch.equal(*losses):
@@ -227,11 +233,14 @@ class VisionLanguageInputs:
         out = {"input_ids": ids} if self.takes_text else {}
         out.update({"labels": labels, **pixels})
         out.update({k: (ids == self.token).long() for k in self.token_types if self.token})
-        if image and self.position_mask:
+        if image and self.takes_position_mask:
             out["image_embeds_position_mask"] = (ids == self.token).long()
-        if image:  # the text by the images (and their tiles): pixel_values' middle dims
-            seen = (1, ids.shape[1], *pixels["pixel_values"].shape[1:-3])
-            out.update({k: torch.ones(seen, dtype=torch.long) for k in self.cross_masks})
+        if image:  # each text token sees each image: (1, text, images[, tiles])
+            images = pixels["pixel_values"].shape[1:-3]  # Mllama's (images, tiles); IDEFICS's
+            seen = torch.ones(1, ids.shape[1], *images, dtype=torch.long)
+            if "aspect_ratio_mask" in pixels:  # not a grid's padding tiles
+                seen = seen * pixels["aspect_ratio_mask"][:, None]
+            out.update({k: seen for k in self.cross_masks})
         return out
 
     def image_only_parameters(self, model) -> list[torch.nn.Parameter]:
