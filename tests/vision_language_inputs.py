@@ -120,7 +120,16 @@ def _layouts(model) -> list[Callable[[torch.Generator], dict[str, torch.Tensor]]
         patch = setting(vision, "patch_size") or 16
         return {"pixel_values": torch.randn(1, 4, channels * patch * patch, generator=g)}
 
-    if "image_grid_thw" in takes:  # each patch flattened (Qwen-VL's), or not (Kimi's)
+    def patches_with_their_places(g):  # Pix2Struct's: each patch after its row, column
+        width = setting(vision, "patch_embed_hidden_size")
+        rows, columns = torch.meshgrid(torch.arange(1, 3.0), torch.arange(1, 3.0), indexing="ij")
+        places = torch.stack([rows.flatten(), columns.flatten()], -1)[None]
+        patches = torch.randn(1, 4, width, generator=g)
+        return {"flattened_patches": torch.cat([places, patches], -1)}
+
+    if "flattened_patches" in takes:
+        layouts = [patches_with_their_places]
+    elif "image_grid_thw" in takes:  # each patch flattened (Qwen-VL's), or not (Kimi's)
         layouts = [patches(flat=True), patches(flat=False)]
     elif "aspect_ratio_ids" in takes:
         layouts = [tiles_with_their_ratio]
@@ -209,9 +218,8 @@ class VisionLanguageInputs:
         losses = []
         for seed in (0, 1):  # only the pixels differ (not a Q-Former's instruction)
             sample = self.sample(torch.Generator().manual_seed(0), image=True)
-            sample["pixel_values"] = self.layout(torch.Generator().manual_seed(seed))[
-                "pixel_values"
-            ]
+            image = self.layout(torch.Generator().manual_seed(seed))
+            sample.update({k: v for k, v in image.items() if v.is_floating_point()})
             with torch.no_grad():
                 losses.append(model(**sample).loss)
         if torch.equal(*losses):
@@ -235,7 +243,9 @@ class VisionLanguageInputs:
         out.update({k: (ids == self.token).long() for k in self.token_types if self.token})
         if image and self.takes_position_mask:
             out["image_embeds_position_mask"] = (ids == self.token).long()
-        if image:  # each text token sees each image: (1, text, images[, tiles])
+        if (
+            image and self.cross_masks
+        ):  # each text token sees each image: (1, text, images[, tiles])
             images = pixels["pixel_values"].shape[1:-3]  # Mllama's (images, tiles); IDEFICS's
             seen = torch.ones(1, ids.shape[1], *images, dtype=torch.long)
             if "aspect_ratio_mask" in pixels:  # not a grid's padding tiles
