@@ -12,7 +12,7 @@ refused by name.
 
 An architecture that cannot be built tiny, that takes none of the inputs the rule makes,
 or that DDP itself cannot train so, is skipped with the reason: not a finding about this
-engine. Not in the default run (460 architectures, 15-17 minutes):
+engine. Not in the default run (460 architectures, 16-18 minutes):
 `bash scripts/test.sh -m sweep tests/test_architecture_sweep.py`."""
 
 from __future__ import annotations
