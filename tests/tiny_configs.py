@@ -6,6 +6,7 @@ is off unless asked for (its draws come from the seeded generator: two runs drop
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -249,19 +250,30 @@ def _token_ids(values: dict[str, Any]) -> None:
             ]
 
 
-def _model_code_reads(config, key: str) -> bool:
-    """Whether the modeling module beside the config's module reads `key` from a dict
+@functools.cache
+def _model_code_reads(config_module: str, key: str) -> bool:
+    """Whether the modeling module beside a config's module reads `key` from a dict
     (`.get("key"` or `["key"]`: a key the model reads with a default of its own, which
-    the config never states); a mention in a comment does not count."""
+    the config never states); a mention in a comment does not count. Read once a module
+    (every rank shrinks every config of the model)."""
     import importlib
     import re
 
-    module = type(config).__module__.replace(".configuration_", ".modeling_")
+    module = config_module.replace(".configuration_", ".modeling_")
     try:
         source = inspect.getsource(importlib.import_module(module))
     except (ImportError, OSError, TypeError):
         return False
     return re.search(rf"""(\.get\(|\[)\s*["']{re.escape(key)}["']""", source) is not None
+
+
+def _takes_rotary_sections(config, values: dict[str, Any]) -> bool:
+    """Whether the model reads multimodal rotary sections from a config that states
+    none: its validation lets the key through (`ignore_keys_at_rope_validation`), or, for
+    a text tower (a vision tower's rotary is its own, not in sections), its code reads it."""
+    if "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", ()) or ()):
+        return True
+    return "vocab_size" in values and _model_code_reads(type(config).__module__, "mrope_section")
 
 
 def _rotary_sections(config, values: dict[str, Any]) -> None:
@@ -274,10 +286,9 @@ def _rotary_sections(config, values: dict[str, Any]) -> None:
     rope, head = values.get("rope_parameters"), values.get("head_dim")
     if not isinstance(head, int) and isinstance(values.get("hidden_size"), int):
         head = values["hidden_size"] // (values.get("num_attention_heads") or 1)
-    takes = "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", ()) or ())
-    text = "vocab_size" in values  # (a vision tower's rotary is its own, not in sections)
-    takes = takes or (text and _model_code_reads(config, "mrope_section"))
-    if not isinstance(rope, dict) or not head or not (takes or "mrope_section" in rope):
+    if not isinstance(rope, dict) or not head:
+        return
+    if "mrope_section" not in rope and not _takes_rotary_sections(config, values):
         return
     partial = rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1.0
     half = int(head * partial) // 2
@@ -381,8 +392,9 @@ def _open_gates(model) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shut = not param.is_meta and not param.any()  # (built on meta: loaded later)
-            if _is_gate(name.rsplit(".", 1)[-1]) and shut:
+            if not _is_gate(name.rsplit(".", 1)[-1]) or param.is_meta:  # (meta: loaded later)
+                continue
+            if not param.any():  # shut
                 param.uniform_(0.25, 0.75, generator=g)
 
 

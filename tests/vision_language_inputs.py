@@ -243,10 +243,10 @@ class VisionLanguageInputs:
         out.update({k: (ids == self.token).long() for k in self.token_types if self.token})
         if image and self.takes_position_mask:
             out["image_embeds_position_mask"] = (ids == self.token).long()
-        if (
-            image and self.cross_masks
-        ):  # each text token sees each image: (1, text, images[, tiles])
-            images = pixels["pixel_values"].shape[1:-3]  # Mllama's (images, tiles); IDEFICS's
+        if image and self.cross_masks:
+            # Each text token sees each image: (1, text, images[, tiles]), the middle
+            # dims of Mllama's pixel_values (images, tiles) or IDEFICS's (images).
+            images = pixels["pixel_values"].shape[1:-3]
             seen = torch.ones(1, ids.shape[1], *images, dtype=torch.long)
             if "aspect_ratio_mask" in pixels:  # not a grid's padding tiles
                 seen = seen * pixels["aspect_ratio_mask"][:, None]
