@@ -25,6 +25,10 @@ preload(
 )
 
 MODES = ("eager", "before", "after", "blocks")
+# Compiled after the hand-over, `engine.module` is the very module the engine calls when the
+# model was compiled before it: the small GPT's runs pin "after" at every stage, the MoE and
+# Transformers runs take the other two modes.
+WHOLE_OR_BLOCKS = ("eager", "before", "blocks")
 STEPS = 4
 
 
@@ -310,7 +314,7 @@ def test_accelerate_compiles_with_its_dynamo_backend_at_stage_3():
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=MODES, evaluate=False):
+def _moe_modes(rank, world, stage, compute_dtype="fp32", modes=WHOLE_OR_BLOCKS, evaluate=False):
     """Each mode's training losses (with `evaluate`, followed by each step's evaluation
     loss: forwards with graphs of their own), the graphs made and the breaks."""
     from test_moe import MOE, moe_model
@@ -361,16 +365,16 @@ SHARDING_STAGES = [2, 3]
 
 
 @pytest.mark.parametrize("stage", SHARDING_STAGES)
-def test_moe_expert_parallel_compiles_in_every_mode(stage):
-    """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole before or
-    after the hand-over or per block, trains with eager's losses, does not recompile
-    after step 2, and breaks only where MOE_BREAKS says (the routing's all-to-all runs
-    between graphs). At stage 3 (the gathers in every forward) each step is followed by
-    an evaluation forward, with eager's loss and no recompile after step 2 either: 40% more
-    compile time, so not at stage 2 too."""
+def test_moe_expert_parallel_compiles_whole_or_per_block(stage):
+    """An MoE GPT with experts over 2 expert-parallel ranks, compiled whole or per block,
+    trains with eager's losses, does not recompile after step 2, and breaks only where
+    MOE_BREAKS says (the routing's all-to-all runs between graphs). At stage 3 (the
+    gathers in every forward) each step is followed by an evaluation forward, with eager's
+    loss and no recompile after step 2 either: 40% more compile time, so not at stage 2
+    too."""
     results = run_world(_moe_modes, 2, stage, evaluate=stage == 3, timeout=600)[0]
     eager = results["eager"][0]
-    for mode in MODES[1:]:
+    for mode in WHOLE_OR_BLOCKS[1:]:
         losses, graphs, breaks = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-4), mode
@@ -380,16 +384,12 @@ def test_moe_expert_parallel_compiles_in_every_mode(stage):
 def test_moe_expert_parallel_compiles_in_bf16_at_stage_3():
     """The same in bf16 compute: compiled whole or per block, eager's losses within bf16's
     reordering (as the dense model's bf16 run)."""
-    modes = ("eager", "before", "blocks")
-    results = run_world(_moe_modes, 2, 3, "bf16", modes, timeout=600)[0]
+    results = run_world(_moe_modes, 2, 3, "bf16", timeout=600)[0]
     eager = results["eager"][0]
-    for mode in modes[1:]:
+    for mode in WHOLE_OR_BLOCKS[1:]:
         losses, graphs, _ = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-2), mode
-
-
-HF_MODES = ("eager", "before", "blocks")
 
 
 def _hf_gpt2():
@@ -430,7 +430,7 @@ def _hf_modes(rank, world, stage):
     `engine.module` after the hand-over compiles the same module as compiling it before
     (the engine calls that wrapper), so "after" is left to the small GPT's runs."""
     out = {}
-    for mode in HF_MODES:
+    for mode in WHOLE_OR_BLOCKS:
         _fresh_dynamo()
         gpt2 = _hf_gpt2()
         model = _compiled_before(gpt2, mode, backend="aot_eager", blocks=gpt2.transformer.h)
@@ -458,7 +458,7 @@ def test_a_transformers_model_compiles_in_every_mode(stage):
     pytest.importorskip("transformers")
     results = run_world(_hf_modes, 2, stage, timeout=900)[0]
     eager, _ = results["eager"]
-    for mode in HF_MODES[1:]:
+    for mode in WHOLE_OR_BLOCKS[1:]:
         losses, breaks = results[mode]
         assert losses == pytest.approx(eager, rel=1e-4), mode
         if mode == "blocks":
@@ -477,7 +477,7 @@ def _hf_moe_modes(rank, world):
     from test_hf_moe import PER_RANK, build, global_batches
 
     out = {}
-    for mode in HF_MODES:
+    for mode in WHOLE_OR_BLOCKS:
         _fresh_dynamo()
         mixtral = build("mixtral")
         layers = mixtral.model.layers  # MoE layers break inside: not fullgraph
@@ -501,7 +501,7 @@ def test_a_transformers_moe_model_compiles_expert_parallel():
     pytest.importorskip("transformers")
     results = run_world(_hf_moe_modes, 2, timeout=600)[0]
     eager = results["eager"][0]
-    for mode in HF_MODES[1:]:
+    for mode in WHOLE_OR_BLOCKS[1:]:
         losses, graphs, breaks = results[mode]
         assert graphs > 0, mode
         assert losses == pytest.approx(eager, rel=1e-4), mode
