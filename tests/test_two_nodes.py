@@ -36,9 +36,11 @@ def reference():
     return train_reference(STEPS, ACCUM, CLIP)
 
 
-def _across_two_nodes(tmp_path: Path, stage: int, per_node: int, config=None) -> dict:
+def _across_two_nodes(tmp_path: Path, per_node: int, runs: list[dict]) -> list[dict]:
+    """Each of `runs` (ZeroConfig fields) trained in turn in one launch across the two
+    nodes: what each run's main rank reported, its full state, its checkpoint's path."""
     out = tmp_path / "out"
-    argv = [WORKER, str(out), str(stage), str(STEPS), json.dumps(config or {})]
+    argv = [WORKER, str(out), str(STEPS), json.dumps(runs)]
     with two_nodes.TwoNodes(rate="1gbit", delay="0.5ms") as nodes:
         codes = nodes.run(argv, per_node, timeout=300, logs=tmp_path)
         namespaces = nodes.namespaces
@@ -46,51 +48,66 @@ def _across_two_nodes(tmp_path: Path, stage: int, per_node: int, config=None) ->
     assert codes == [0, 0], logs
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in left for name in namespaces)  # torn down
-    run = json.loads((out / "run.json").read_text())
-    run["state"] = load_file(str(out / "state.safetensors"))
-    return run
+    reports = []
+    for i in range(len(runs)):
+        report = json.loads((out / str(i) / "run.json").read_text())
+        report["state"] = load_file(str(out / str(i) / "state.safetensors"))
+        report["checkpoint"] = str(out / str(i) / "checkpoint")
+        reports.append(report)
+    return reports
 
 
-@pytest.mark.parametrize(("stage", "per_node"), [(1, 1), (2, 1), (3, 1), (3, 2)])
-def test_two_nodes_train_as_one_process(tmp_path, reference, stage, per_node):
+def _assert_trained_as_one_process(run: dict, reference, stage: int, per_node: int) -> None:
+    """The run's losses and weights are one process's on the union of the batches; the
+    gradient reductions' bytes split across and within the nodes as the ranks do; its
+    checkpoint, written by the ranks of both nodes, loads on one node in one process."""
     ref_losses, ref_state = reference
-    run = _across_two_nodes(tmp_path, stage, per_node)
     assert run["world"] == 2 * per_node
-    assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert run["losses"] == pytest.approx(ref_losses, rel=1e-5), stage
     assert run["state"].keys() == ref_state.keys()
-    assert rel_l2(run["state"], ref_state) < 1e-5
+    assert rel_l2(run["state"], ref_state) < 1e-5, stage
     # Node 0's first rank received each gradient reduction's 1/n slices (an all-reduce's
     # twice) from the other node's ranks, and from its own node's (torchrun's
     # LOCAL_WORLD_SIZE says which are which).
     kind = "reduce_scatter" if "reduce_scatter" in run["comm"] else "all_reduce"  # stage 1
     reduced = run["comm"][kind]
     share = reduced["bytes"] * (2 if kind == "all_reduce" else 1) // (2 * per_node)
-    assert reduced["across_node_bytes"] == share * per_node
-    assert reduced["within_node_bytes"] == share * (per_node - 1)
-    # The checkpoint the ranks of both nodes wrote loads on one node, in one process.
-    for reloaded in run_world(_reload, 1, str(tmp_path / "out" / "checkpoint"), stage):
+    assert reduced["across_node_bytes"] == share * per_node, stage
+    assert reduced["within_node_bytes"] == share * (per_node - 1), stage
+    for reloaded in run_world(_reload, 1, run["checkpoint"], stage):
         assert reloaded.keys() == run["state"].keys()
-        assert all(torch.equal(reloaded[k], v) for k, v in run["state"].items())
+        assert all(torch.equal(reloaded[k], v) for k, v in run["state"].items()), stage
 
 
-@pytest.mark.parametrize("compressed", [False, True], ids=["hierarchical", "hierarchical+int8"])
-def test_two_hops_across_the_link(tmp_path, reference, compressed):
-    """secondary_partition_size=2 over 2 nodes x 2 ranks: as one process (exactly enough
-    without int8), and the bytes across the link are the planner's to the byte."""
-    config = {"secondary_partition_size": 2}
-    if compressed:
-        config.update(quantized_weights=True, quantized_gradients=True)
-    run = _across_two_nodes(tmp_path, 3, 2, config)
+def test_two_nodes_train_as_one_process_at_every_stage(tmp_path, reference):
+    """Stages 1, 2 and 3, one rank per node, in turn in one launch."""
+    stages = (1, 2, 3)
+    runs = _across_two_nodes(tmp_path, 1, [{"stage": stage} for stage in stages])
+    for stage, run in zip(stages, runs, strict=True):
+        _assert_trained_as_one_process(run, reference, stage, per_node=1)
+
+
+def test_two_ranks_per_node_train_as_one_process_and_two_hops_cross_as_planned(tmp_path, reference):
+    """Two ranks per node at stage 3, in turn in one launch: as one process; then with
+    secondary_partition_size=2 (gathers across nodes then within, the column kept from
+    forward to backward) as one process too (exactly enough without int8), and with int8
+    over the hop within 1%; with both the bytes across the link are the planner's to the
+    byte."""
+    hierarchical = {"stage": 3, "secondary_partition_size": 2}
+    int8 = {**hierarchical, "quantized_weights": True, "quantized_gradients": True}
+    plain_run, hierarchical_run, int8_run = _across_two_nodes(
+        tmp_path, 2, [{"stage": 3}, hierarchical, int8]
+    )
+    _assert_trained_as_one_process(plain_run, reference, 3, per_node=2)
     ref_losses, ref_state = reference
-    if not compressed:
-        assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
-        assert rel_l2(run["state"], ref_state) < 1e-5
-    else:
-        assert run["losses"] == pytest.approx(ref_losses, rel=1e-2)
-    across = sum(v["across_node_bytes"] for k, v in run["comm"].items() if k != "control")
-    link = LinkSetup(4, 2, **config)
-    step = link.step_bytes(padded_unit_numels(make_model(), 4))
-    assert across == ACCUM * step["gather"] + step["reduce"]  # the last step's
+    assert hierarchical_run["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert rel_l2(hierarchical_run["state"], ref_state) < 1e-5
+    assert int8_run["losses"] == pytest.approx(ref_losses, rel=1e-2)
+    for config, run in ((hierarchical, hierarchical_run), (int8, int8_run)):
+        across = sum(v["across_node_bytes"] for k, v in run["comm"].items() if k != "control")
+        link = LinkSetup(4, 2, **{k: v for k, v in config.items() if k != "stage"})
+        step = link.step_bytes(padded_unit_numels(make_model(), 4))
+        assert across == ACCUM * step["gather"] + step["reduce"], config  # the last step's
 
 
 def _reload(rank, world, path, stage):
