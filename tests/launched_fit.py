@@ -21,19 +21,16 @@ import zero_strategy  # noqa: E402, F401
 STEPS = 4
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--accelerator", default="cpu")
-    args = parser.parse_args()
-    world = args.devices * args.num_nodes
+def fit(out: str, devices: int, num_nodes: int = 1, accelerator: str = "cpu") -> dict:
+    """Fit the small module for STEPS steps; this rank's report, also written to
+    OUT/rank{global rank}.json. Also run in forked ranks (tests/distributed.py), as a
+    one-node reference."""
+    world = devices * num_nodes
     trainer = quiet_trainer(
-        args.devices,
+        devices,
         "zero3",
-        num_nodes=args.num_nodes,
-        accelerator=args.accelerator,
+        num_nodes=num_nodes,
+        accelerator=accelerator,
         max_steps=STEPS,
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
@@ -51,13 +48,24 @@ def main() -> None:
         "engine_world": trainer.strategy.engine.world_size,
         "losses": module.losses,
     }
-    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
     held = trainer.strategy.engine.memory_report()["gathered_parameters"]
     assert held == 0, f"{held} bytes of parameters still gathered (or being gathered) after fit"
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args()
+    report = fit(args.out, args.devices, args.num_nodes, args.accelerator)
     # Tear the process groups down before the interpreter does: a gloo group destroyed
     # during interpreter shutdown can abort ("terminate called without an active exception").
     torch.distributed.destroy_process_group()
-    print(f"rank {trainer.global_rank} done", flush=True)
+    print(f"rank {report['rank']} done", flush=True)
 
 
 if __name__ == "__main__":
