@@ -1,5 +1,5 @@
-"""One rank of a job that meets a fault: the tests launch it as plain processes (or under
-torchrun) and check how each rank ends.
+"""One rank of a job that meets a fault: the tests fork it (`run`) or launch it under
+torchrun, and check how each rank ends.
 
     die PHASE SIGNAL SEED      rank 1 sends itself SIGNAL at a random module's forward or
                                backward (picked by SEED), or in the optimizer step
@@ -146,11 +146,17 @@ def resume(ckpt: str, out: str, steps: str, kill: str) -> None:
     print("finished", flush=True)
 
 
+def run(mode: str, *args: str) -> None:
+    """The job's body, in a process whose default group is made (the tests fork it from
+    theirs, or launch this script)."""
+    assert TINY.n_layer >= 1
+    {"die": die, "save": save, "resume": resume}[mode](*args)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    assert TINY.n_layer >= 1
     dist.init_process_group("gloo")
     try:
-        {"die": die, "save": save, "resume": resume}[sys.argv[1]](*sys.argv[2:])
+        run(*sys.argv[1:])
     finally:
         dist.destroy_process_group()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_processes, run_world
+from distributed import fork_processes, run_processes, run_world
+from fault_worker import run as fault_job
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 STARTUP = 40.0  # importing torch and building the engine, on a loaded 2-core machine
@@ -22,8 +23,8 @@ def test_a_rank_killed_mid_step_ends_the_others_with_an_error_naming_the_collect
     """Rank 1 is SIGKILLed at a random module's forward or backward, or in the step: rank 0
     raises PeerLostError naming the collective it was in, and exits non-zero on its own
     (no supervisor kills it), well within the collective timeout (5 s) plus start-up."""
-    (rc0, out0, took0), (rc1, _, _) = run_processes(
-        [sys.executable, WORKER, "die", phase, "SIGKILL", str(seed)], 2, timeout=120
+    (rc0, out0, took0), (rc1, _, _) = fork_processes(
+        fault_job, ("die", phase, "SIGKILL", str(seed)), 2, timeout=120
     )
     assert rc1 == -9
     assert rc0 == 1, out0  # an error exit: not a hang (None), not an abort (-6)
@@ -36,8 +37,8 @@ def test_a_rank_killed_mid_step_ends_the_others_with_an_error_naming_the_collect
 def test_a_rank_that_hangs_ends_the_others_within_the_collective_timeout():
     """A stopped (SIGSTOP) rank holds its sockets open: the survivor raises once the
     engine's collective timeout (5 s) runs out, naming the collective."""
-    (rc0, out0, took0), _ = run_processes(  # the stopped rank never ends: no grace for it
-        [sys.executable, WORKER, "die", "backward", "SIGSTOP", "4"], 2, timeout=120, grace=1
+    (rc0, out0, took0), _ = fork_processes(  # the stopped rank never ends: no grace for it
+        fault_job, ("die", "backward", "SIGSTOP", "4"), 2, timeout=120, grace=1
     )
     assert rc0 == 1, out0
     assert "PeerLostError: A peer stopped answering during " in out0
@@ -70,9 +71,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_whole_checkpoint(point, victim, 
     from zero_strategy import CheckpointError, ZeroConfig, ZeroEngine
 
     ckpt = tmp_path / "ckpt"
-    results = run_processes(
-        [sys.executable, WORKER, "save", str(ckpt), point, str(victim)], 2, timeout=120
-    )
+    results = fork_processes(fault_job, ("save", str(ckpt), point, str(victim)), 2, timeout=120)
     assert results[victim][0] == -9, results[victim][1]
     rc, out, _ = results[1 - victim]
     assert rc not in (0, None), out  # ended with an error, on its own
@@ -107,12 +106,12 @@ def _torchrun(script: str, *args: str, restarts: int, share: str = "1", timeout:
 def test_torchrun_restarts_a_killed_engine_job_and_it_ends_with_the_same_losses(tmp_path):
     """Rank 1 is killed in the backward of step 3 (a checkpoint was saved after step 2);
     torchrun --max-restarts 1 restarts both ranks, which resume from the checkpoint and
-    finish with the losses of an uninterrupted run, step for step."""
+    finish with the losses of an uninterrupted run (two ranks forked here), step for
+    step."""
     steps = "6"
-    plain = _torchrun(
-        WORKER, "resume", str(tmp_path / "a"), str(tmp_path / "a.json"), steps, "-1", restarts=0
-    )
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain = ("resume", str(tmp_path / "a"), str(tmp_path / "a.json"), steps, "-1")
+    for code, out, _ in fork_processes(fault_job, plain, 2, timeout=200):
+        assert code == 0, out[-3000:]
     hit = _torchrun(
         WORKER, "resume", str(tmp_path / "b"), str(tmp_path / "b.json"), steps, "3", restarts=1
     )
@@ -129,11 +128,13 @@ def test_lightning_resumes_from_last_ckpt_after_a_kill_during_its_save(tmp_path)
     torchrun restart resumes from it with fit(ckpt_path="last"), and the losses equal
     an uninterrupted run's."""
     pytest.importorskip("lightning")
+    from fault_lightning import main as lightning_job
+
     script = str(Path(__file__).with_name("fault_lightning.py"))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    plain = _torchrun(script, str(tmp_path / "a"), "6", "-1", restarts=0)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    for code, out, _ in fork_processes(lightning_job, (str(tmp_path / "a"), "6", "-1"), 2, 200):
+        assert code == 0, out[-3000:]  # uninterrupted, in two ranks forked here
     hit = _torchrun(script, str(tmp_path / "b"), "6", "3", restarts=1)
     assert hit.returncode == 0, hit.stderr[-3000:]
     assert "failed (exitcode: -9) local_rank: 1" in hit.stderr
