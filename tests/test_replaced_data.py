@@ -122,22 +122,47 @@ def test_values_written_by_data_reach_a_checkpoint_taken_before_any_forward(stag
             assert torch.equal(state, written) and torch.equal(loaded, written)
 
 
-def _other_dtype(rank, world):
+def _other_dtype(rank, world, stage):
+    """A bf16 model converted to fp32 after a step (its `wpe` frozen from the start): what
+    two evaluation forwards warn, then what a training forward raises."""
     import warnings
 
     model = make_model()
-    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=2, compute_dtype="bf16"))
+    model.wpe.weight.requires_grad_(False)
+    config = ZeroConfig(stage=stage, compute_dtype="bf16")
+    engine = ZeroEngine(model, make_optimizer(model), config)
+    x, y = local_batch(0, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.float()  # the parameters converted: the engine's steps no longer reach them
-        for step in range(2):
-            engine.backward(engine(*local_batch(step, 0, rank, world)))
-            engine.step()
+        model.float()  # converted after the hand-over
+        with torch.no_grad():
+            for _ in range(2):
+                engine(x, y)
+        try:
+            engine(x, y)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
     engine.close()
-    return [str(w.message) for w in caught if "dtype" in str(w.message)]
+    return [str(w.message) for w in caught if "dtype" in str(w.message)], refused
 
 
-def test_data_replaced_by_another_dtype_is_named_once():
-    for said in run_world(_other_dtype, 2):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_converted_to_another_dtype_is_named_in_evaluation_and_refused_in_training(stage):
+    """`model.float()` (or `.half()`) after the engine took the model: an evaluation
+    forward warns once, naming the parameters; at stages 0-2 a training forward is
+    refused, naming the trained ones and the fix (compute_dtype). Before, the steps at
+    stage 2 silently stopped reaching the weights, and stages 0-1 failed in backward on
+    torch's gradient dtype check. At stage 3 the engine's values are shown again at the
+    first look (the warning says the conversion is ignored), and training goes on."""
+    for said, refused in run_world(_other_dtype, 2, stage):
         assert len(said) == 1 and "blocks.0.fc.weight" in said[0]
         assert "torch.bfloat16" in said[0]
+        if stage == 3:
+            assert refused == "" and "ignored" in said[0]
+            continue
+        assert "blocks.0.fc.weight" in refused and "compute_dtype" in refused
+        assert "wpe.weight" not in refused  # frozen: no step to lose

@@ -269,7 +269,7 @@ class ZeroEngine:
         through a method other than the root's forward (Lightning's training_step) calls
         it, and `after_forward`, itself, as DDP's forward redirection does."""
         self.honour_outside_zero_grad()
-        self._replaced.look()
+        self._replaced.look(training=torch.is_grad_enabled())
         self.optim.settle_in_background()  # the last step's writes: their buffers go
         self._full_grads.hide(faces=torch.is_grad_enabled())  # a backward may follow
         self.reducer.hooks.rehook_converted()

@@ -66,6 +66,22 @@ def converted_warning(names: list[str], dtype: torch.dtype, stage: int) -> str:
     )
 
 
+def converted_error(names: list[str], dtype: torch.dtype) -> ValueError:
+    """The refusal of a training forward (stages 0-2) whose trained parameters now hold
+    another dtype than the engine's: the optimizer's steps could not reach them (at stage
+    2 they went on silently without them; at stages 0-1 the backward failed on torch's
+    gradient dtype check). At stage 3 the next gather shows the engine's values again
+    anyway: the conversion is named and dropped, and training goes on."""
+    return ValueError(
+        f"The .data of trained parameter(s) {names} holds another dtype than the ZeRO "
+        f"engine's {dtype} (model.half() or model.to(dtype) after the engine took the "
+        "model): the optimizer's steps cannot reach them, so a forward with gradients "
+        "enabled is refused. To train in reduced precision, keep the model as it was and "
+        "set ZeroConfig(compute_dtype='bf16' or 'fp16') (the fp32 masters stay exact); for "
+        "inference in another dtype, load engine.full_state_dict() into a model of its own."
+    )
+
+
 @torch.no_grad()
 def adopt_replaced(unit: FlatUnit, written: dict[int, torch.Tensor]) -> None:
     """Take the values written to `unit`'s parameters (index -> tensor) into this rank's
@@ -113,8 +129,13 @@ class ReplacedDataWatch:
         self.finish_publishing = finish_publishing  # a post-step gather into the buffers
         self._named: set[str] = set()  # replaced by another dtype, warned once
 
-    def look(self) -> None:
+    def look(self, training: bool = False) -> None:
+        """Adopt what was written; name another dtype. With `training` (a forward with
+        gradients enabled: a backward and a step may follow), trained parameters of
+        another dtype are refused at stages 0-2 (`converted_error`)."""
         found = [(unit, *replaced_slots(unit)) for unit in self.units]
+        if training and self.stage < 3:
+            self._refuse_converted_trained([(unit, converted) for unit, _, converted in found])
         self._name_converted([(unit, converted) for unit, _, converted in found])
         written = [(unit, values) for unit, values, _ in found if values]
         if not written:
@@ -136,6 +157,16 @@ class ReplacedDataWatch:
         written = self.taken(unit) if written is None else written
         if written:
             adopt_replaced(unit, written)
+
+    def _refuse_converted_trained(self, found: list[tuple[FlatUnit, list[int]]]) -> None:
+        trained = [
+            unit.layout.slots[i].name
+            for unit, indices in found
+            for i in indices
+            if unit.layout.slots[i].trainable
+        ]
+        if trained:
+            raise converted_error(trained, self.compute_dtype)
 
     def _name_converted(self, found: list[tuple[FlatUnit, list[int]]]) -> None:
         """Warn once per parameter whose `.data` now holds another dtype; at stage 3 the
