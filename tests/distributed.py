@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import functools
 import gc
@@ -198,6 +199,20 @@ def run_world(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [torch.load(io.BytesIO(results[r][1]), weights_only=True) for r in range(world_size)]
+
+
+_REFERENCE_RUNS: dict[tuple, list[Any]] = {}
+
+
+def run_reference_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`run_world` for a reference run (DDP's, one process's) that several cases of a
+    parametrized test compare with: run once in this pytest process, a copy of its results
+    after that. Only for a run whose results depend on its arguments alone (seeded data
+    and initialisation, no paths of a test's own)."""
+    key = (fn.__module__, fn.__qualname__, world_size, args)
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run_world(fn, world_size, *args)
+    return copy.deepcopy(_REFERENCE_RUNS[key])
 
 
 def _run_once(

@@ -10,7 +10,7 @@ import torch
 from test_accelerate import _accelerator
 from torch import nn
 
-from distributed import run_world
+from distributed import run_reference_world, run_world
 from training import rel_l2
 
 pytest.importorskip("accelerate")
@@ -101,14 +101,14 @@ def _same_run(ours: dict, ddp: dict, initial: list[dict]) -> None:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_optimizer_over_two_models_trains_as_plain_accelerate(stage):
-    ddp = run_world(_encoder_and_denoiser, 2, "ddp")[0]
+    ddp = run_reference_world(_encoder_and_denoiser, 2, "ddp")[0]
     ours = run_world(_encoder_and_denoiser, 2, "zero", stage)[0]
     _same_run(ours, ddp, [_stack(0, 8, WIDTH).state_dict(), _stack(1, WIDTH, 8).state_dict()])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_gans_two_models_with_an_optimizer_each_train_as_plain_accelerate(stage):
-    ddp = run_world(_gan, 2, "ddp")[0]
+    ddp = run_reference_world(_gan, 2, "ddp")[0]
     ours = run_world(_gan, 2, "zero", stage)[0]
     _same_run(ours, ddp, [_stack(2, 4, 8).state_dict(), _stack(3, 8, 1).state_dict()])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import run_reference_world, run_world
 from training import global_batch, local_batch, make_model
 from zero_strategy import ZeroConfig, ZeroEngine
 
@@ -234,7 +234,7 @@ def test_buffers_follow_ddp_broadcast_buffers(stage):
     """After a training forward, the next forward starts from rank 0's BatchNorm statistics,
     as under DDP: every rank then evaluates as it would under DDP. (Parameters agree to
     the last bit or two on this model; the statistics differ by 0.07 without the sync.)"""
-    ddp = run_world(_batchnorm_run, 2, "ddp")
+    ddp = run_reference_world(_batchnorm_run, 2, "ddp")
     ours = run_world(_batchnorm_run, 2, "zero", stage)
     for rank in range(2):
         for a, b in zip(ours[rank], ddp[rank]):
@@ -272,7 +272,7 @@ def _early_layers_frozen(rank, world, kind, stage=3, **config):
 def test_frozen_layers_a_unit_uses_first_are_there_for_backward(config):
     """LoRA and partial fine-tuning freeze weights that backward needs after a unit's own
     gradients are in; the unit stays gathered until backward has left it."""
-    ddp = run_world(_early_layers_frozen, 2, "ddp")
+    ddp = run_reference_world(_early_layers_frozen, 2, "ddp")
     ours = run_world(_early_layers_frozen, 2, "zero", 3, **config)
     for (losses, gathered), (want, _) in zip(ours, ddp):
         assert losses == want

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.distributed import run_reference_world, run_world
 from tests.training import global_batch, local_batch, make_model, make_optimizer
 from zero_strategy import ZeroConfig, ZeroEngine
 
@@ -336,7 +336,7 @@ def _lightning_grad_norms(rank, world, strategy):
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_lightnings_grad_norm_equals_ddps(strategy):
     pytest.importorskip("lightning")
-    ddp = run_world(_lightning_grad_norms, 2, "ddp")[0]
+    ddp = run_reference_world(_lightning_grad_norms, 2, "ddp")[0]
     ours = run_world(_lightning_grad_norms, 2, strategy)
     assert len(ddp) == 3 and all(len(step) > 10 for step in ddp)
     for seen in ours:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import preload, run_world
+from distributed import preload, run_reference_world, run_world
 from zero_strategy import ZeroConfig, ZeroEngine
 
 transformers = pytest.importorskip("transformers")
@@ -175,7 +175,7 @@ def _train(rank, world, arch, stage, steps=3, checkpointing=None, **config):
 
 def _assert_trains_like_ddp(arch: str, stage: int, **kwargs) -> dict:
     """Losses and every trained tensor equal DDP's to the bit; returns the state."""
-    ddp_losses, ddp_state = run_world(_train, 2, arch, "ddp")[0]
+    ddp_losses, ddp_state = run_reference_world(_train, 2, arch, "ddp")[0]
     losses, state = run_world(_train, 2, arch, stage, **kwargs)[0]
     assert losses == ddp_losses
     for name, value in ddp_state.items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning_helpers import fit
 
-from distributed import run_world
+from distributed import run_reference_world, run_world
 
 L = pytest.importorskip("lightning")
 
@@ -282,7 +282,7 @@ def _fit_twice(rank, world, strategy):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fit_twice_on_the_same_module_matches_ddp(stage):
-    ddp = run_world(_fit_twice, 2, "ddp")
+    ddp = run_reference_world(_fit_twice, 2, "ddp")
     ours = run_world(_fit_twice, 2, f"zero{stage}")
     assert_matches_ddp(ours, ddp, n_losses=9)
 
@@ -317,7 +317,7 @@ def _manual(rank, world, strategy):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_manual_optimization_with_one_optimizer_matches_ddp(stage):
-    ddp = run_world(_manual, 2, "ddp")
+    ddp = run_reference_world(_manual, 2, "ddp")
     ours = run_world(_manual, 2, f"zero{stage}")
     for (a, cleared), (b, ddp_cleared) in zip(ours, ddp):
         assert len(a) == 6 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
@@ -343,7 +343,7 @@ def test_a_users_batch_hook_reads_the_stepped_weights_as_under_ddp(stage):
     """Stages 1-2 finish a step's parameter gathers in the next forward, unless code
     outside Lightning defines a hook between steps: then at once, so that it reads the
     updated weights."""
-    ddp = run_world(_weights_read_at_batch_start, 2, "ddp")
+    ddp = run_reference_world(_weights_read_at_batch_start, 2, "ddp")
     ours = run_world(_weights_read_at_batch_start, 2, f"zero{stage}")
     for sums, ddp_sums in zip(ours, ddp):
         assert len(sums) == 4
@@ -733,7 +733,7 @@ def _double(rank, world, strategy):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_precision_64_true_trains_in_fp64_as_ddp_does(stage):
-    ddp = run_world(_double, 2, "ddp")
+    ddp = run_reference_world(_double, 2, "ddp")
     ours = run_world(_double, 2, f"zero{stage}")
     for (dtypes, final), (_, ddp_final) in zip(ours, ddp):
         assert dtypes == {torch.float64}
@@ -798,7 +798,7 @@ def _averaged(rank, world, strategy, kind):
     ],
 )
 def test_weight_averaging_matches_ddp(ours, stock, strategy):
-    ddp = run_world(_averaged, 2, "ddp", stock)
+    ddp = run_reference_world(_averaged, 2, "ddp", stock)
     zero = run_world(_averaged, 2, strategy, ours)
     for (val, final), (ddp_val, ddp_final) in zip(zero, ddp):
         assert len(val) == len(ddp_val) >= 3
@@ -1001,7 +1001,7 @@ def _weights_pinned_in_the_step(rank, world, strategy):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_weights_pinned_by_data_in_a_training_step_are_computed_with_as_under_ddp(stage):
-    ddp = run_world(_weights_pinned_in_the_step, 2, "ddp")
+    ddp = run_reference_world(_weights_pinned_in_the_step, 2, "ddp")
     ours = run_world(_weights_pinned_in_the_step, 2, f"zero{stage}")
     for got, want in zip(ours, ddp):
         assert len(got) == len(want) == 4
@@ -1059,7 +1059,7 @@ def _read_at_epoch_end(rank, world, strategy, pruning):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameters_read_at_an_epochs_end_are_the_last_steps_as_under_ddp(stage):
-    ddp = run_world(_read_at_epoch_end, 2, "ddp", False)
+    ddp = run_reference_world(_read_at_epoch_end, 2, "ddp", False)
     ours = run_world(_read_at_epoch_end, 2, f"zero{stage}", False)
     for got, want in zip(ours, ddp):
         assert len(got) == len(want) == 2
@@ -1073,7 +1073,7 @@ def test_model_pruning_with_its_lottery_ticket_reset_matches_ddp(stage):
     `.data` again when it makes the pruning permanent: the engine adopts what was written
     and trains on from it (the step's updates used to stop reaching the module). At stage
     3 the strategy adopts the callback: its hooks run with the parameters gathered."""
-    ddp = run_world(_read_at_epoch_end, 2, "ddp", True)
+    ddp = run_reference_world(_read_at_epoch_end, 2, "ddp", True)
     ours = run_world(_read_at_epoch_end, 2, f"zero{stage}", True)
     for got, want in zip(ours, ddp):
         assert got.keys() == want.keys()
