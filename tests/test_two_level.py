@@ -17,6 +17,7 @@ import torch
 from distributed import run_world
 from training import (
     _global_mean,
+    accumulate,
     local_batch,
     make_model,
     make_optimizer,
@@ -63,13 +64,7 @@ def _train(
     for step in range(steps):
         if step == steps - 1:
             engine.reset_comm_report()
-        total = 0.0
-        for micro in range(accum):
-            x, y = batch(step, micro, rank, world)
-            with engine.no_sync() if micro < accum - 1 else torch.enable_grad():
-                loss = engine(x, y) / accum
-                engine.backward(loss)
-            total += loss.item()
+        total = accumulate(engine, step, rank, world, accum, batch)
         if step == steps - 1:
             report = engine.comm_report()
         engine.step()

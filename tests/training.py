@@ -90,6 +90,21 @@ def _global_mean(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def accumulate(engine, step: int, rank: int, world: int, accum: int, batch=None, sync_each=False):
+    """Forward and backward over step `step`'s `accum` micro-batches of this rank
+    (`batch(step, micro, rank, world)`, by default `local_batch`), inside the engine's
+    no_sync() for all but the last (for none with `sync_each`); this rank's summed loss."""
+    batch = batch or local_batch
+    total = 0.0
+    for micro in range(accum):
+        x, y = batch(step, micro, rank, world)
+        with engine.no_sync() if micro < accum - 1 and not sync_each else torch.enable_grad():
+            loss = engine(x, y) / accum
+            engine.backward(loss)
+        total += loss.item()
+    return total
+
+
 def train_ddp(rank: int, world: int, steps: int, accum: int, clip: float, seed: int = 0):
     model = torch.nn.parallel.DistributedDataParallel(make_model(seed))
     opt = make_optimizer(model.module)
@@ -133,14 +148,7 @@ def train_zero(
     )
     losses = []
     for step in range(steps):
-        total = 0.0
-        for micro in range(accum):
-            x, y = local_batch(step, micro, rank, world)
-            ctx = engine.no_sync() if use_no_sync and micro < accum - 1 else torch.enable_grad()
-            with ctx:
-                loss = engine(x, y) / accum
-                engine.backward(loss)
-            total += loss.item()
+        total = accumulate(engine, step, rank, world, accum, sync_each=not use_no_sync)
         engine.step()
         engine.zero_grad()
         losses.append(_global_mean(total) if world > 1 else total)
@@ -171,13 +179,7 @@ def train_zero_resumable(
     client = engine.load_checkpoint(ckpt) if load else None
     losses = []
     for step in steps:
-        total = 0.0
-        for micro in range(2):
-            x, y = local_batch(step, micro, rank, world)
-            with engine.no_sync() if micro == 0 else torch.enable_grad():
-                loss = engine(x, y) / 2
-                engine.backward(loss)
-            total += loss.item()
+        total = accumulate(engine, step, rank, world, 2)
         engine.step()
         engine.zero_grad()
         losses.append(_global_mean(total) if world > 1 else total)

@@ -16,14 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # tests' helpers, and examples/ they use
 
-from training import _global_mean, local_batch, make_model, make_optimizer  # noqa: E402
+from training import _global_mean, accumulate, make_model, make_optimizer  # noqa: E402
 from zero_strategy import ZeroConfig, ZeroEngine  # noqa: E402
 
 ACCUM, CLIP = 2, 0.5
@@ -37,13 +36,7 @@ def _train(out: Path, steps: int, config: dict) -> None:
     for step in range(steps):
         if step == steps - 1:
             engine.reset_comm_report()
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = local_batch(step, micro, rank, world)
-            with engine.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
-                loss = engine(x, y) / ACCUM
-                engine.backward(loss)
-            total += loss.item()
+        total = accumulate(engine, step, rank, world, ACCUM)
         engine.step()
         engine.zero_grad()
         losses.append(_global_mean(total))  # the union of the ranks' batches
