@@ -345,7 +345,9 @@ def fork_processes(
     (what it saves: each rank's interpreter start and imports, 2-4 s of CPU) in a session
     of its own, its default gloo group made before `fn` and destroyed after. A rank exits
     0 once `fn` returns, 1 with the traceback in its output once it raises, or by the
-    signal that killed it (its negative number, as a subprocess's)."""
+    signal that killed it (its negative number, as a subprocess's). It leaves by
+    `os._exit`, without the interpreter's shutdown (atexit hooks): a test of how a process
+    exits launches a real one (`run_processes`)."""
     outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]  # noqa: SIM115
     port, start = free_port(), time.monotonic()
     procs = []
