@@ -512,10 +512,10 @@ def _long_run(rank: int, world: int, stage: int, steps: int, save_at: int, path:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         return ZeroEngine(model, optimizer, ZeroConfig(stage=stage, collective_timeout=30.0))
 
-    def train(engine, from_step: int) -> list[float]:
+    def train(engine, from_step: int, save: bool) -> list[float]:
         losses = []
         for step in range(from_step, steps):
-            if step == save_at and engine is first:
+            if save and step == save_at:
                 engine.save_checkpoint(path)
             start = time.perf_counter()
             loss = engine(*_data("vlm", step, rank))
@@ -528,11 +528,10 @@ def _long_run(rank: int, world: int, stage: int, steps: int, save_at: int, path:
         return losses
 
     times = []
-    first = build()
-    losses = train(first, 0)
+    losses = train(build(), 0, save=True)
     resumed = build()
     resumed.load_checkpoint(path)
-    return losses, train(resumed, save_at), times
+    return losses, train(resumed, save_at, save=False), times
 
 
 @pytest.mark.parametrize("stage", [2, 3])

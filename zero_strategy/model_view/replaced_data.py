@@ -134,9 +134,10 @@ class ReplacedDataWatch:
         gradients enabled: a backward and a step may follow), trained parameters of
         another dtype are refused at stages 0-2 (`converted_error`)."""
         found = [(unit, *replaced_slots(unit)) for unit in self.units]
+        converted = [(unit, indices) for unit, _, indices in found]
         if training and self.stage < 3:
-            self._refuse_converted_trained([(unit, converted) for unit, _, converted in found])
-        self._name_converted([(unit, converted) for unit, _, converted in found])
+            self._refuse_converted_trained(converted)
+        self._name_converted(converted)
         written = [(unit, values) for unit, values, _ in found if values]
         if not written:
             return
