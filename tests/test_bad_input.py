@@ -27,6 +27,8 @@ BAD_VALUES = [
     ("overlap_comm", "yes", "True or False"),
     ("verify_module_order", 1, "True or False"),
     ("unit_module_classes", "Block", "list of module class names"),
+    ("fp32_parameters", "router", "list of regular expressions"),
+    ("fp32_parameters", ["gate("], "list of regular expressions"),
     ("compute_dtype", "fp8", "'fp32', 'bf16', 'fp16'"),
     ("reduce_dtype", "int8", "'fp32', 'bf16', 'fp16'"),
     ("loss_scale", "auto", "'dynamic' or a finite positive number"),

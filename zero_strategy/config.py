@@ -7,6 +7,7 @@ structured config and Hydra can register it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -82,6 +83,11 @@ class ZeroConfig:
     # module paths get an error naming the modules instead of a hang.
     verify_module_order: bool = True
     compute_dtype: str = "fp32"
+    # bf16/fp16 compute: patterns (regular expressions, `*` as in a glob) searched in
+    # parameter names; a parameter any of whose names matches computes in fp32 (MoE
+    # routers, attention sinks). None: the model's own marks, as Transformers loads it
+    # (`_keep_in_fp32_modules_strict`, and at fp16 `_keep_in_fp32_modules`); [] none.
+    fp32_parameters: list[str] | None = None
     # Dtype of gradient reductions; None = the compute dtype.
     reduce_dtype: str | None = None
     # fp16 only: "dynamic" or a fixed positive number.
@@ -160,6 +166,8 @@ class ZeroConfig:
             self.unit_module_classes, str
         ):
             self.unit_module_classes = list(self.unit_module_classes)
+        if isinstance(self.fp32_parameters, Sequence) and not isinstance(self.fp32_parameters, str):
+            self.fp32_parameters = list(self.fp32_parameters)
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             self.offload_dir = os.fspath(self.offload_dir)  # a Path
         self._validate()
@@ -216,6 +224,12 @@ class ZeroConfig:
             isinstance(n, str) and n for n in self.unit_module_classes
         ):
             fail("unit_module_classes", "use a list of module class names, e.g. ['Block'].")
+        if self.fp32_parameters is not None and not _valid_patterns(self.fp32_parameters):
+            fail(
+                "fp32_parameters",
+                "use a list of regular expressions searched in parameter names, e.g. "
+                "['mlp.gate.weight'], [] for none, or None for the model's own marks.",
+            )
         parse_dtype(self.compute_dtype, "ZeroConfig.compute_dtype")
         parse_dtype(self.reduce_dtype, "ZeroConfig.reduce_dtype")
         if str(self.loss_scale) != "dynamic":
@@ -317,6 +331,24 @@ class ZeroConfig:
                 f"Unknown ZeroConfig option(s) {unknown}; known options are {sorted(known)}."
             )
         return cls(**values)
+
+
+def pattern_regex(patterns: Sequence[str]) -> re.Pattern | None:
+    """One expression searching for any of `patterns` (None when there are none), `*`
+    standing for any run of characters as in Transformers' marks; raises re.error for a
+    pattern that is not a regular expression."""
+    bodies = [f"(?:{p.replace('*', '.*')})" for p in patterns]
+    return re.compile("|".join(bodies)) if bodies else None
+
+
+def _valid_patterns(patterns: object) -> bool:
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        return False
+    try:
+        pattern_regex(patterns)
+    except re.error:
+        return False
+    return True
 
 
 def _is_number(value: object) -> bool:

@@ -31,11 +31,13 @@ from torch import nn
 
 from ..comm.topology import ProcessGroups
 from ..config import ZeroConfig
+from ..layout.fp32_params import Fp32Parameters, fp32_patterns
 from ..layout.partition import (
     FROZEN_GROUP,
     Segment,
     UnitLayout,
     bucket_layouts,
+    fp32_owner_modules,
     frozen_leftover_modules,
     module_layouts,
     select_unit_modules,
@@ -362,25 +364,61 @@ def layouts(
 
 def _unit_layouts(model, cfg, stage, world_size, params, group_of, placed) -> list[UnitLayout]:
     world = ShardSpec.world(world_size)
+    kept_fp32 = _kept_fp32(model, cfg, params)
     if cfg.stage == 3 and stage != 3:  # one process: check the names all the same
         select_unit_modules(model, cfg.unit_module_classes)
     if stage == 3:
         chosen = set(select_unit_modules(model, cfg.unit_module_classes)) | set(placed)
         chosen |= set(frozen_leftover_modules(model, chosen))
+        chosen |= set(fp32_owner_modules(model, params, chosen, kept_fp32))
         unit_paths = [path for path, _ in model.named_modules() if path and path in chosen]
 
         def spec_of_unit(path: str) -> ShardSpec:
             governing = spec_of_owner(path, placed)
             return placed[governing] if governing is not None else world
 
-        return module_layouts(model, params, group_of, unit_paths, spec_of_unit)
+        lays = module_layouts(model, params, group_of, unit_paths, spec_of_unit, kept_fp32)
+        _warn_fp32_in_root(lays[0], kept_fp32)
+        return lays
 
     def spec_of(p) -> ShardSpec:
         governing = placed_path_of_names(p.names, placed)
         return placed[governing] if governing is not None else world
 
     # Stage 0 is replicated: one "shard" per unit, no padding to the world size.
-    return bucket_layouts(params, group_of, cfg.bucket_size, spec_of, sharded=stage > 0)
+    return bucket_layouts(
+        params, group_of, cfg.bucket_size, spec_of, sharded=stage > 0, kept_fp32=kept_fp32
+    )
+
+
+def _kept_fp32(model: nn.Module, cfg: ZeroConfig, params) -> Fp32Parameters:
+    """The parameters that compute in fp32 under bf16/fp16 compute (`fp32_params.py`); a
+    configured pattern that names no parameter is refused, as a misspelt one would be."""
+    kept = Fp32Parameters(fp32_patterns(model, cfg.fp32_parameters, cfg.compute_torch_dtype))
+    if cfg.fp32_parameters:
+        missing = kept.unmatched(name for p in params for name in p.names)
+        if missing:
+            some = [name for p in params[:6] for name in p.names[:1]]
+            raise ValueError(
+                f"ZeroConfig.fp32_parameters has {missing}, which no parameter name "
+                f"contains (the names start {some}); use patterns searched in the names "
+                "of model.named_parameters()."
+            )
+    return kept
+
+
+def _warn_fp32_in_root(root: UnitLayout, kept_fp32: Fp32Parameters) -> None:
+    """Stage 3's root unit holds one dtype: a parameter of the root module itself (or
+    tied across modules outside every unit) computes in the engine's dtype."""
+    stay = [s.name for s in root.slots if kept_fp32((s.name, *s.aliases))]
+    if stay:
+        warnings.warn(
+            f"ZeRO stage 3: {stay} should compute in fp32 but belong to the root unit "
+            "(parameters of the root module itself, or tied across modules outside every "
+            "unit), which computes in the engine's dtype. Move them into a submodule, or "
+            "name that module in ZeroConfig.unit_module_classes.",
+            stacklevel=5,
+        )
 
 
 def tensor_sharded(params) -> dict[str, Any]:
@@ -404,7 +442,7 @@ def units(
             homes.stage,
             groups.shard_group(lay.spec),
             device,
-            compute_dtype,
+            lay.compute_dtype or compute_dtype,
             homes.host,
             homes.pin,
             homes.shards_host if homes.stage == 3 else None,

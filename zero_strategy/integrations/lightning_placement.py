@@ -59,7 +59,8 @@ class DevicePlacement(ABC):  # (as Strategy: the layout a DDPStrategy can change
     def model_to_device(self) -> None:
         """Buffers only: the engine copies each unit's parameters onto the device as it
         shards them, so the whole model never sits on one device at once."""
-        place_buffers(self.model, self.root_device, self._true_dtype)
+        kept = self._zero_base.fp32_parameters
+        place_buffers(self.model, self.root_device, self._true_dtype, kept)
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:

@@ -30,7 +30,8 @@ FROZEN_GROUP = -1  # parameters that the optimizer does not update
 # alignment; CUDA's vector loads need 16 bytes), so a parameter in a flat buffer computes
 # as the same parameter allocated on its own: as under DDP, to the bit.
 SLOT_ALIGNMENT = 32
-FROZEN_PART = " (frozen)"  # the name of a module's second unit: its frozen parameters
+FROZEN_PART = " (frozen)"  # the name of a module's unit of its frozen parameters
+FP32_PART = " (fp32)"  # ... of its parameters that compute in fp32 (`fp32_params.py`)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class UnitLayout:
     world_size: int  # ranks the unit is sharded over (its group's size; 1 at stage 0)
     spec: ShardSpec  # the groups that shard (or, at stage 0, replicate) this unit
     module_path: str | None = None  # stage 3 only
+    # fp32 for parameters kept in fp32 under bf16/fp16 compute; None: the engine's dtype.
+    compute_dtype: torch.dtype | None = None
     _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
 
     @property
@@ -249,6 +252,54 @@ def split_by_trainability(
     return [trainable, frozen] if trainable and frozen else [list(members)]
 
 
+def split_unit(
+    members: Sequence[_Param],
+    group_of: dict[int, int],
+    kept_fp32: Callable[[Iterable[str]], bool],
+) -> list[tuple[list[_Param], str, torch.dtype | None]]:
+    """Stage 3: a module's parameters as the units they make, each with the suffix of
+    its name and its compute dtype (None: the engine's): apart by trainability
+    (`split_by_trainability`), and within each, the parameters kept in fp32 apart (one
+    flat buffer holds one dtype)."""
+    parts = []
+    by_trainability = split_by_trainability(members, group_of)
+    for i, part in enumerate(by_trainability):
+        frozen = FROZEN_PART if i else ""
+        fp32 = [p for p in part if kept_fp32(p.names)]
+        if fp32:
+            rest = [p for p in part if not kept_fp32(p.names)]
+            if rest:
+                parts.append((rest, frozen, None))
+            parts.append((fp32, frozen + FP32_PART, torch.float32))
+        else:
+            parts.append((part, frozen, None))
+    return parts
+
+
+def fp32_owner_modules(
+    model: nn.Module, params: Sequence[_Param], unit_paths: Iterable[str], kept_fp32
+) -> list[str]:
+    """Stage 3: the modules outside every unit that hold parameters kept in fp32 (a
+    final norm, an lm_head): units of their own, so that those parameters can have an
+    fp32 unit (the root unit holds one dtype). A parameter of the root module itself,
+    or of a container never called, has no such module and stays in the root."""
+    units = [u for u in unit_paths if u]
+    found: list[str] = []
+    for p in params:
+        if not kept_fp32(p.names):
+            continue
+        for name in p.names:
+            owner = owner_of(name)
+            if (
+                owner
+                and owner not in found
+                and not any(within(owner, u) for u in units)
+                and not _never_called(model.get_submodule(owner))
+            ):
+                found.append(owner)
+    return found
+
+
 def _bucket_numel(p: _Param) -> int:
     """What a parameter counts against a bucket: its local size, or with tensor
     parallelism its largest block's (position 0's), so that every position cuts its
@@ -264,6 +315,7 @@ def bucket_layouts(
     bucket_size: int,
     spec_of: Callable[[_Param], ShardSpec],
     sharded: bool = True,
+    kept_fp32: Callable[[Iterable[str]], bool] = lambda names: False,
 ) -> list[UnitLayout]:
     """Stages 0-2: buckets in reverse registration order, roughly the order of backward;
     a bucket holds parameters of one spec. Unsharded (stage 0) buckets have one "shard".
@@ -271,22 +323,24 @@ def bucket_layouts(
     Trainable parameters fill their buckets first and frozen ones theirs after, never
     mixed: each rank's slice of a trainable bucket is then 1/N of its trainable elements
     (a LoRA adapter's few elements would otherwise all fall in the first rank's slice of
-    a bucket led by them), and frozen buckets hold no gradient buffer."""
-    buckets: list[tuple[ShardSpec, list[_Param]]] = []
+    a bucket led by them), and frozen buckets hold no gradient buffer. Parameters kept
+    in fp32 (`kept_fp32`, by their names) fill fp32 buckets of their own likewise."""
+    buckets: list[tuple[ShardSpec, bool, list[_Param]]] = []
     filled = 0
     for trainable in (True, False):
-        starting = True
-        for p in reversed(params):
-            if _is_trainable(p, group_of) != trainable:
-                continue
-            spec = spec_of(p)
-            numel = _bucket_numel(p)
-            if starting or buckets[-1][0] != spec or filled + numel > bucket_size:
-                buckets.append((spec, []))
-                filled = 0
-                starting = False
-            buckets[-1][1].append(p)
-            filled += numel
+        for fp32 in (False, True):
+            starting = True
+            for p in reversed(params):
+                if _is_trainable(p, group_of) != trainable or kept_fp32(p.names) != fp32:
+                    continue
+                spec = spec_of(p)
+                numel = _bucket_numel(p)
+                if starting or buckets[-1][0] != spec or filled + numel > bucket_size:
+                    buckets.append((spec, fp32, []))
+                    filled = 0
+                    starting = False
+                buckets[-1][2].append(p)
+                filled += numel
     return [
         UnitLayout(
             index=i,
@@ -294,8 +348,9 @@ def bucket_layouts(
             slots=_make_slots(members, group_of),
             world_size=spec.size if sharded else 1,
             spec=spec,
+            compute_dtype=torch.float32 if fp32 else None,
         )
-        for i, (spec, members) in enumerate(buckets)
+        for i, (spec, fp32, members) in enumerate(buckets)
     ]
 
 
@@ -384,11 +439,13 @@ def module_layouts(
     group_of: dict[int, int],
     unit_paths: Sequence[str],
     spec_of_unit: Callable[[str], ShardSpec],
+    kept_fp32: Callable[[Iterable[str]], bool] = lambda names: False,
 ) -> list[UnitLayout]:
     """Stage 3: one unit per chosen module (units may nest: a module holds the parameters
     of no unit inside it), plus the root unit (index 0) for the rest. A module whose
     parameters are partly frozen makes two units, trainable then frozen, gathered
-    together by its hooks (`split_by_trainability`).
+    together by its hooks (`split_by_trainability`); its parameters kept in fp32 make
+    units of their own likewise (`split_unit`).
 
     A parameter reachable under several names (tied weights) belongs to the deepest unit
     that contains all of its owners, so that it is gathered wherever it is used.
@@ -418,16 +475,19 @@ def module_layouts(
         spec = spec_of_unit(path)
         # The root (index 0, gathered from the first use to the end of backward) stays
         # whole; its frozen modules are units of their own (frozen_leftover_modules).
-        parts = split_by_trainability(members[path], group_of) if path else [members[path]]
-        for i, part in enumerate(parts):
+        parts = (
+            split_unit(members[path], group_of, kept_fp32) if path else [(members[path], "", None)]
+        )
+        for part, suffix, dtype in parts:
             layouts.append(
                 UnitLayout(
                     index=len(layouts),
-                    name=(path or "<root>") + (FROZEN_PART if i else ""),
+                    name=(path or "<root>") + suffix,
                     slots=_make_slots(part, group_of),
                     world_size=spec.size,
                     spec=spec,
                     module_path=path,
+                    compute_dtype=dtype,
                 )
             )
     return layouts

@@ -1,0 +1,231 @@
+"""Parameters kept in fp32 under bf16/fp16 compute (`ZeroConfig.fp32_parameters`, or the
+model's own Transformers marks `_keep_in_fp32_modules_strict` / `_keep_in_fp32_modules`):
+their buckets (stages 0-2) or units (stage 3) are fp32 ones, so the forward sees them
+exactly as their fp32 masters hold them, and every stage trains them alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed import preload, run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.router = nn.Linear(16, 4, bias=False)
+        self.seen: set[tuple[str, torch.dtype]] = set()
+
+    def forward(self, x):
+        self.seen |= {("fc", self.fc.weight.dtype), ("router", self.router.weight.dtype)}
+        gate = F.linear(x.float(), self.router.weight.float()).softmax(-1)
+        return torch.tanh(self.fc(x)) * gate.sum(-1, keepdim=True).to(x.dtype)
+
+
+class Model(nn.Module):
+    """Routers inside the blocks (stage 3's units), a head outside them, a parameter of
+    the root itself; block 0's fc frozen, block 1's router frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.blocks[0].fc.requires_grad_(False)
+        self.blocks[1].router.requires_grad_(False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        x = x.to(self.head.weight.dtype)  # as Transformers' T5 reads its kept `wo`
+        return (self.head(x).float() * self.scale.float()).pow(2).mean()
+
+
+KEPT = ["router", "head"]
+
+
+def _train(rank, world, patterns):
+    """Each stage in turn, in bf16 compute: the losses, the dtypes each forward saw, and
+    whether each parameter's compute copy equals its fp32 master (exactly, or rounded)."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = Model()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        config = ZeroConfig(stage=stage, compute_dtype="bf16", fp32_parameters=patterns)
+        engine = ZeroEngine(model, torch.optim.Adam(trained, lr=1e-2), config)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(STEPS):
+            loss = engine(torch.randn(4, 16, generator=g).bfloat16())
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        masters = engine.full_state_dict(rank0_only=False)
+        computed = engine.module.state_dict()
+        copies = {
+            name: (str(computed[name].dtype), torch.equal(computed[name].float(), masters[name]))
+            for name in ("blocks.0.router.weight", "blocks.0.fc.weight", "head.weight", "scale")
+        }
+        seen = sorted((kind, str(dtype)) for kind, dtype in model.blocks[2].seen)
+        out[stage] = losses, seen, copies
+        engine.close()
+    return out
+
+
+def _root_parameter(rank, world):
+    """Stage 3's root unit holds one dtype: a kept parameter of the root module itself
+    stays in the compute dtype, with a warning that says so and how to change it."""
+    model = Model()
+    config = ZeroConfig(stage=3, compute_dtype="bf16", fp32_parameters=["scale"])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with pytest.warns(UserWarning, match=r"\['scale'\] should compute in fp32 but belong to"):
+        engine = ZeroEngine(model, torch.optim.SGD(trained, lr=0.1), config)
+    dtype = model.scale.dtype
+    engine.close()
+    return str(dtype)
+
+
+def test_a_kept_parameter_of_the_root_module_stays_in_bf16_at_stage_3_with_a_warning():
+    assert run_world(_root_parameter, 2) == ["torch.bfloat16"] * 2
+
+
+def test_kept_parameters_compute_in_fp32_and_every_stage_trains_alike():
+    kept, plain = (run_world(_train, 2, patterns)[0] for patterns in (KEPT, []))
+    for stage in (1, 2, 3):
+        assert kept[stage][0] == kept[0][0]  # the losses, to the bit
+        assert plain[stage][0] == plain[0][0]
+    for _, seen, copies in kept.values():
+        assert seen == [("fc", "torch.bfloat16"), ("router", "torch.float32")]
+        assert copies["blocks.0.router.weight"] == ("torch.float32", True)  # the master
+        assert copies["head.weight"] == ("torch.float32", True)
+        assert copies["blocks.0.fc.weight"][0] == "torch.bfloat16"
+    for _, seen, copies in plain.values():
+        assert seen == [("fc", "torch.bfloat16"), ("router", "torch.bfloat16")]
+        assert copies["blocks.0.router.weight"] == ("torch.bfloat16", False)  # rounded
+    assert kept[0][0] != plain[0][0]  # the fp32 routers train differently
+
+
+def test_a_pattern_that_names_no_parameter_is_refused():
+    model = Model()
+    config = ZeroConfig(stage=2, compute_dtype="bf16", fp32_parameters=["routr"])
+    with pytest.raises(ValueError, match=r"fp32_parameters has \['routr'\], which no parameter"):
+        ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+
+def test_fp32_compute_ignores_the_patterns():
+    model = Model()
+    config = ZeroConfig(stage=2, fp32_parameters=["routr"])  # fp32: nothing to keep
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    assert {u.compute_dtype for u in engine.units} == {torch.float32}
+    engine.close()
+
+
+preload("zero_strategy.integrations.transformers", "lightning")
+
+
+def _deepseek(rank, world):
+    """DeepSeek-V3 marks its routers' weights `_keep_in_fp32_modules_strict`: in bf16 they
+    compute in fp32 with no option given, experts over 2 ranks at stages 2 and 3, and
+    `fp32_parameters=[]` turns that off."""
+    from test_hf_moe import PER_RANK, build, global_batches
+
+    out = {}
+    for stage, patterns in ((2, None), (3, None), (3, [])):
+        model = build("deepseek_v3")
+        seen: set[str] = set()
+
+        def note(module, args, seen=seen):
+            seen.add(str(module.weight.dtype))
+
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.register_forward_pre_hook(note)
+        config = ZeroConfig(
+            stage=stage, compute_dtype="bf16", expert_parallel_size=2, fp32_parameters=patterns
+        )
+        engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        losses = []
+        for batch in global_batches(world):
+            x = batch.split(PER_RANK)[rank]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        out[stage, patterns is None] = losses, sorted(seen)
+        engine.close()
+    return out
+
+
+def test_transformers_marks_keep_deepseek_routers_in_fp32():
+    pytest.importorskip("transformers")
+    runs = run_world(_deepseek, 2)[0]
+    assert runs[2, True][1] == runs[3, True][1] == ["torch.float32"]
+    assert runs[3, False][1] == ["torch.bfloat16"]
+    assert runs[3, True][0] == runs[2, True][0]  # stage 3 equals stage 2, to the bit
+    assert runs[3, True][0] != runs[3, False][0]
+
+
+class Marked(nn.Module):
+    """A model that marks its routers and a buffer as Transformers models do."""
+
+    _keep_in_fp32_modules_strict = ["router", "router_bias"]
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Model()
+        self.register_buffer("router_bias", torch.zeros(4))
+        self.register_buffer("other", torch.zeros(4))
+
+    def forward(self, x):
+        return self.inner(x) + (self.router_bias.float().sum() + self.other.float().sum())
+
+
+def _lightning(rank, world):
+    """Lightning's "bf16-true": the marks of a model inside the LightningModule apply,
+    to its parameters and to the floating buffers the strategy converts."""
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+    from torch.utils.data import DataLoader
+
+    seen = []
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = Marked()
+
+        def training_step(self, batch, batch_idx):
+            inner = self.model.inner
+            seen.append(
+                (
+                    str(inner.blocks[2].router.weight.dtype),
+                    str(inner.blocks[2].fc.weight.dtype),
+                    str(self.model.router_bias.dtype),
+                    str(self.model.other.dtype),
+                )
+            )
+            return self.model(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    data = DataLoader(torch.randn(8, 16), batch_size=2)
+    trainer = quiet_trainer(world, "zero3", max_steps=2, precision="bf16-true")
+    trainer.fit(Lit(), data)
+    return sorted(set(seen))
+
+
+def test_lightning_true_precision_keeps_the_marked_parameters_and_buffers_in_fp32():
+    pytest.importorskip("lightning")
+    want = [("torch.float32", "torch.bfloat16", "torch.float32", "torch.bfloat16")]
+    assert run_world(_lightning, 2) == [want, want]

@@ -1,0 +1,82 @@
+"""Parameters that compute in fp32 while the rest of the model computes in bf16 or fp16.
+
+Some weights lose too much in half precision: an MoE router's top-k picks flip on the
+rounding of its weights, an attention sink or a score-correction bias drifts.
+Transformers marks them on the model class (`_keep_in_fp32_modules_strict` for bf16 and
+fp16, `_keep_in_fp32_modules` for fp16 alone) and loads them in fp32; FSDP2 users give
+such modules a mixed-precision policy of their own; DeepSpeed casts them with the rest.
+Here their units (stage 3) or buckets (stages 0-2) are fp32 ones: the forward sees them
+as loaded, and no half-precision copy rounds them. Their masters are fp32 anyway.
+
+The patterns are Transformers' own: searched (not matched whole) in each parameter name,
+`*` standing for any run of characters.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..config import pattern_regex
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fp32_patterns(
+    model: nn.Module, configured: Sequence[str] | None, compute_dtype: torch.dtype | None
+) -> list[tuple[str, list[str]]]:
+    """The patterns in force, each with the path of the module whose parameters they
+    search: none unless the compute dtype is half; the configured ones over the whole
+    model; else every module's marks over its own parameters, as Transformers applies
+    them at that dtype (a Transformers model inside a LightningModule, a teacher beside
+    a student)."""
+    if compute_dtype not in HALF_DTYPES:
+        return []
+    if configured is not None:
+        return [("", list(configured))] if configured else []
+    scoped = []
+    for path, module in model.named_modules():
+        marks = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        if compute_dtype == torch.float16:
+            marks |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        if marks:
+            scoped.append((path, sorted(marks)))
+    return scoped
+
+
+class Fp32Parameters:
+    """Which parameters compute in fp32: one any of whose names (a tied parameter has
+    several) matches a pattern of a module that holds it."""
+
+    def __init__(self, scoped: Sequence[tuple[str, Sequence[str]]] = ()):
+        self.scoped = [(path, list(patterns)) for path, patterns in scoped]
+        self._regexes = [(path, pattern_regex(patterns)) for path, patterns in self.scoped]
+
+    def __bool__(self) -> bool:
+        return bool(self._regexes)
+
+    def __call__(self, names: Iterable[str]) -> bool:
+        return any(
+            self._matches(name, path, regex) for name in names for path, regex in self._regexes
+        )
+
+    @staticmethod
+    def _matches(name: str, path: str, regex: re.Pattern | None) -> bool:
+        if regex is None:
+            return False
+        if not path:
+            return regex.search(name) is not None
+        return name.startswith(path + ".") and regex.search(name[len(path) + 1 :]) is not None
+
+    def unmatched(self, names: Iterable[str]) -> list[str]:
+        """The patterns that match none of `names` (a configured one is a mistake)."""
+        names = list(names)
+        return [
+            pattern
+            for path, patterns in self.scoped
+            for pattern in patterns
+            if not any(self._matches(n, path, pattern_regex([pattern])) for n in names)
+        ]
