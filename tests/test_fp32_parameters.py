@@ -229,3 +229,46 @@ def test_lightning_true_precision_keeps_the_marked_parameters_and_buffers_in_fp3
     pytest.importorskip("lightning")
     want = [("torch.float32", "torch.bfloat16", "torch.float32", "torch.bfloat16")]
     assert run_world(_lightning, 2) == [want, want]
+
+
+def _resume(rank, world, directory):
+    """Stage 3 with kept routers saves after 2 steps and goes on; a stage-1 engine loads
+    that checkpoint and takes the same steps."""
+    batches = [
+        torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * i + rank)) for i in range(4)
+    ]
+
+    def engine_at(stage):
+        torch.manual_seed(0)
+        model = Model()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        config = ZeroConfig(stage=stage, compute_dtype="bf16", fp32_parameters=KEPT)
+        return ZeroEngine(model, torch.optim.Adam(trained, lr=1e-2), config)
+
+    def steps(engine, xs):
+        out = []
+        for x in xs:
+            loss = engine(x.bfloat16())
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            out.append(loss.item())
+        return out
+
+    first = engine_at(3)
+    steps(first, batches[:2])
+    first.save_checkpoint(directory)
+    uninterrupted = steps(first, batches[2:])
+    first.close()
+    resumed = engine_at(1)
+    resumed.load_checkpoint(directory)
+    after = steps(resumed, batches[2:])
+    router = str(resumed.module.blocks[0].router.weight.dtype)
+    resumed.close()
+    return uninterrupted, after, router
+
+
+def test_a_stage_3_checkpoint_with_kept_parameters_resumes_at_stage_1(tmp_path):
+    for uninterrupted, after, router in run_world(_resume, 2, str(tmp_path / "ckpt")):
+        assert after == uninterrupted
+        assert router == "torch.float32"
