@@ -8,7 +8,8 @@ under torch's DDP to the bit (with its LayerDrop, where it has one, at 0.5), wit
 Transformers' gradient checkpointing too; a vision-language model does so while one rank,
 then both, see no image; it loads `save_pretrained`'s weights by shards as
 `from_pretrained` does; with experts, it trains expert-parallel as under DDP, or is
-refused by name.
+refused by name; with parameters it marks to stay in fp32, it trains in bf16 compute at
+stage 3 as at stage 0, those parameters in fp32.
 
 An architecture that cannot be built tiny, that takes none of the inputs the rule makes,
 or that DDP itself cannot train so, is skipped with the reason: not a finding about this
@@ -62,7 +63,16 @@ LAYERDROP = 0.5
 
 
 def _train(
-    rank, world, family, model_type, stage, sgd=False, checkpointing=False, layerdrop=0.0, **config
+    rank,
+    world,
+    family,
+    model_type,
+    stage,
+    sgd=False,
+    checkpointing=False,
+    layerdrop=0.0,
+    dtypes=False,
+    **config,
 ):
     model = tiny_model(model_type, getattr(transformers, family), layerdrop=layerdrop)
     if checkpointing:  # activation recomputation, as Transformers users enable it
@@ -80,6 +90,9 @@ def _train(
         loss = runner(**{k: v.chunk(world)[rank] for k, v in batch.items()}).loss
         step_and_state(runner, opt, loss)
         losses.append(loss.item())
+    if dtypes:  # what each parameter computes in (a freed stage-3 one reads its unit's)
+        named = {n: str(p.dtype) for n, p in model.named_parameters()}
+        return losses, step_and_state(runner, opt, finish=True), named
     return losses, step_and_state(runner, opt, finish=True)
 
 
@@ -201,6 +214,38 @@ def test_an_moe_architecture_trains_expert_parallel_as_under_ddp(family, model_t
         torch.testing.assert_close(
             state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f[12:]}-{n}" for f, n in CASES])
+def test_an_architecture_with_fp32_marks_keeps_them_in_bf16_at_stage_3_as_at_stage_0(
+    family, model_type
+):
+    """Each architecture whose model marks parameters to stay in fp32 at bf16
+    (`_keep_in_fp32_modules_strict`: MoE routers, sinks) trains in bf16 compute at stage 3
+    as at stage 0 to the bit, those parameters computing in fp32 and the rest in bf16.
+    Stage 0 is the reference: DDP would cast the marked ones with the rest."""
+    from zero_strategy.layout.fp32_params import Fp32Parameters, fp32_patterns
+
+    model = _tiny_or_skip(family, model_type)
+    kept = Fp32Parameters(fp32_patterns(model, None, torch.bfloat16))
+    marked = [n for n, _ in model.named_parameters() if kept([n])]
+    if not marked:
+        pytest.skip(f"{model_type}: marks no parameter to stay in fp32 at bf16")
+    want = run_world(
+        _train, 2, family, model_type, 0, dtypes=True, compute_dtype="bf16", expect_errors=True
+    )
+    if any(status != "ok" for status, _ in want):
+        reason = next(payload for status, payload in want if status != "ok")
+        pytest.skip(f"{model_type}: does not train in bf16 at stage 0: {reason.splitlines()[0]}")
+    want_losses, want_state, want_dtypes = _loaded(want[0][1])
+    losses, state, dtypes = run_world(
+        _train, 2, family, model_type, 3, dtypes=True, compute_dtype="bf16"
+    )[0]
+    assert losses == want_losses, (losses, want_losses)
+    _assert_holds_exactly(state, want_state, "stage 0's")
+    assert dtypes == want_dtypes
+    assert {n: dtypes[n] for n in marked} == dict.fromkeys(marked, "torch.float32")
+    assert set(dtypes.values()) == {"torch.float32", "torch.bfloat16"}
 
 
 def _candidate_shapes(model) -> list[tuple[int, ...]]:
