@@ -90,10 +90,7 @@ def _train(
         loss = runner(**{k: v.chunk(world)[rank] for k, v in batch.items()}).loss
         step_and_state(runner, opt, loss)
         losses.append(loss.item())
-    if dtypes:  # what each parameter computes in (a freed stage-3 one reads its unit's)
-        named = {n: str(p.dtype) for n, p in model.named_parameters()}
-        return losses, step_and_state(runner, opt, finish=True), named
-    return losses, step_and_state(runner, opt, finish=True)
+    return _trained(model, runner, opt, losses, dtypes)
 
 
 def _runner(model, opt, stage, **config):
@@ -224,23 +221,41 @@ def test_an_architecture_with_fp32_marks_keeps_them_in_bf16_at_stage_3_as_at_sta
     (`_keep_in_fp32_modules_strict`: MoE routers, sinks) trains in bf16 compute at stage 3
     as at stage 0 to the bit, those parameters computing in fp32 and the rest in bf16.
     Stage 0 is the reference: DDP would cast the marked ones with the rest."""
+    marked = _fp32_marked_or_skip(_tiny_or_skip(family, model_type), model_type)
+    _assert_marks_kept_as_at_stage_0(
+        marked,
+        model_type,
+        lambda stage, layerdrop, **kw: run_world(
+            _train, 2, family, model_type, stage, layerdrop=layerdrop, **kw
+        ),
+        (LAYERDROP, 0.0),
+    )
+
+
+def _fp32_marked_or_skip(model, model_type: str) -> list[str]:
+    """The parameters `model` marks to stay in fp32 at bf16, or a skip when none."""
     from zero_strategy.layout.fp32_params import Fp32Parameters, fp32_patterns
 
-    model = _tiny_or_skip(family, model_type)
     kept = Fp32Parameters(fp32_patterns(model, None, torch.bfloat16))
     marked = [n for n, _ in model.named_parameters() if kept([n])]
     if not marked:
         pytest.skip(f"{model_type}: marks no parameter to stay in fp32 at bf16")
-    want = run_world(
-        _train, 2, family, model_type, 0, dtypes=True, compute_dtype="bf16", expect_errors=True
-    )
-    if any(status != "ok" for status, _ in want):
+    return marked
+
+
+def _assert_marks_kept_as_at_stage_0(marked: list[str], model_type: str, run, options) -> None:
+    """`run(stage, option, **config)` trains on 2 ranks: in bf16 at stage 3 as at stage 0
+    (to the bit), the `marked` parameters in fp32 and the others in bf16, with the first
+    of `options` stage 0 trains the model with (`_first_trained_by_ddp`'s rule)."""
+    for option in dict.fromkeys(options):
+        want = run(0, option, dtypes=True, compute_dtype="bf16", expect_errors=True)
+        if all(status == "ok" for status, _ in want):
+            break
+    else:
         reason = next(payload for status, payload in want if status != "ok")
         pytest.skip(f"{model_type}: does not train in bf16 at stage 0: {reason.splitlines()[0]}")
     want_losses, want_state, want_dtypes = _loaded(want[0][1])
-    losses, state, dtypes = run_world(
-        _train, 2, family, model_type, 3, dtypes=True, compute_dtype="bf16"
-    )[0]
+    losses, state, dtypes = run(3, option, dtypes=True, compute_dtype="bf16")[0]
     assert losses == want_losses, (losses, want_losses)
     _assert_holds_exactly(state, want_state, "stage 0's")
     assert dtypes == want_dtypes
@@ -350,7 +365,9 @@ def test_an_architecture_loads_pretrained_weights_by_shards(family, model_type, 
 IMAGES_BY_STEP = ((True, True), (True, False), (False, False))
 
 
-def _train_vision_language(rank, world, model_type, stage, images_by_step, mode=""):
+def _train_vision_language(
+    rank, world, model_type, stage, images_by_step, mode="", dtypes=False, **config
+):
     model = tiny_model(model_type, getattr(transformers, VISION_LANGUAGE))
     inputs = VisionLanguageInputs(model)
     if mode == "checkpointing":
@@ -361,7 +378,7 @@ def _train_vision_language(rank, world, model_type, stage, images_by_step, mode=
     elif mode == "lora":  # PEFT's adapters on every linear layer, the towers' too
         model = _with_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    runner = _runner(model, opt, stage)
+    runner = _runner(model, opt, stage, **config)
     model.train()
     losses = []
     for step, images in enumerate(images_by_step):
@@ -370,7 +387,16 @@ def _train_vision_language(rank, world, model_type, stage, images_by_step, mode=
         loss = runner(**batch).loss
         step_and_state(runner, opt, loss)
         losses.append(loss.item())
-    return losses, step_and_state(runner, opt, finish=True)
+    return _trained(model, runner, opt, losses, dtypes)
+
+
+def _trained(model, runner, opt, losses, dtypes: bool) -> tuple:
+    """A run's losses and final state, with `dtypes` what each parameter computes in (a
+    freed stage-3 parameter reads its unit's)."""
+    state = step_and_state(runner, opt, finish=True)
+    if dtypes:
+        return losses, state, {n: str(p.dtype) for n, p in model.named_parameters()}
+    return losses, state
 
 
 @functools.cache
@@ -435,3 +461,18 @@ def test_a_vision_language_model_trains_at_stage_3_as_under_ddp(model_type, mode
     losses, state = runs[0]
     assert losses == ddp_losses, (losses, ddp_losses)
     _assert_holds_exactly(state, ddp_state, "DDP's")
+
+
+@pytest.mark.parametrize("model_type", VISION_LANGUAGE_CASES)
+def test_a_vision_language_model_with_fp32_marks_keeps_them_in_bf16_at_stage_3(model_type):
+    """As the language models above: images on both ranks, then one, then neither (or,
+    where the model cannot take a text-only batch, on both at every step)."""
+    marked = _fp32_marked_or_skip(_vision_language_or_skip(model_type, ""), model_type)
+    _assert_marks_kept_as_at_stage_0(
+        marked,
+        model_type,
+        lambda stage, images, **kw: run_world(
+            _train_vision_language, 2, model_type, stage, images, **kw
+        ),
+        (IMAGES_BY_STEP, ((True, True),) * len(IMAGES_BY_STEP)),
+    )
