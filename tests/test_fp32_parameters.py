@@ -272,3 +272,38 @@ def test_a_stage_3_checkpoint_with_kept_parameters_resumes_at_stage_1(tmp_path):
     for uninterrupted, after, router in run_world(_resume, 2, str(tmp_path / "ckpt")):
         assert after == uninterrupted
         assert router == "torch.float32"
+
+
+def _load_in_bf16(rank, world, path):
+    import transformers
+
+    import zero_strategy
+    from tiny_configs import tiny_model
+
+    with zero_strategy.init_on_meta():
+        model = tiny_model("deepseek_v3", transformers.AutoModelForCausalLM)
+    config = ZeroConfig(stage=3, compute_dtype="bf16")
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    engine.load_pretrained(path)
+    state = model.state_dict()  # gathered unit by unit, in each unit's dtype
+    engine.close()
+    return state
+
+
+def test_pretrained_weights_load_at_bf16_as_from_pretrained_gives_them(tmp_path):
+    """The fine-tuning path: DeepSeek-V3 built on meta, sharded at stage 3 in bf16 and
+    loaded by shards holds what `from_pretrained(dtype=bfloat16)` gives, dtypes and all
+    (its routers in fp32), to the bit."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_configs import tiny_model
+
+    tiny_model("deepseek_v3", transformers.AutoModelForCausalLM).save_pretrained(
+        tmp_path, max_shard_size="200KB"
+    )
+    auto = transformers.AutoModelForCausalLM
+    want = auto.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
+    assert {str(v.dtype) for k, v in want.items() if k.endswith("gate.weight")} == {"torch.float32"}
+    for got in run_world(_load_in_bf16, 2, str(tmp_path)):
+        assert sorted(got) == sorted(want)
+        assert [k for k in want if got[k].dtype != want[k].dtype] == []
+        assert [k for k in want if not torch.equal(got[k], want[k])] == []
