@@ -307,3 +307,32 @@ def test_pretrained_weights_load_at_bf16_as_from_pretrained_gives_them(tmp_path)
         assert sorted(got) == sorted(want)
         assert [k for k in want if got[k].dtype != want[k].dtype] == []
         assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def _reduced_bytes(rank, world, reduce_dtype):
+    torch.manual_seed(0)
+    model = Model()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    config = ZeroConfig(
+        stage=1, compute_dtype="bf16", fp32_parameters=KEPT, reduce_dtype=reduce_dtype
+    )
+    engine = ZeroEngine(model, torch.optim.SGD(trained, lr=0.1), config)
+    engine.reset_comm_report()
+    engine.backward(engine(torch.randn(4, 16).bfloat16()))
+    sent = engine.comm_report()["all_reduce"]["bytes"]
+    by_dtype: dict[str, int] = {}
+    for unit in engine.units:
+        if unit.layout.trainable:
+            dtype = str(unit.compute_dtype)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + unit.layout.padded_numel
+    engine.close()
+    return sent, by_dtype
+
+
+def test_kept_parameters_reduce_in_fp32_unless_a_reduce_dtype_is_set():
+    """Their gradients are computed in fp32 and reduced so (FSDP2's per-module policy
+    would too); `reduce_dtype` set reduces every gradient in it."""
+    (sent, numel), _ = run_world(_reduced_bytes, 2, None)
+    assert sent == 4 * numel["torch.float32"] + 2 * numel["torch.bfloat16"]
+    (sent, numel), _ = run_world(_reduced_bytes, 2, "bf16")
+    assert sent == 2 * (numel["torch.float32"] + numel["torch.bfloat16"])

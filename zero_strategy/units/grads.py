@@ -128,7 +128,7 @@ class GradReducer:
         units: list[FlatUnit],
         stage: int,
         overlap: bool,
-        reduce_dtype: torch.dtype,
+        reduce_dtype: torch.dtype | None,
         on_unit_ready: Callable[[FlatUnit], None],
         on_backward_end: Callable[[], None],
         on_memory: Callable[[], None] = lambda: None,
@@ -167,6 +167,8 @@ class GradReducer:
         self.on_memory = on_memory  # told after buffers are taken or given back
         self.stage = stage
         self.overlap = overlap
+        # The dtype gradients are reduced in; None: each unit's compute dtype (an fp32
+        # unit kept under bf16 compute reduces in fp32, `layout/fp32_params.py`).
         self.reduce_dtype = reduce_dtype
         self.on_unit_ready = on_unit_ready
         self.on_backward_end = on_backward_end
@@ -253,10 +255,13 @@ class GradReducer:
         self.buckets.plan(
             turns.entries,
             [u.layout for u in self.units],
-            self.reduce_dtype.itemsize,
+            self._reduce_dtype(self.units[0]).itemsize,
             lambda unit_index: unit_index not in self._last_entry,
         )
         return turns
+
+    def _reduce_dtype(self, unit: FlatUnit) -> torch.dtype:
+        return self.reduce_dtype or unit.compute_dtype
 
     def _on_hooked_grad(self, position: int, slot_index: int, p: nn.Parameter) -> None:
         self._on_grad(self.units[position], slot_index, p)
@@ -348,7 +353,7 @@ class GradReducer:
             self._launch(unit)
         elif unit_index not in self._last_entry:
             self._direct.setdefault(unit_index, set())
-            bucket = self.buckets.pack(entry, item, self.reduce_dtype, unit.device)
+            bucket = self.buckets.pack(entry, item, self._reduce_dtype(unit), unit.device)
             if bucket is not None:
                 self._direct[unit_index].add(slot_index)
                 if bucket.complete:
@@ -356,7 +361,7 @@ class GradReducer:
                 return
             if item is MISSING:  # what a rank with no gradient sends (`no_gradient`)
                 slot = unit.layout.slots[slot_index]
-                item = no_gradient(slot.numel, self.reduce_dtype, unit.device)
+                item = no_gradient(slot.numel, self._reduce_dtype(unit), unit.device)
             self._launch_slot(unit, slot_index, item)
 
     def _reduce_bucket(self, unit: FlatUnit, bucket: GradBucket) -> None:
@@ -448,8 +453,9 @@ class GradReducer:
         # holds its memory: .grad can be a view of a gradient backward still has to read.
         exclusive = _sole_owner(grad)
         flat, divisor = grad.reshape(-1), group.grad_divisor
-        if flat.dtype != self.reduce_dtype:  # converted first, as the unit buffers are
-            sent = flat.to(self.reduce_dtype)
+        reduce_dtype = self._reduce_dtype(unit)
+        if flat.dtype != reduce_dtype:  # converted first, as the unit buffers are
+            sent = flat.to(reduce_dtype)
             if divisor > 1:
                 sent.div_(divisor)
         elif exclusive or (divisor == 1 and group.holders.size == 1):
@@ -502,7 +508,7 @@ class GradReducer:
         sent = self._direct[unit.layout.index]
         for slot_index, slot in enumerate(unit.layout.slots):
             if slot.trainable and slot_index not in sent:
-                none = no_gradient(slot.numel, self.reduce_dtype, unit.device)
+                none = no_gradient(slot.numel, self._reduce_dtype(unit), unit.device)
                 self._launch_slot(unit, slot_index, none)
 
     def _launch(self, unit: FlatUnit) -> None:
@@ -513,8 +519,9 @@ class GradReducer:
         if self.stage >= 2:
             self._zero_unwritten(unit)
         sent = unit.grad_full
-        if sent.dtype != self.reduce_dtype:
-            sent = self.pool.take(sent.numel(), self.reduce_dtype, sent.device).copy_(sent)
+        reduce_dtype = self._reduce_dtype(unit)
+        if sent.dtype != reduce_dtype:
+            sent = self.pool.take(sent.numel(), reduce_dtype, sent.device).copy_(sent)
             self.on_memory()  # the converted copy and the buffer are both alive here
         group = unit.group
         if group.grad_divisor > 1:

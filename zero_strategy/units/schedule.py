@@ -49,7 +49,7 @@ class UnitSchedule:
             units,
             stage,
             cfg.overlap_comm,
-            cfg.reduce_torch_dtype,
+            cfg.reduce_torch_dtype if cfg.reduce_dtype is not None else None,
             on_unit_ready=self._unit_grads_ready,
             on_backward_end=self._backward_ended,
             on_memory=on_memory,
