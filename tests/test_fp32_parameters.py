@@ -336,3 +336,38 @@ def test_kept_parameters_reduce_in_fp32_unless_a_reduce_dtype_is_set():
     assert sent == 4 * numel["torch.float32"] + 2 * numel["torch.bfloat16"]
     (sent, numel), _ = run_world(_reduced_bytes, 2, "bf16")
     assert sent == 2 * (numel["torch.float32"] + numel["torch.bfloat16"])
+
+
+def _quantized(rank, world):
+    torch.manual_seed(0)
+    model = Model()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    config = ZeroConfig(
+        stage=3,
+        compute_dtype="bf16",
+        fp32_parameters=KEPT,
+        quantized_weights=True,
+        quantized_gradients=True,
+    )
+    engine = ZeroEngine(model, torch.optim.Adam(trained, lr=1e-2), config)
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
+        engine.backward(engine(x))
+        engine.step()
+        engine.zero_grad()
+    seen = {}
+    hook = model.blocks[2].register_forward_pre_hook(  # after the engine's gather
+        lambda m, args: seen.update(router=m.router.weight.detach().clone())
+    )
+    with torch.no_grad():
+        engine(torch.randn(4, 16).bfloat16())
+    hook.remove()
+    masters = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return torch.equal(seen["router"], masters["blocks.2.router.weight"])
+
+
+def test_kept_parameters_are_gathered_whole_under_quantized_weights():
+    """ZeRO++'s int8 gathers and reductions leave kept parameters out: the forward sees
+    the router's master to the bit."""
+    assert run_world(_quantized, 2) == [True, True]

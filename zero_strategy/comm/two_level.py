@@ -135,10 +135,16 @@ class TwoLevelExchange:
 
     # ------------------------------------------------------------------ gather
     def start_gather(
-        self, target: torch.Tensor, shard: torch.Tensor, column: torch.Tensor | None = None
+        self,
+        target: torch.Tensor,
+        shard: torch.Tensor,
+        column: torch.Tensor | None = None,
+        quantize_ok: bool = True,
     ) -> tuple[_Job, torch.Tensor]:
         """Start gathering every rank's `shard` into `target` (the whole vector); from a
-        kept `column` the across-node hop is skipped. Returns the work and the column."""
+        kept `column` the across-node hop is skipped. Returns the work and the column.
+        `quantize_ok=False`: whole values even with quantized weights (parameters kept
+        in fp32 for their precision)."""
         nodes, per_node, chunk = self._shape(target)
         if column is not None:
             return self._submit(lambda: self._spread(column, target)), column
@@ -148,7 +154,7 @@ class TwoLevelExchange:
             column = torch.empty(nodes * chunk, dtype=target.dtype, device=target.device)
 
         def run() -> None:
-            if self.quantize_weights:
+            if self.quantize_weights and quantize_ok:
                 packed = quantize(shard.view(1, chunk))
                 arrived = packed.new_empty(nodes * packed.shape[1])
                 self.across.all_gather(arrived, packed.view(-1))
@@ -171,9 +177,12 @@ class TwoLevelExchange:
         )
 
     # ------------------------------------------------------------------ reduce
-    def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> _Job:
+    def start_reduce_scatter(
+        self, full: torch.Tensor, out: torch.Tensor, quantize_ok: bool = True
+    ) -> _Job:
         """Start summing `full` over the world; `out` gets this rank's chunk of the sum
-        once the returned work's wait() returns. `full` is overwritten."""
+        once the returned work's wait() returns. `full` is overwritten. `quantize_ok`:
+        as for gathers."""
         nodes, per_node, chunk = self._shape(full)
 
         def run() -> None:
@@ -184,14 +193,14 @@ class TwoLevelExchange:
                 if not self.node.reduces_in_place:
                     column = torch.empty_like(column)
                 self.node.reduce_scatter_sum(reordered.view(-1), column)
-            self._reduce_across(column, out)
+            self._reduce_across(column, out, quantize_ok)
 
         return self._submit(run)
 
-    def _reduce_across(self, column: torch.Tensor, out: torch.Tensor) -> None:
+    def _reduce_across(self, column: torch.Tensor, out: torch.Tensor, quantize_ok: bool) -> None:
         """The across-node hop of a reduction: this rank's chunk of the sum into `out`."""
         nodes, chunk, me = self.across.size, out.numel(), self.across.rank
-        if self.quantize_gradients:
+        if self.quantize_gradients and quantize_ok:
             rows = column.view(nodes, chunk)
             arrived = self.across.all_to_all(quantize(rows), [1] * nodes, [1] * nodes)
             parts = dequantize(arrived, chunk, torch.float32)

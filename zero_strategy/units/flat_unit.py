@@ -88,6 +88,9 @@ class FlatUnit:
         self.shard_device = device if shard_device is None else shard_device
         self._copied_back: torch.cuda.Event | None = None  # pinned: the last copy out
         self.compute_dtype = compute_dtype
+        # Parameters kept in fp32 under bf16/fp16 compute (`layout/fp32_params.py`): for
+        # their precision, never quantized on the way either.
+        self.kept_fp32 = layout.compute_dtype is not None
         # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
         self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.opt_start, self.opt_end = (
@@ -552,7 +555,7 @@ class FlatUnit:
         if exchange is None:
             return self.group.comm.all_gather(target, shard, async_op=True)
         kept = None if fresh else self._secondary
-        work, column = exchange.start_gather(target, shard, kept)
+        work, column = exchange.start_gather(target, shard, kept, not self.kept_fp32)
         keep = (
             exchange.keeps_secondary and not fresh and torch.is_grad_enabled() and not in_backward()
         )
@@ -571,7 +574,8 @@ class FlatUnit:
         self.bring_in()
         shard = self.gather_input(target)
         if self.group.exchange is not None:
-            return self.group.exchange.start_gather(target, shard)[0], target
+            exchange = self.group.exchange
+            return exchange.start_gather(target, shard, None, not self.kept_fp32)[0], target
         return self.group.comm.all_gather(target, shard, async_op=True), target
 
     def finish_gather(self, work) -> None:

@@ -530,7 +530,9 @@ class GradReducer:
             out = sent
             work = group.holders.all_reduce_sum(sent, async_op=True)
         else:
-            out, work = _start_reduce_scatter(group, sent, *unit.layout.shard_range(unit.rank))
+            out, work = _start_reduce_scatter(
+                group, sent, *unit.layout.shard_range(unit.rank), not unit.kept_fp32
+            )
             buffer = unit.drop_grad_buffer()
             if sent is not buffer:
                 self.pool.give(buffer)
@@ -727,12 +729,12 @@ class GradReducer:
             piece.zero_()
 
 
-def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int):
+def _start_reduce_scatter(group, sent: torch.Tensor, start: int, end: int, quantize_ok: bool):
     """Start summing a unit's whole gradient over its group; returns where this rank's
     part [start, end) lands (a slice of `sent` when reduced in place) and the work."""
     if group.exchange is not None:  # two hops: within the node, then across nodes
         out = torch.empty(end - start, dtype=sent.dtype, device=sent.device)
-        return out, group.exchange.start_reduce_scatter(sent, out)
+        return out, group.exchange.start_reduce_scatter(sent, out, quantize_ok)
     comm = group.comm
     if comm.reduces_in_place:
         out = sent[start:end]
