@@ -371,3 +371,16 @@ def test_kept_parameters_are_gathered_whole_under_quantized_weights():
     """ZeRO++'s int8 gathers and reductions leave kept parameters out: the forward sees
     the router's master to the bit."""
     assert run_world(_quantized, 2) == [True, True]
+
+
+def test_converting_kept_parameters_after_the_hand_over_is_named_with_their_dtype():
+    """`model.to(torch.bfloat16)` after the engine took the model reaches the kept
+    parameters too: the refusal names them and the dtype the engine holds them in."""
+    model = Model()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    config = ZeroConfig(stage=2, compute_dtype="bf16", fp32_parameters=["router"])
+    engine = ZeroEngine(model, torch.optim.SGD(trained, lr=0.1), config)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'blocks.0.router.weight'\].*engine's torch.float32"):
+        engine(torch.randn(4, 16).bfloat16())
+    engine.close()

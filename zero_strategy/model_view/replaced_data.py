@@ -167,7 +167,13 @@ class ReplacedDataWatch:
             if unit.layout.slots[i].trainable
         ]
         if trained:
-            raise converted_error(trained, self.compute_dtype)
+            raise converted_error(trained, self._dtype_of(found))
+
+    def _dtype_of(self, found: list[tuple[FlatUnit, list[int]]]) -> torch.dtype:
+        """The dtype the engine holds the named parameters in: the engine's, or where all
+        are kept in fp32 (`layout/fp32_params.py`), fp32."""
+        dtypes = {unit.compute_dtype for unit, indices in found if indices}
+        return dtypes.pop() if len(dtypes) == 1 else self.compute_dtype
 
     def _name_converted(self, found: list[tuple[FlatUnit, list[int]]]) -> None:
         """Warn once per parameter whose `.data` now holds another dtype; at stage 3 the
@@ -181,7 +187,7 @@ class ReplacedDataWatch:
         if converted:
             self._named.update(converted)
             warnings.warn(
-                converted_warning(converted, self.compute_dtype, self.stage), stacklevel=5
+                converted_warning(converted, self._dtype_of(found), self.stage), stacklevel=5
             )
         if self.stage >= 3:
             for unit, indices in found:
