@@ -50,9 +50,8 @@ from ..comm.communicator import Communicator
 FORWARD, BACKWARD, STATE_DICT = 0, 1, 2
 _PHASE_NAMES = {FORWARD: "forward", BACKWARD: "backward", STATE_DICT: "state_dict"}
 # IDLE: a rank whose backward has ended, while another's goes on. REDUCE: how far in the
-# reduction order this rank could send (posted only in a pass whose paths differ). EMPTY:
-# the second slot of an exchange that carries one tag (`_post`).
-GATHER, USE, END, IDLE, REDUCE, EMPTY = 0, 1, 2, 3, 4, 5
+# reduction order this rank could send (posted only in a pass whose paths differ).
+GATHER, USE, END, IDLE, REDUCE = 0, 1, 2, 3, 4
 
 
 class ModulePathDivergenceError(RuntimeError):
@@ -68,10 +67,6 @@ class _Posted:
     phase: int
     everyone: torch.Tensor  # every rank's tag, once the exchange lands
     work: object
-
-
-# A tag before it is posted: (kind, index, phase, seq).
-_Tag = tuple[int, int, int, int]
 
 
 class OrderCheck:
@@ -106,12 +101,7 @@ class OrderCheck:
         # reaches the differing tag itself (rather than finding this rank gone).
         self.before_raising = before_raising
         self._posted: deque[_Posted] = deque()
-        # A tag waiting for a second one to share its exchange (`_post`).
-        self._held: _Tag | None = None
         self._announced: set[int] = set()  # unit indices with a GATHER tag posted
-        # Units a merge gathered for this rank before its own GATHER tag's round came:
-        # that round no longer asks for them (`_merge`).
-        self._served: set[int] = set()
         self._seq = 0  # tags posted by this process
         self._last_use = 0  # seq of the latest USE or END tag
         # Gathers checked the moment they were posted (no prediction announced them):
@@ -119,37 +109,13 @@ class OrderCheck:
         self.unannounced = 0
 
     # ------------------------------------------------------------------ posting
-    def _post(self, kind: int, index: int, phase: int, hold: bool = False) -> int:
-        """Post a tag. Each exchange carries two slots: a tag that can wait (`hold`: a
-        module's USE) is held for the next tag, and goes out with it (a pre-forward's USE
-        with the gather it announces, two USEs in a row) or, once something waits for
-        it, alone beside an EMPTY slot. Ranks on one path make the same calls, so their
-        exchanges pair slot for slot; where paths differ, an EMPTY slot against a tag is
-        a difference like any other."""
+    def _post(self, kind: int, index: int, phase: int) -> int:
         self._seq += 1
-        tag = (kind, index, phase, self._seq)
-        if self._held is not None:
-            self._send([self._held, tag])
-        elif hold:
-            self._held = tag
-        else:
-            self._send([tag])
-        return self._seq
-
-    def _send(self, tags: list[_Tag]) -> None:
-        self._held = None
-        if len(tags) == 1:  # (checked with the tag before it)
-            tags = [*tags, (EMPTY, -1, -1, tags[0][3])]
-        values = torch.tensor([tag[:3] for tag in tags], dtype=torch.int64)
+        tag = torch.tensor([kind, index, phase], dtype=torch.int64)
         self._check_landed()
-        everyone, work = self.comm.control_all_gather_async(values)
-        for i, (kind, index, phase, seq) in enumerate(tags):
-            self._posted.append(_Posted(seq, kind, index, phase, everyone[:, i], work))
-
-    def _flush(self) -> None:
-        """The held tag goes out now: something waits for it."""
-        if self._held is not None:
-            self._send([self._held])
+        everyone, work = self.comm.control_all_gather_async(tag)
+        self._posted.append(_Posted(self._seq, kind, index, phase, everyone, work))
+        return self._seq
 
     def _check_landed(self) -> None:
         """Check the oldest tags that have landed, up to the first gather's (checking
@@ -162,14 +128,13 @@ class OrderCheck:
 
     def announce(self, index: int, phase: int) -> None:
         """This rank will gather unit `index` (once every earlier announced gather is
-        issued); the caller saw it neither gathered nor in flight. Never held: a merge
-        of differing rounds takes a gather this rank announced as one it asked for."""
+        issued); the caller saw it neither gathered nor in flight."""
         if index not in self._announced:
             self._announced.add(index)
             self._post(GATHER, index, phase)
 
     def use(self, index: int, phase: int) -> None:
-        self._last_use = self._post(USE, index, phase, hold=True)
+        self._last_use = self._post(USE, index, phase)
 
     def reach(self, position: int) -> None:
         """This rank has (or will never have) every gradient before `position` of this
@@ -188,7 +153,6 @@ class OrderCheck:
         self._new_pass()
 
     def _new_pass(self) -> None:
-        self._served.clear()
         self._ended.clear()
         self._reached.clear()
         self._released = 0
@@ -209,24 +173,17 @@ class OrderCheck:
         self.check_through(self._last_use)
 
     def check_through(self, seq: int) -> None:
-        if self._held is not None and self._held[3] <= seq:
-            self._flush()
         while self._posted and self._posted[0].seq <= seq:
             self._check_oldest()
 
     def _check_oldest(self) -> None:
-        if not self._posted:  # the one wanted is held
-            self._flush()
         posted = self._posted.popleft()
         try:
             posted.work.wait()
             tags = posted.everyone.tolist()
             self._ended.update(rank for rank, (kind, _, _) in enumerate(tags) if kind == END)
             if all(t == tags[0] for t in tags):
-                if posted.kind == GATHER and posted.index in self._served:
-                    self._served.discard(posted.index)  # held already: others may not
-                    self.join_gather(posted.index, False)
-                elif posted.kind == GATHER:
+                if posted.kind == GATHER:
                     self._announced.discard(posted.index)
                     self.launch_gather(posted.index)
             elif self.join_gather is None or any(phase == STATE_DICT for _, _, phase in tags):
@@ -249,16 +206,10 @@ class OrderCheck:
         for kind, index, _ in tags:
             if kind == GATHER and index not in named:
                 named.append(index)
-        own = posted.index if posted.kind == GATHER else None
-        if own in self._served:  # this rank's tag, for a gather a merge gave it earlier
-            self._served.discard(own)
-            own = None
         for index in named:
-            later = index != own and index in self._announced
-            if later:  # its own tag, still to come, no longer asks for it
-                self._served.add(index)
+            mine = (posted.kind == GATHER and posted.index == index) or index in self._announced
             self._announced.discard(index)
-            self.join_gather(index, index == own or later)
+            self.join_gather(index, mine)
 
     def _release_reached(self, tags: list[list[int]]) -> None:
         """After a round of a pass whose paths differ: the reductions before the position
@@ -278,7 +229,6 @@ class OrderCheck:
         """Drop the tags in flight without waiting (a peer is gone, or the process ends
         after an error)."""
         self._posted.clear()
-        self._held = None
         self._announced.clear()
         self._new_pass()
 
@@ -310,8 +260,6 @@ class OrderCheck:
     def _describe(self, kind: int, index: int, phase: int) -> str:
         if kind in (END, IDLE):
             return "the end of backward"
-        if kind == EMPTY:
-            return "nothing (its tags so far ended here)"
         if kind == REDUCE:
             return "its gradient reductions"
         where = f"{_PHASE_NAMES.get(phase, '?')} of {self._module(index)}"
