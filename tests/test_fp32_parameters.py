@@ -384,3 +384,48 @@ def test_converting_kept_parameters_after_the_hand_over_is_named_with_their_dtyp
     with pytest.raises(ValueError, match=r"'blocks.0.router.weight'\].*engine's torch.float32"):
         engine(torch.randn(4, 16).bfloat16())
     engine.close()
+
+
+def _peft_deepseek(rank, world):
+    import peft
+    from test_hf_moe import PER_RANK, build, global_batches
+
+    out = {}
+    for stage in (0, 3):
+        model = build("deepseek_v3")
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        model = peft.get_peft_model(model, config)
+        with torch.no_grad():  # B drawn at random: A gets a gradient from the first step
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        config = ZeroConfig(stage=stage, compute_dtype="bf16")
+        engine = ZeroEngine(model, torch.optim.AdamW(trained, lr=1e-2), config)
+        losses = []
+        for batch in global_batches(world):
+            x = batch.split(PER_RANK)[rank]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        routers = {
+            str(p.dtype)
+            for n, p in model.named_parameters()
+            if n.endswith("gate.base_layer.weight")
+        }
+        out[stage] = losses, sorted(routers)
+        engine.close()
+    return out
+
+
+def test_a_router_peft_wrapped_keeps_its_mark():
+    """LoRA on every linear layer wraps DeepSeek-V3's routers too: their weights are named
+    `gate.base_layer.weight`, and still compute in fp32 (the mark says `gate.weight`), at
+    stage 3 as at stage 0, to the bit."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    runs = run_world(_peft_deepseek, 2)[0]
+    assert runs[0][1] == runs[3][1] == ["torch.float32"]
+    assert runs[3][0] == runs[0][0]

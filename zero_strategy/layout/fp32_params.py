@@ -65,11 +65,14 @@ class Fp32Parameters:
 
     @staticmethod
     def _matches(name: str, path: str, regex: re.Pattern | None) -> bool:
-        if regex is None:
+        """`name` (under `path`) matches, as the model names it: a layer PEFT wrapped
+        holds its weight as `<layer>.base_layer.weight`, where the mark says
+        `<layer>.weight`."""
+        if regex is None or (path and not name.startswith(path + ".")):
             return False
-        if not path:
-            return regex.search(name) is not None
-        return name.startswith(path + ".") and regex.search(name[len(path) + 1 :]) is not None
+        local = name[len(path) + 1 :] if path else name
+        unwrapped = local.replace(".base_layer.", ".")
+        return regex.search(local) is not None or regex.search(unwrapped) is not None
 
     def unmatched(self, names: Iterable[str]) -> list[str]:
         """The patterns that match none of `names` (a configured one is a mistake)."""
