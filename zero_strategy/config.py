@@ -86,7 +86,8 @@ class ZeroConfig:
     # bf16/fp16 compute: patterns (regular expressions, `*` as in a glob) searched in
     # parameter names; a parameter any of whose names matches computes in fp32 (MoE
     # routers, attention sinks). None: the model's own marks, as Transformers loads it
-    # (`_keep_in_fp32_modules_strict`, and at fp16 `_keep_in_fp32_modules`); [] none.
+    # (`_keep_in_fp32_modules_strict`, and at fp16 `_keep_in_fp32_modules`), and PEFT's
+    # adapters, as PEFT keeps them; [] none.
     fp32_parameters: list[str] | None = None
     # Dtype of gradient reductions; None = the compute dtype.
     reduce_dtype: str | None = None

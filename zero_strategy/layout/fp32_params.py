@@ -32,19 +32,32 @@ def fp32_patterns(
     search: none unless the compute dtype is half; the configured ones over the whole
     model; else every module's marks over its own parameters, as Transformers applies
     them at that dtype (a Transformers model inside a LightningModule, a teacher beside
-    a student)."""
+    a student), and PEFT's adapters, as PEFT keeps them."""
     if compute_dtype not in HALF_DTYPES:
         return []
     if configured is not None:
         return [("", list(configured))] if configured else []
     scoped = []
+    adapters: set[str] = set()
     for path, module in model.named_modules():
         marks = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
         if compute_dtype == torch.float16:
             marks |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
         if marks:
             scoped.append((path, sorted(marks)))
+        adapters |= set(_adapter_layer_names(module))
+    if adapters:  # PEFT's adapters, wherever they are
+        names = "|".join(re.escape(name) for name in sorted(adapters))
+        scoped.append(("", [rf"(^|\.)({names})\."]))
     return scoped
+
+
+def _adapter_layer_names(module: nn.Module) -> tuple[str, ...]:
+    """A PEFT tuner layer's adapter sublayers (LoRA's `lora_A`, `lora_B`, ...): PEFT keeps
+    their weights in fp32 when the base model is in bf16 or fp16 (`get_peft_model`'s
+    `autocast_adapter_dtype`), and computes the adapter's path in their dtype."""
+    names = getattr(module, "adapter_layer_names", ())
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, tuple) else ()
 
 
 class Fp32Parameters:
