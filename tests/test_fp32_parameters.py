@@ -461,3 +461,25 @@ def test_peft_adapters_and_a_wrapped_router_keep_fp32_as_peft_and_transformers_d
         one.append([part.item() for part in parts])
     # (equal to the bit here; with the adapters in bf16 they differ by 2e-5)
     assert runs[0][0] == pytest.approx([step[0] for step in one], rel=1e-6)
+
+
+def test_marks_apply_to_the_parameters_of_the_module_that_makes_them():
+    """A teacher that marks its routers beside a student that does not: only the
+    teacher's are kept (as `from_pretrained` would have loaded each); PEFT's wrapped name
+    matches its mark; fp32 compute keeps none."""
+    from zero_strategy.layout.fp32_params import Fp32Parameters, fp32_patterns
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher, self.student = Marked(), Model()
+
+    pair = Pair()
+    kept = Fp32Parameters(fp32_patterns(pair, None, torch.bfloat16))
+    names = [n for n, _ in pair.named_parameters() if kept([n])]
+    assert names and all(n.startswith("teacher.inner.") and ".router." in n for n in names)
+    assert len(names) == 3  # one router a block
+    assert kept(["teacher.inner.blocks.0.router.base_layer.weight"])
+    assert not Fp32Parameters(fp32_patterns(pair, None, torch.float32))
+    fp16 = Fp32Parameters(fp32_patterns(pair, None, torch.float16))
+    assert [n for n, _ in pair.named_parameters() if fp16([n])] == names
