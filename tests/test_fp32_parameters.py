@@ -136,7 +136,7 @@ def _deepseek(rank, world):
     """DeepSeek-V3 marks its routers' weights `_keep_in_fp32_modules_strict`: in bf16 they
     compute in fp32 with no option given, experts over 2 ranks at stages 2 and 3, and
     `fp32_parameters=[]` turns that off."""
-    from test_hf_moe import PER_RANK, build, global_batches
+    from test_hf_moe import build
 
     out = {}
     for stage, patterns in ((2, None), (3, None), (3, [])):
@@ -153,17 +153,25 @@ def _deepseek(rank, world):
             stage=stage, compute_dtype="bf16", expert_parallel_size=2, fp32_parameters=patterns
         )
         engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-        losses = []
-        for batch in global_batches(world):
-            x = batch.split(PER_RANK)[rank]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+        losses = _train_lm(engine, rank, world)
         out[stage, patterns is None] = losses, sorted(seen)
         engine.close()
     return out
+
+
+def _train_lm(engine, rank: int, world: int) -> list[float]:
+    """test_hf_moe's batches, this rank's part of each: the losses."""
+    from test_hf_moe import PER_RANK, global_batches
+
+    losses = []
+    for batch in global_batches(world):
+        x = batch.split(PER_RANK)[rank]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def test_transformers_marks_keep_deepseek_routers_in_fp32():
@@ -414,7 +422,6 @@ def _dtypes(model) -> dict[str, list[str]]:
 
 
 def _peft_deepseek(rank, world, path):
-    from test_hf_moe import PER_RANK, global_batches
 
     out = {}
     for stage in (0, 3):
@@ -422,14 +429,7 @@ def _peft_deepseek(rank, world, path):
         trained = [p for p in model.parameters() if p.requires_grad]
         config = ZeroConfig(stage=stage, compute_dtype="bf16")
         engine = ZeroEngine(model, torch.optim.AdamW(trained, lr=1e-2), config)
-        losses = []
-        for batch in global_batches(world):
-            x = batch.split(PER_RANK)[rank]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+        losses = _train_lm(engine, rank, world)
         out[stage] = losses, _dtypes(model)
         engine.close()
     return out
