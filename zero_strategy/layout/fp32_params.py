@@ -5,8 +5,9 @@ rounding of its weights, an attention sink or a score-correction bias drifts.
 Transformers marks them on the model class (`_keep_in_fp32_modules_strict` for bf16 and
 fp16, `_keep_in_fp32_modules` for fp16 alone) and loads them in fp32; FSDP2 users give
 such modules a mixed-precision policy of their own; DeepSpeed casts them with the rest.
-Here their units (stage 3) or buckets (stages 0-2) are fp32 ones: the forward sees them
-as loaded, and no half-precision copy rounds them. Their masters are fp32 anyway.
+PEFT keeps its adapters in fp32 over a half-precision base likewise. Here their units
+(stage 3) or buckets (stages 0-2) are fp32 ones: the forward sees them as loaded, and no
+half-precision copy rounds them. Their masters are fp32 anyway.
 
 The patterns are Transformers' own: searched (not matched whole) in each parameter name,
 `*` standing for any run of characters.
