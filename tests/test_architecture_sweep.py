@@ -28,7 +28,7 @@ from vision_language_inputs import VisionLanguageInputs
 
 from distributed import run_world
 from tiny_configs import setting, tiny_model
-from training import step_and_state
+from training import step_and_state, with_lora
 from zero_strategy import ZeroConfig, ZeroEngine
 
 transformers = pytest.importorskip("transformers")
@@ -376,7 +376,7 @@ def _train_vision_language(
         for param in inputs.image_only_parameters(model):
             param.requires_grad_(False)
     elif mode == "lora":  # PEFT's adapters on every linear layer, the towers' too
-        model = _with_lora(model)
+        model = with_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     runner = _runner(model, opt, stage, **config)
     model.train()
@@ -411,20 +411,6 @@ def _vision_language_ddp(model_type: str, mode: str):
             _train_vision_language, 2, model_type, "ddp", images, mode, expect_errors=True
         ),
     )
-
-
-def _with_lora(model):
-    """The model with PEFT's LoRA adapters on every linear layer, B drawn at random (PEFT
-    starts it at zero, which would leave A's first step without a gradient)."""
-    import peft
-
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    return model
 
 
 def _vision_language_or_skip(model_type: str, mode: str) -> torch.nn.Module:

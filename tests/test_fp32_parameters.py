@@ -136,7 +136,7 @@ def _deepseek(rank, world):
     """DeepSeek-V3 marks its routers' weights `_keep_in_fp32_modules_strict`: in bf16 they
     compute in fp32 with no option given, experts over 2 ranks at stages 2 and 3, and
     `fp32_parameters=[]` turns that off."""
-    from test_hf_moe import build
+    from test_hf_moe import build, train_on_batches
 
     out = {}
     for stage, patterns in ((2, None), (3, None), (3, [])):
@@ -153,25 +153,10 @@ def _deepseek(rank, world):
             stage=stage, compute_dtype="bf16", expert_parallel_size=2, fp32_parameters=patterns
         )
         engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-        losses = _train_lm(engine, rank, world)
+        losses = train_on_batches(engine, engine, rank, world)
         out[stage, patterns is None] = losses, sorted(seen)
         engine.close()
     return out
-
-
-def _train_lm(engine, rank: int, world: int) -> list[float]:
-    """test_hf_moe's batches, this rank's part of each: the losses."""
-    from test_hf_moe import PER_RANK, global_batches
-
-    losses = []
-    for batch in global_batches(world):
-        x = batch.split(PER_RANK)[rank]
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def test_transformers_marks_keep_deepseek_routers_in_fp32():
@@ -398,18 +383,13 @@ def _peft_model(path: str):
     """DeepSeek-V3 as `from_pretrained(dtype=bfloat16)` loads it (routers fp32), with LoRA
     on every linear layer (its routers too; PEFT keeps the adapters fp32), B drawn at
     random (PEFT starts it at zero)."""
-    import peft
     import transformers
+
+    from training import with_lora
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     torch.manual_seed(0)  # LoRA's A is drawn at random
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    return model
+    return with_lora(model)
 
 
 def _dtypes(model) -> dict[str, list[str]]:
@@ -422,6 +402,7 @@ def _dtypes(model) -> dict[str, list[str]]:
 
 
 def _peft_deepseek(rank, world, path):
+    from test_hf_moe import train_on_batches
 
     out = {}
     for stage in (0, 3):
@@ -429,7 +410,7 @@ def _peft_deepseek(rank, world, path):
         trained = [p for p in model.parameters() if p.requires_grad]
         config = ZeroConfig(stage=stage, compute_dtype="bf16")
         engine = ZeroEngine(model, torch.optim.AdamW(trained, lr=1e-2), config)
-        losses = _train_lm(engine, rank, world)
+        losses = train_on_batches(engine, engine, rank, world)
         out[stage] = losses, _dtypes(model)
         engine.close()
     return out

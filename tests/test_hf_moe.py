@@ -479,19 +479,25 @@ def skewed(implementation: str) -> torch.nn.Module:
     return model
 
 
-def _skewed_train(rank, world, stage, implementation):
-    model = skewed(implementation)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, expert_parallel_size=2))
+def train_on_batches(forward, engine, rank: int, world: int) -> list[float]:
+    """`global_batches`, this rank's part of each, through `forward` (the model, or the
+    engine) and `engine`'s backward and step: the losses."""
     losses = []
     for batch in global_batches(world):
         x = batch.split(PER_RANK)[rank]
-        loss = model(input_ids=x, labels=x).loss
+        loss = forward(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _skewed_train(rank, world, stage, implementation):
+    model = skewed(implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, expert_parallel_size=2))
+    return train_on_batches(model, engine, rank, world)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])

@@ -188,3 +188,17 @@ def train_zero_resumable(
             ckpt, client_state={"next_step": steps.stop, "tag": torch.tensor([7])}
         )
     return losses, engine.full_state_dict(), client
+
+
+def with_lora(model):
+    """The model with PEFT's LoRA adapters on every linear layer, B drawn at random (PEFT
+    starts it at zero, which would leave A's first step without a gradient)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model

@@ -68,14 +68,19 @@ class Fp32Parameters:
     def __init__(self, scoped: Sequence[tuple[str, Sequence[str]]] = ()):
         self.scoped = [(path, list(patterns)) for path, patterns in scoped]
         self._regexes = [(path, pattern_regex(patterns)) for path, patterns in self.scoped]
+        # The layout asks about each parameter several times (a pass per kind of bucket).
+        self._answers: dict[tuple[str, ...], bool] = {}
 
     def __bool__(self) -> bool:
         return bool(self._regexes)
 
     def __call__(self, names: Iterable[str]) -> bool:
-        return any(
-            self._matches(name, path, regex) for name in names for path, regex in self._regexes
-        )
+        key = tuple(names)
+        if key not in self._answers:
+            self._answers[key] = any(
+                self._matches(name, path, regex) for name in key for path, regex in self._regexes
+            )
+        return self._answers[key]
 
     @staticmethod
     def _matches(name: str, path: str, regex: re.Pattern | None) -> bool:
@@ -91,9 +96,7 @@ class Fp32Parameters:
     def unmatched(self, names: Iterable[str]) -> list[str]:
         """The patterns that match none of `names` (a configured one is a mistake)."""
         names = list(names)
+        alone = [(path, p, pattern_regex([p])) for path, patterns in self.scoped for p in patterns]
         return [
-            pattern
-            for path, patterns in self.scoped
-            for pattern in patterns
-            if not any(self._matches(n, path, pattern_regex([pattern])) for n in names)
+            p for path, p, regex in alone if not any(self._matches(n, path, regex) for n in names)
         ]

@@ -265,14 +265,12 @@ def split_unit(
     by_trainability = split_by_trainability(members, group_of)
     for i, part in enumerate(by_trainability):
         frozen = FROZEN_PART if i else ""
+        rest = [p for p in part if not kept_fp32(p.names)]
         fp32 = [p for p in part if kept_fp32(p.names)]
+        if rest:
+            parts.append((rest, frozen, None))
         if fp32:
-            rest = [p for p in part if not kept_fp32(p.names)]
-            if rest:
-                parts.append((rest, frozen, None))
             parts.append((fp32, frozen + FP32_PART, torch.float32))
-        else:
-            parts.append((part, frozen, None))
     return parts
 
 

@@ -88,9 +88,6 @@ class FlatUnit:
         self.shard_device = device if shard_device is None else shard_device
         self._copied_back: torch.cuda.Event | None = None  # pinned: the last copy out
         self.compute_dtype = compute_dtype
-        # Parameters kept in fp32 under bf16/fp16 compute (`layout/fp32_params.py`): for
-        # their precision, never quantized on the way either.
-        self.kept_fp32 = layout.compute_dtype is not None
         # The optimizer's dtype: fp32, or fp64 for fp64 compute (never below compute).
         self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.opt_start, self.opt_end = (
@@ -127,6 +124,12 @@ class FlatUnit:
     # ------------------------------------------------------------------ who decides what
     # The unit's fields are its own: the parts that decide where its tensors live and
     # for how long say so through these calls, and read the fields through properties.
+    @property
+    def kept_fp32(self) -> bool:
+        """Parameters kept in fp32 under bf16/fp16 compute (`layout/fp32_params.py`): for
+        their precision, never quantized on the way either."""
+        return self.layout.compute_dtype is not None
+
     @property
     def persistent(self) -> bool:
         """Whether the unit stays gathered between uses (stages 0-2 always; stage 3 the
@@ -573,8 +576,8 @@ class FlatUnit:
         target = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
         self.bring_in()
         shard = self.gather_input(target)
-        if self.group.exchange is not None:
-            exchange = self.group.exchange
+        exchange = self.group.exchange
+        if exchange is not None:
             return exchange.start_gather(target, shard, None, not self.kept_fp32)[0], target
         return self.group.comm.all_gather(target, shard, async_op=True), target
 
