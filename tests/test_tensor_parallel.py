@@ -575,7 +575,18 @@ def _architecture(name: str) -> torch.nn.Module:
     if name == "llama":
         return llama()
     torch.manual_seed(0)
-    config = {"qwen3": T.Qwen3Config, "phi3": T.Phi3Config, "olmo2": T.Olmo2Config}[name](
+    classes = {
+        "qwen3": T.Qwen3Config,
+        "phi3": T.Phi3Config,
+        "olmo2": T.Olmo2Config,
+        "qwen3_moe": T.Qwen3MoeConfig,
+    }
+    # Qwen3-MoE: every layer's MLP is 4 routed experts, whole at both positions.
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1
+    )
+    config = classes[name](
+        **(moe if name == "qwen3_moe" else {}),
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -588,12 +599,12 @@ def _architecture(name: str) -> torch.nn.Module:
     return T.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "olmo2", "qwen3_moe"])
 def test_a_model_loaded_with_transformers_tp_plan_trains_as_one_process(name, tmp_path):
     """from_pretrained(tp_plan="auto"): Transformers' own plan over the 2 ranks
     (vocab-parallel embedding, column-wise head, the blocks column-/row-wise; Phi-3's
-    packed qkv and gate_up, Qwen3's and OLMo2's q/k norms); the engine, told
-    tensor_parallel_size=2, trains it as one process does."""
+    packed qkv and gate_up, Qwen3's and OLMo2's q/k norms; Qwen3-MoE's experts left
+    whole); the engine, told tensor_parallel_size=2, trains it as one process does."""
     _architecture(name).save_pretrained(tmp_path)
     reference, _ = _single_process(STEPS, _architecture(name))
     for losses in run_world(_transformers_plan, 2, str(tmp_path), 3):

@@ -77,7 +77,7 @@ class ZeroEngine:
         dimension of a 2-D (data, tensor) `device_mesh` and pass that mesh, or set
         `ZeroConfig.tensor_parallel_size` (contiguous tensor groups). ZeRO then shards over
         the data dimension only (`zero_strategy.tensor_parallel`)."""
-        prepared = steps.prepare(model, optimizer, config, device)
+        prepared = steps.prepare(model, optimizer, config, device, device_mesh)
         model, self._runner = prepared.module, prepared.runner  # out of a compiled wrapper
         self.config, self.device, self.module = prepared.config, prepared.device, model
         self.optimizers = prepared.optimizer_set.facing  # the user's objects

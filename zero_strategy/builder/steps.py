@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm.topology import ProcessGroups
@@ -81,7 +80,7 @@ from ..optim.shard_views import (
     repoint_optimizer,
 )
 from ..optim.zero_redundancy import stepping_optimizer
-from ..tensor_parallel import check_head_counts
+from ..tensor_parallel import MeshLayout, check_head_counts
 from ..tensor_parallel import check_parameters as check_tensor_parameters
 from ..units.flat_unit import FlatUnit
 from ..units.optimizer_view import OptimizerView
@@ -108,6 +107,7 @@ def prepare(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     config: ZeroConfig | dict | None,
     device: torch.device | str | None,
+    device_mesh: Any = None,
 ) -> Prepared:
     """Check what the user handed over, before anything is communicated."""
     cfg = coerce_config(config)
@@ -122,7 +122,8 @@ def prepare(
     if not isinstance(model, nn.Module):
         raise TypeError(f"ZeroEngine needs an nn.Module, got {type(model).__name__}.")
     model, runner = unwrap_compiled(model)  # sharded under the model's own names
-    _settle_expert_parallel(model, optimizer_set, cfg.expert_parallel_size)
+    world = MeshLayout.of_world(device_mesh, cfg.tensor_parallel_size)
+    _settle_expert_parallel(model, optimizer_set, cfg.expert_parallel_size, world)
     params = unique_parameters(model)
     if not params:
         raise ValueError(
@@ -156,12 +157,12 @@ def optimizer_list(optimizer, cfg: ZeroConfig) -> list[torch.optim.Optimizer]:
     return optimizers
 
 
-def _settle_expert_parallel(model, optimizer, ep_size: int) -> None:
+def _settle_expert_parallel(model, optimizer, ep_size: int, world: MeshLayout) -> None:
     """MoE layers built with ep_size=None keep this rank's experts; the optimizer, built
-    over every expert, forgets the others (and takes a batched weight's slice for it)."""
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    replaced = settle_expert_parallel(model, ep_size, rank, world)
+    over every expert, forgets the others (and takes a batched weight's slice for it).
+    Experts are split over the data-parallel ranks: with tensor parallelism every
+    tensor-parallel position holds the same ones."""
+    replaced = settle_expert_parallel(model, ep_size, world.data_index, world.data_size)
     if replaced:
         for group in optimizer.param_groups:
             params = [replaced.get(id(p), p) for p in group["params"]]
@@ -205,11 +206,6 @@ def check_mesh(model: nn.Module, cfg: ZeroConfig, groups: ProcessGroups) -> None
     # The (Hugging Face) config of the model, or of one held inside it (Lightning's).
     config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
     check_head_counts(named, config, groups.mesh.tensor_size)
-    if expert_layers(model) or cfg.expert_parallel_size > 1:
-        raise ValueError(
-            "Tensor parallelism with MoE layers is not supported yet: use "
-            "tensor_parallel_size=1 with expert parallelism, or a dense model."
-        )
 
 
 # ==================================================================== 3. where things live

@@ -66,13 +66,18 @@ class StateDoor:
         """Where a parameter is checkpointed and consolidated: under its own name, or for
         a distinct copy (`copy`, default this rank's: an expert-parallel rank's experts)
         under its global name, or as its rows of a batched weight."""
-        if unit.group.spec.replicated:
-            placed = self._tensor_sharded.get(name)
-            if placed is not None:  # this position's block of the full tensor
-                return Stored(name, placed.full_shape, placed.offset)
-            return Stored(name, tuple(shape))
-        copy = unit.group.copy_index if copy is None else copy
-        return self._expert_names.stored(name, copy, tuple(shape))
+        placed = self._tensor_sharded.get(name)  # this position's block of the full tensor
+        if not unit.group.spec.replicated:
+            copy = unit.group.copy_index if copy is None else copy
+            expert = self._expert_names.stored(name, copy, tuple(shape))
+            if placed is None:
+                return expert
+            # Split by tensor parallelism too: one expert's own parameter, never rows of
+            # a batched one (`check_tensor_parallel_experts` refuses those).
+            return Stored(expert.name, placed.full_shape, placed.offset)
+        if placed is not None:
+            return Stored(name, placed.full_shape, placed.offset)
+        return Stored(name, tuple(shape))
 
     def parameter_names(self) -> set[str]:
         """Every name (tied aliases included) under which the model holds a parameter."""

@@ -144,24 +144,8 @@ class ProcessGroups:
                     "'cpu:gloo,cuda:nccl')."
                 )
             elastic_store.warn_if_restarts_share_a_store()
-        global_rank, global_world = (
-            (dist.get_rank(), dist.get_world_size()) if self.backend != "none" else (0, 1)
-        )
-        if device_mesh is not None:
-            self.mesh = MeshLayout.from_device_mesh(device_mesh, global_rank)
-            if tensor_parallel_size not in (1, self.mesh.tensor_size):
-                raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size} disagrees with the "
-                    f"device_mesh's tensor dimension ({self.mesh.tensor_size}); set one."
-                )
-        else:
-            self.mesh = MeshLayout.contiguous(global_world, tensor_parallel_size, global_rank)
-        if self.mesh.world_size != global_world:
-            raise ValueError(
-                f"device_mesh covers {self.mesh.world_size} ranks; the world has "
-                f"{global_world}. Build the mesh over every rank."
-            )
-        self.global_rank, self.global_world_size = global_rank, global_world
+        self.mesh = MeshLayout.of_world(device_mesh, tensor_parallel_size)
+        self.global_rank, self.global_world_size = self.mesh.global_rank, self.mesh.world_size
         self.rank, self.world_size = self.mesh.data_index, self.mesh.data_size
         if self.world_size % secondary_partition_size:  # before any group is made
             raise ValueError(

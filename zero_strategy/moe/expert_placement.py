@@ -61,6 +61,8 @@ def settle_expert_parallel(
             f"{world_size}: expert-parallel groups are that many contiguous ranks. Use a "
             f"divisor of {world_size}."
         )
+    if ep_size > 1:
+        _refuse_batched_experts_split_by_tensor_parallelism(model)
     replaced: dict[int, nn.Parameter | None] = {}
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for layer in layers:
@@ -85,6 +87,24 @@ def settle_expert_parallel(
             "weight, experts included, with ZeRO."
         )
     return replaced
+
+
+def _refuse_batched_experts_split_by_tensor_parallelism(model: nn.Module) -> None:
+    """Expert parallelism splits a batched weight (several experts in one tensor) by
+    rows, and stores those rows in checkpoints; a weight tensor parallelism split too
+    would need both layouts at once. One expert's own weights split by the plan are fine
+    (each stays one expert's)."""
+    batched = {p: m for p, m in model.named_modules() if isinstance(m, MoE) and m.experts.batched}
+    batched.update(transformers_experts.convertible(model))
+    for path, module in batched.items():
+        for name, param in module.named_parameters():
+            if type(param).__name__ == "DTensor":
+                raise ValueError(
+                    f"'{path}.{name}' holds several experts in one weight and is split by "
+                    "tensor parallelism, so expert parallelism cannot split it by experts. "
+                    "Leave these experts out of the tensor-parallel plan (expert "
+                    "parallelism splits them), or use expert_parallel_size=1."
+                )
 
 
 def _check(path: str, layer: ExpertLayer, world_size: int) -> None:

@@ -60,6 +60,29 @@ class MeshLayout:
             )
         return cls(grid, rank)
 
+    @classmethod
+    def of_world(cls, device_mesh, tensor_parallel_size: int) -> MeshLayout:
+        """This process's world as a grid: the 2-D `device_mesh` given, else contiguous
+        tensor groups of `tensor_parallel_size` (one rank without torch.distributed)."""
+        import torch.distributed as dist
+
+        running = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if running else (0, 1)
+        if device_mesh is None:
+            return cls.contiguous(world, tensor_parallel_size, rank)
+        layout = cls.from_device_mesh(device_mesh, rank)
+        if tensor_parallel_size not in (1, layout.tensor_size):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} disagrees with the "
+                f"device_mesh's tensor dimension ({layout.tensor_size}); set one."
+            )
+        if layout.world_size != world:
+            raise ValueError(
+                f"device_mesh covers {layout.world_size} ranks; the world has {world}. "
+                "Build the mesh over every rank."
+            )
+        return layout
+
     @property
     def data_size(self) -> int:
         return len(self.grid)

@@ -1,0 +1,339 @@
+"""Tensor parallelism with MoE layers (dp 2 x tp 2 = 4 gloo ranks): attention (and the
+dense and shared-expert MLPs) split over the tensor dimension by the model's own plan,
+the routed experts whole at every tensor position and split over the data-parallel
+ranks by expert parallelism, ZeRO over the data dimension. Trains as one process
+holding every expert does; checkpoints change all three sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import preload, run_world
+from zero_strategy import ZeroConfig, ZeroEngine
+
+T = pytest.importorskip("transformers")
+preload("zero_strategy.integrations.transformers")
+
+VOCAB, SEQ, PER_RANK, STEPS, LR, CLIP = 64, 8, 2, 4, 1e-2, 0.3
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # split 1 + 1 over two tensor positions
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
+)
+ARCHS = {
+    "mixtral": lambda: T.MixtralForCausalLM(
+        T.MixtralConfig(intermediate_size=24, num_local_experts=4, head_dim=4, **COMMON)
+    ),
+    # A dense first layer, shared experts beside the routed ones: both in the plan.
+    "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(
+        T.DeepseekV3Config(
+            intermediate_size=32,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **COMMON,
+        )
+    ),
+}
+
+
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ARCHS[arch]()
+
+
+def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> list[str]:
+    """The column- and row-wise entries of the model's own plan
+    (`config.base_model_tp_plan`) applied with torch's `parallelize_module`; returns the
+    patterns applied. Routed experts are in no entry: they stay whole."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {
+        pattern: styles[style]()
+        for pattern, style in model.config.base_model_tp_plan.items()
+        if style in styles and pattern.startswith("layers.")
+    }
+    prefix = "layers.*."
+    for layer in model.model.layers:  # each layer's own: a dense layer, or an MoE one
+        names = {n for n, _ in layer.named_modules()}
+        here = {p[len(prefix) :]: s for p, s in plan.items() if p[len(prefix) :] in names}
+        parallelize_module(layer, tensor_mesh, here)
+    return sorted(plan)
+
+
+def batches(dp: int, steps: int = STEPS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (dp * PER_RANK, SEQ), generator=g) for _ in range(steps)]
+
+
+def one_process(arch: str, dp: int = 2, steps: int = STEPS):
+    """Every expert in one process, each step's batch split as the data-parallel ranks
+    split it (the auxiliary loss is per rank's tokens); clipped as the engine clips."""
+    model = build(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches(dp, steps):
+        parts = [model(input_ids=x, labels=x).loss for x in batch.split(PER_RANK)]
+        loss = sum(parts) / dp
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _engine(arch: str, dp: int, tp: int, ep: int, stage: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, mesh = build(arch), None
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
+        apply_model_plan(model, mesh["tensor"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep, gradient_clipping=CLIP)
+    return ZeroEngine(model, optimizer, config, device_mesh=mesh)
+
+
+def _train(engine: ZeroEngine, dp: int, steps) -> list[float]:
+    """Each data-parallel rank trains on its part of every batch; the whole batch's loss
+    is the mean of every rank's (the tensor positions of one data rank repeat theirs)."""
+    losses = []
+    for step in steps:
+        x = batches(dp)[step].split(PER_RANK)[engine.rank]
+        loss = engine.module(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / torch.distributed.get_world_size())
+    return losses
+
+
+def _run(rank, world, arch, tp, ep, stage, steps, load=None, save=None):
+    dp = world // tp
+    engine = _engine(arch, dp, tp, ep, stage)
+    experts = {
+        n: m.num_experts for n, m in engine.module.named_modules() if n.endswith("mlp.experts")
+    }
+    split = {n for n, p in engine.module.named_parameters() if type(p).__name__ == "DTensor"}
+    if load:
+        engine.load_checkpoint(load)
+    losses = _train(engine, dp, steps)
+    if save:
+        engine.save_checkpoint(save)
+    engine.close()
+    return losses, experts, split
+
+
+def _close(got: list[float], want: list[float], rel: float = 1e-5) -> None:
+    assert got == pytest.approx(want, rel=rel), (got, want)
+
+
+@pytest.mark.parametrize(
+    ("arch", "ep", "stage"),
+    [("mixtral", 2, 3), ("mixtral", 1, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 1, 3)],
+)
+def test_tensor_and_expert_parallel_moe_trains_as_one_process(arch, ep, stage):
+    """With clipping (the norm spans tensor shards, expert copies and ZeRO shards): every
+    rank's losses are one process's within 1e-5; each rank holds 4 / ep experts of each
+    layer, and the plan split attention and the dense MLPs, not the routed experts."""
+    want, _ = one_process(arch)
+    for losses, experts, split in run_world(_run, 4, arch, 2, ep, stage, range(STEPS)):
+        _close(losses, want)
+        assert experts and set(experts.values()) == {4 // ep}
+        assert "model.layers.1.self_attn.o_proj.weight" in split
+        assert not any(".experts." in name for name in split)
+        if arch == "deepseek_v3":
+            assert {
+                "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.1.mlp.shared_experts.down_proj.weight",
+            } <= split
+
+
+def test_checkpoint_changes_tensor_expert_and_data_sizes(tmp_path):
+    """Saved at (dp 2, tp 2, ep 2) stage 3 halfway: resumed at (dp 2, tp 1, ep 1) stage 1
+    and at (dp 2, tp 2, ep 1) stage 2, each continues as the run that never stopped; the
+    consolidated checkpoint holds one process's weights at the break."""
+    from zero_strategy.checkpoint.consolidate import iter_tensors
+
+    path = tmp_path / "ck"
+    half = STEPS // 2
+    full = run_world(_run, 4, "mixtral", 2, 2, 3, range(STEPS))[0][0]
+    run_world(_run, 4, "mixtral", 2, 2, 3, range(half), save=str(path))
+    for world, tp, ep, stage in [(2, 1, 1, 1), (4, 2, 1, 2)]:
+        resumed = run_world(_run, world, "mixtral", tp, ep, stage, range(half, STEPS), str(path))
+        for losses, _, _ in resumed:
+            _close(losses, full[half:], rel=1e-6)
+    _, weights = one_process("mixtral", steps=half)
+    consolidated = dict(iter_tensors(path))
+    assert set(consolidated) == set(weights)
+    for name, value in weights.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=1e-4, atol=LR * 1e-2)
+
+
+# ---------------------------------------------------------------------------- zero_strategy.moe.MoE
+D = 16
+
+
+class _DenseThenMoE(torch.nn.Module):
+    """A dense MLP (split column- then row-wise) and an MoE layer of the project's own,
+    each behind a norm and a residual."""
+
+    def __init__(self, ep_size: int | None):
+        super().__init__()
+        from zero_strategy.moe import MoE
+
+        torch.manual_seed(0)
+        self.norm, self.up, self.down = (
+            torch.nn.LayerNorm(D),
+            torch.nn.Linear(D, 4 * D),
+            torch.nn.Linear(4 * D, D),
+        )
+        expert = torch.nn.Sequential(
+            torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D)
+        )
+        self.moe_norm = torch.nn.LayerNorm(D)
+        self.moe = MoE(D, expert, num_experts=4, ep_size=ep_size, k=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        x = x + self.moe(self.moe_norm(x))
+        loss = x.square().mean()
+        return loss + self.moe.last_losses if self.training else loss
+
+
+def _dense_then_moe_data(dp: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(dp * PER_RANK, SEQ, D, generator=g) for _ in range(STEPS)]
+
+
+def _own_moe(rank, world, stage, ep, split_experts, save):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dp, tp = world // 2, 2
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
+    model = _DenseThenMoE(ep_size=None)  # the engine's expert_parallel_size decides
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if split_experts:  # each expert's MLP split as the dense one (expert tensor parallelism)
+        for index in range(len(model.moe.experts.local)):
+            plan[f"moe.experts.local.{index}.0"] = ColwiseParallel()
+            plan[f"moe.experts.local.{index}.2"] = RowwiseParallel()
+    parallelize_module(model, mesh["tensor"], plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep, gradient_clipping=CLIP)
+    engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
+    losses = []
+    for batch in _dense_then_moe_data(dp):
+        loss = engine(batch.split(PER_RANK)[engine.rank])
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.save_checkpoint(save)
+    held = model.moe.num_local
+    engine.close()
+    return losses, held
+
+
+@pytest.mark.parametrize(
+    ("stage", "split_experts"), [(1, False), (3, False), (3, True)], ids=["1", "3", "3-ETP"]
+)
+def test_the_projects_own_moe_layer_beside_tensor_parallelism_trains_as_one_process(
+    stage, split_experts, tmp_path
+):
+    """Experts whole at both tensor positions, or each expert split column- then
+    row-wise as the dense MLP is: with 2 of the 4 experts on each data-parallel rank, the
+    losses are one process's, and the consolidated checkpoint holds its weights."""
+    from zero_strategy.checkpoint.consolidate import iter_tensors
+
+    model = _DenseThenMoE(ep_size=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    want = []
+    for batch in _dense_then_moe_data(2):
+        loss = sum(model(x) for x in batch.split(PER_RANK)) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    path = tmp_path / "ck"
+    for losses, held in run_world(_own_moe, 4, stage, 2, split_experts, str(path)):
+        _close(losses, want)
+        assert held == 2
+    consolidated = dict(iter_tensors(path))
+    reloaded = run_world(_own_moe_reloaded, 2, str(path))  # dp 2, no tensor parallelism
+    assert set(consolidated) == set(model.state_dict())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(consolidated[name], value, rtol=1e-4, atol=LR * 1e-2)
+        for state in reloaded:
+            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=LR * 1e-2)
+
+
+def _own_moe_reloaded(rank, world, path):
+    model = _DenseThenMoE(ep_size=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, expert_parallel_size=2))
+    engine.load_checkpoint(path)
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return state
+
+
+def _batched_experts_split(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zero_strategy.moe import MoE
+    from zero_strategy.moe.batched import BatchedMLP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = torch.nn.Sequential(MoE(D, BatchedMLP(D, 2 * D), num_experts=4, ep_size=None))
+    experts = model[0].experts.local
+    experts.w_in = torch.nn.Parameter(
+        distribute_tensor(experts.w_in.data, mesh["tensor"], [Shard(2)])
+    )
+    try:
+        config = ZeroConfig(stage=3, expert_parallel_size=2)
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), config, device_mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_batched_experts_split_by_tensor_parallelism_are_refused_by_expert_parallelism():
+    for message in run_world(_batched_experts_split, 4):
+        assert message is not None
+        for words in (
+            "0.experts.local.w_in",
+            "split by tensor parallelism",
+            "expert_parallel_size=1",
+        ):
+            assert words in message, message
