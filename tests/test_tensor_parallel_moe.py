@@ -337,3 +337,60 @@ def test_batched_experts_split_by_tensor_parallelism_are_refused_by_expert_paral
             "expert_parallel_size=1",
         ):
             assert words in message, message
+
+
+# ---------------------------------------------------------------------------- Lightning
+def _lightning_fit(rank, world, tp, real_init):
+    import contextlib
+
+    import lightning as L
+    from lightning_helpers import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zero_strategy.integrations.lightning import ZeroStrategy
+
+    class MoEWithAPlan(L.LightningModule):
+        """The configure_model a ModelParallelStrategy user writes: the model, then the
+        plan on the mesh's "tensor_parallel" dimension."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self):
+            if self.model is not None:
+                return
+            with torch.device("cpu") if real_init else contextlib.nullcontext():
+                self.model = build("mixtral")
+            if tp > 1:
+                apply_model_plan(self.model, self.device_mesh["tensor_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    strategy = ZeroStrategy(stage=3, tensor_parallel_size=tp, expert_parallel_size=2)
+    trainer = quiet_trainer(world, strategy, max_steps=STEPS, gradient_clip_val=CLIP)
+    module = MoEWithAPlan()
+    data = torch.cat(batches(2))  # each data-parallel rank: its part of each batch
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=PER_RANK))
+    experts = module.model.model.layers[0].mlp.experts.num_experts
+    return module.losses, experts
+
+
+@pytest.mark.parametrize("real_init", [True, False], ids=["built", "on-meta"])
+def test_lightning_trains_an_moe_model_with_a_plan_and_expert_parallelism(real_init):
+    """Trainer(strategy=ZeroStrategy(stage=3, tensor_parallel_size=2,
+    expert_parallel_size=2), devices=4): the same losses as the model without the plan
+    on 2 ranks (built for real, or on the meta device and initialised by the engine)."""
+    with_plan = run_world(_lightning_fit, 4, 2, real_init)
+    without = run_world(_lightning_fit, 2, 1, real_init)
+    for rank, (losses, experts) in enumerate(with_plan):
+        _close(losses, without[rank // 2][0])
+        assert experts == 2
