@@ -394,3 +394,110 @@ def test_lightning_trains_an_moe_model_with_a_plan_and_expert_parallelism(real_i
     for rank, (losses, experts) in enumerate(with_plan):
         _close(losses, without[rank // 2][0])
         assert experts == 2
+
+
+# ---------------------------------------------------------------------------- planner
+def _model_state(rank, world, stage, ep, dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = build("mixtral")
+    apply_model_plan(model, mesh["tensor"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep, compute_dtype=dtype)
+    engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
+    _train(engine, 2, range(1))
+    m = engine.memory_report()
+    engine.close()
+    return m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
+
+
+@pytest.mark.parametrize(("stage", "ep", "dtype"), [(1, 2, "fp32"), (3, 2, "bf16"), (2, 1, "fp32")])
+def test_planner_accounts_for_tensor_and_expert_parallelism_within_2_percent(stage, ep, dtype):
+    """The plan's split (attention) and the experts (whole at each position, over ep of
+    the data-parallel ranks), as the planner counts them from the model."""
+    from zero_strategy.memory.planner import (
+        count_params,
+        expert_params,
+        plan,
+        tensor_shardable_params,
+    )
+
+    model = build("mixtral")
+    params, root = count_params(model)
+    predicted = plan(
+        params,
+        4,
+        stage,
+        dtype,
+        root_params=root,
+        ep_size=ep,
+        expert_params=expert_params(model),
+        tensor_parallel_size=2,
+        tensor_sharded_params=tensor_shardable_params(model),
+    )
+    for state in run_world(_model_state, 4, stage, ep, dtype):
+        assert abs(predicted.model_state - state) <= 0.02 * state, (predicted.memory, state)
+
+
+def test_estimate_cli_counts_the_experts_of_a_config(tmp_path, capsys):
+    """`zero-strategy estimate --hf-config` takes the experts' count from the model (no
+    --expert-params needed) and refuses an ep_size the data-parallel ranks cannot hold."""
+    import json
+
+    from zero_strategy.cli import main
+    from zero_strategy.memory.planner import (
+        count_params,
+        expert_params,
+        plan,
+        tensor_shardable_params,
+    )
+
+    model = build("mixtral")
+    model.config.save_pretrained(tmp_path)
+    args = ["estimate", "--hf-config", str(tmp_path / "config.json"), "--world-size", "4"]
+    args += ["--stage", "1", "--dtype", "fp32", "--tensor-parallel", "2"]
+    experts = expert_params(model)
+    assert experts == 2 * 4 * 3 * 16 * 24  # 2 layers of 4 experts: gate, up and down
+    params, root = count_params(model)
+    sharded = tensor_shardable_params(model)
+    for ep in (1, 2):
+        assert main([*args, "--ep-size", str(ep), "--json"]) == 0
+        (one,) = json.loads(capsys.readouterr().out)
+        want = plan(
+            params,
+            4,
+            1,
+            "fp32",
+            root_params=root,
+            ep_size=ep,
+            expert_params=experts,
+            tensor_parallel_size=2,
+            tensor_sharded_params=sharded,
+        )
+        assert one["memory"] == want.memory
+    # Stage 1 holds every parameter it runs: ep 2 halves the experts there.
+    halved = plan(
+        params,
+        4,
+        1,
+        "fp32",
+        root_params=root,
+        ep_size=2,
+        expert_params=experts,
+        tensor_parallel_size=2,
+        tensor_sharded_params=sharded,
+    ).memory["parameters"]
+    whole = plan(
+        params,
+        4,
+        1,
+        "fp32",
+        root_params=root,
+        tensor_parallel_size=2,
+        tensor_sharded_params=sharded,
+    ).memory["parameters"]
+    assert whole - halved == 4 * experts / 2
+    assert main([*args, "--ep-size", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "ep_size=4 is invalid: it must divide the 2 data-parallel ranks" in err

@@ -52,10 +52,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from .memory import planner
 
-    root, sharded, model = 0, None, None
+    root, sharded, model, experts = 0, None, None, args.expert_params
     if args.hf_config:
         model = _model_of_hf_config(args.hf_config)
         params, root, sharded = _params_of(model)
+        if experts is None:  # the model's own experts
+            experts = planner.expert_params(model)
     elif args.params:
         params = planner.parse_count(args.params)
     else:
@@ -77,7 +79,7 @@ def _estimate(args: argparse.Namespace) -> int:
             activations,
             device,
             args.ep_size,
-            args.expert_params,
+            experts or 0,
             offload=args.offload,
             shard_group_size=args.shard_group_size,
             tensor_parallel_size=args.tensor_parallel,
@@ -210,7 +212,13 @@ def _add_estimate(sub) -> None:
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--accounting", default="zero-strategy", choices=["zero-strategy", "zero-paper"])
     e.add_argument("--ep-size", type=int, default=1)
-    e.add_argument("--expert-params", type=int, default=0)
+    e.add_argument(
+        "--expert-params",
+        type=int,
+        default=None,
+        help="parameters in MoE experts (default with --hf-config: the model's experts; "
+        "with --params: 0)",
+    )
     e.add_argument(
         "--shard-group-size",
         type=int,

@@ -78,13 +78,32 @@ class Plan:
 def tensor_shardable_params(model: nn.Module) -> int:
     """The parameters a standard tensor-parallel plan splits: the weights of every
     nn.Linear inside the stage-3 units (a transformer block's attention and MLP
-    projections, column- or row-wise; their biases and the norms stay whole)."""
+    projections, column- or row-wise; their biases and the norms stay whole), but the
+    experts' (whole at every tensor position, as Transformers' plans leave them)."""
     from ..layout.partition import select_unit_modules
 
     units = [model.get_submodule(p) for p in select_unit_modules(model, [])]
+    in_experts = {id(m) for e in _experts_modules(model) for m in e.modules()}
     return sum(
-        m.weight.numel() for unit in units for m in unit.modules() if isinstance(m, nn.Linear)
+        m.weight.numel()
+        for unit in units
+        for m in unit.modules()
+        if isinstance(m, nn.Linear) and id(m) not in in_experts
     )
+
+
+def expert_params(model: nn.Module) -> int:
+    """The parameters of the model's experts (`zero_strategy.moe.MoE` layers' and
+    Transformers experts modules'): those expert parallelism splits."""
+    return sum(p.numel() for e in _experts_modules(model) for p in e.parameters())
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    from ..moe.layer import MoE
+    from ..moe.transformers_experts import is_convertible
+
+    own = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    return own + [m for m in model.modules() if is_convertible(m)]
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
@@ -123,9 +142,11 @@ def plan(
     a `ShardSpec.contiguous(world_size, g)` placement of the root); default: the world.
 
     `tensor_parallel_size` t: a tensor-parallel plan splits `tensor_sharded_params` of
-    the parameters (default: all but the root's) over t ranks; ZeRO then shards what one
-    rank holds over the world / t data-parallel ranks. The plan's communication is
-    ZeRO's; the plan's own (activations) is not counted."""
+    the parameters (default: all but the root's and the experts') over t ranks; ZeRO
+    then shards what one rank holds over the world / t data-parallel ranks, and expert
+    parallelism splits the experts (whole at every tensor position) over `ep_size` of
+    those. The plan's communication is ZeRO's; the plan's own (activations) is not
+    counted."""
     _validate(params, world_size, stage, compute_dtype, optimizer, accounting, root_params)
     if tensor_parallel_size != 1:
         return _with_tensor_parallel(
@@ -143,7 +164,9 @@ def plan(
                 device_memory=device_memory,
                 offload=offload,
             ),
-            ep_size != 1 or expert_params or shard_group_size is not None,
+            ep_size,
+            expert_params,
+            shard_group_size is not None,
         )
     g = world_size if shard_group_size is None else shard_group_size
     _check_groups(g, shard_group_size, world_size, ep_size, expert_params, params, offload, stage)
@@ -276,29 +299,52 @@ def _communication(
 
 
 def _with_tensor_parallel(
-    params: int, world_size: int, t: int, sharded: int | None, options: dict, other: bool
+    params: int,
+    world_size: int,
+    t: int,
+    sharded: int | None,
+    options: dict,
+    ep_size: int,
+    expert_params: int,
+    hybrid: bool,
 ) -> Plan:
     """One tensor-parallel rank's plan: its part of the model over its data-parallel
-    ranks."""
+    ranks, its experts (whole at every position) over `ep_size` of them."""
     if not isinstance(t, int) or isinstance(t, bool) or t <= 0 or world_size % t:
         raise PlanError(
             f"tensor_parallel_size={t!r} is invalid: it must divide world_size={world_size}: "
             f"use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
         )
-    if other:
+    if hybrid:
         raise PlanError(
-            "tensor_parallel_size with expert parallelism or hybrid sharding is not "
-            "modelled by the planner: plan them apart."
+            "tensor_parallel_size with hybrid sharding (shard_group_size) is not modelled "
+            "by the planner: plan them apart."
         )
-    if sharded is None:
-        sharded = params - options["root_params"]
-    if not isinstance(sharded, int) or not 0 <= sharded <= params:
+    data = world_size // t
+    if not isinstance(ep_size, int) or ep_size <= 0 or data % ep_size:
         raise PlanError(
-            f"tensor_sharded_params={sharded!r} is invalid: use a count between 0 and params."
+            f"ep_size={ep_size!r} is invalid: it must divide the {data} data-parallel ranks "
+            f"(world_size={world_size} / tensor_parallel_size={t}): use one of "
+            f"{[d for d in range(1, data + 1) if data % d == 0]}."
+        )
+    dense = params - expert_params if isinstance(expert_params, int) else params
+    if sharded is None:
+        sharded = max(0, dense - options["root_params"])
+    if not isinstance(sharded, int) or not 0 <= sharded <= dense:
+        raise PlanError(
+            f"tensor_sharded_params={sharded!r} is invalid: use a count between 0 and the "
+            f"{dense} parameters outside the experts (the experts stay whole at every "
+            "tensor position)."
         )
     local = params - sharded + -(-sharded // t)
     root = min(options["root_params"], local)
-    one = plan(local, world_size // t, **{**options, "root_params": root})
+    one = plan(
+        local,
+        data,
+        **{**options, "root_params": root},
+        ep_size=ep_size,
+        expert_params=expert_params,
+    )
     one.params, one.world_size = params, world_size
     return one
 
