@@ -56,10 +56,10 @@ def build(arch: str) -> torch.nn.Module:
     return ARCHS[arch]()
 
 
-def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> list[str]:
+def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> torch.nn.Module:
     """The column- and row-wise entries of the model's own plan
-    (`config.base_model_tp_plan`) applied with torch's `parallelize_module`; returns the
-    patterns applied. Routed experts are in no entry: they stay whole."""
+    (`config.base_model_tp_plan`) applied with torch's `parallelize_module`. Routed
+    experts are in no entry: they stay whole."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -77,7 +77,7 @@ def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> list[str]:
         names = {n for n, _ in layer.named_modules()}
         here = {p[len(prefix) :]: s for p, s in plan.items() if p[len(prefix) :] in names}
         parallelize_module(layer, tensor_mesh, here)
-    return sorted(plan)
+    return model
 
 
 def batches(dp: int, steps: int = STEPS) -> list[torch.Tensor]:
@@ -501,3 +501,61 @@ def test_estimate_cli_counts_the_experts_of_a_config(tmp_path, capsys):
     assert main([*args, "--ep-size", "4"]) == 1
     err = capsys.readouterr().err
     assert "ep_size=4 is invalid: it must divide the 2 data-parallel ranks" in err
+
+
+# ---------------------------------------------------------------------------- Fabric, Accelerate
+def _door_fit(rank, world, door):
+    """A few clipped steps through Fabric or Accelerate, each told both sizes."""
+    import os
+
+    if door == "fabric":
+        import lightning as L
+
+        from zero_strategy.integrations.fabric import ZeroFabricStrategy
+
+        strategy = ZeroFabricStrategy(
+            stage=3,
+            tensor_parallel_size=2,
+            expert_parallel_size=2,
+            parallelize_fn=lambda model, mesh: apply_model_plan(model, mesh["tensor_parallel"]),
+        )
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+        fabric.launch()  # ranks already exist (as under torchrun): this only sets up
+        model = fabric.setup(build("mixtral"))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        backward = fabric.backward
+        clip = lambda: fabric.clip_gradients(model, optimizer, max_norm=CLIP)  # noqa: E731
+    else:
+        from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29534")
+        options = {"tensor_parallel_size": 2, "expert_parallel_size": 2}
+        accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(stage=3, options=options))
+        model = apply_model_plan(build("mixtral"), accelerator.device_mesh["tp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+        clip = lambda: accelerator.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
+    losses = []
+    for batch in batches(2):
+        x = batch.split(PER_RANK)[rank // 2]  # the data-parallel index
+        loss = model(input_ids=x, labels=x).loss
+        backward(loss)
+        clip()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+@pytest.mark.parametrize("door", ["fabric", "accelerate"])
+def test_fabric_and_accelerate_take_tensor_and_expert_parallel_sizes(door):
+    """Fabric (parallelize_fn) and Accelerate (the plan on accelerator.device_mesh["tp"]),
+    each told both sizes, with clipping: one process's losses."""
+    want, _ = one_process("mixtral")
+    for losses in run_world(_door_fit, 4, door):
+        _close(losses, want)
