@@ -605,6 +605,50 @@ def test_tensor_parallelism_compiles_in_bf16():
                 assert losses == pytest.approx(out[stage, "eager"][0], rel=1e-2), mode
 
 
+def _moe_tensor_parallel_compiled(rank, world, modes):
+    """Mixtral under its own plan (dp 2 x tp 2) with 2 of its 4 experts per data rank, at
+    stage 3, in each of `modes` (aot_eager); the losses and the graphs made."""
+    from test_tensor_parallel_moe import apply_model_plan, batches, build
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    out = {}
+    for mode in modes:
+        _fresh_dynamo()
+        mixtral = apply_model_plan(build("mixtral"), mesh["tensor"])
+        layers = mixtral.model.layers
+        model = _compiled_before(mixtral, mode, False, "aot_eager", blocks=layers)
+        config = ZeroConfig(stage=3, expert_parallel_size=2)
+        engine = ZeroEngine(model, make_optimizer(model), config, device_mesh=mesh)
+        losses = []
+        for step, batch in enumerate(batches(2, 3)):
+            if step == 2:  # compiled by now: any later recompile raises
+                torch._dynamo.config.error_on_recompile = True
+            ids = batch.chunk(2)[engine.rank]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        torch._dynamo.config.error_on_recompile = False
+        engine.close()
+        out[mode] = losses, _graphs_made()
+    return out
+
+
+def test_an_moe_model_under_tensor_and_expert_parallelism_compiles():
+    """Tensor parallelism and expert parallelism together at stage 3: each decoder layer
+    compiled, or the model compiled before the hand-over, trains with eager's losses and
+    does not recompile after step 2."""
+    pytest.importorskip("transformers")
+    runs = ["eager", "blocks", "before"]
+    for out in run_world(_moe_tensor_parallel_compiled, 4, runs, timeout=900):
+        for mode in runs[1:]:
+            losses, graphs = out[mode]
+            assert graphs > 0, mode
+            assert losses == pytest.approx(out["eager"][0], rel=1e-4), mode
+
+
 _DTENSOR_AT_AN_OFFSET = """
 import os, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
