@@ -342,6 +342,77 @@ def test_an_architecture_with_gradient_checkpointing_trains_as_under_ddp(family,
     _assert_holds_exactly(state, ddp_state, "DDP's")
 
 
+TENSOR_PARALLEL_CASES = sorted(FAMILIES["AutoModelForCausalLM"])
+
+
+def _train_tensor_parallel(rank, world, model_type, path, engine: bool):
+    """The tiny model loaded with Transformers' own plan over the `world` ranks
+    (`tp_plan="auto"`), trained on the whole batch (every rank the same: one data-parallel
+    rank), by the engine told `tensor_parallel_size`, or by the optimizer alone."""
+    family = "AutoModelForCausalLM"
+    model = getattr(transformers, family).from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runner = (
+        ZeroEngine(model, opt, ZeroConfig(stage=3, tensor_parallel_size=world)) if engine else model
+    )
+    model.train()
+    losses = []
+    for step in range(STEPS):
+        loss = runner(**_batch(model, family, _shape_of(family, model_type), step)).loss
+        if engine:
+            runner.backward(loss)
+            runner.step()
+            runner.zero_grad()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    if engine:
+        state = runner.full_state_dict(rank0_only=False)
+        runner.close()
+    else:
+        state = {k: _whole(v) for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().clone()
+
+
+@pytest.mark.parametrize("model_type", TENSOR_PARALLEL_CASES)
+def test_an_architecture_with_a_tensor_parallel_plan_trains_as_without_the_engine(
+    model_type, tmp_path
+):
+    """Each causal LM whose config ships a tensor-parallel plan (`base_model_tp_plan`),
+    loaded with `from_pretrained(tp_plan="auto")` over 2 ranks: the engine, told
+    `tensor_parallel_size=2`, trains it as the optimizer alone trains the same loaded
+    model, losses and final state to the bit (dense and MoE models: experts stay whole).
+    Skipped where Transformers' own plan does not load or train it tiny."""
+    family = "AutoModelForCausalLM"
+    model = _tiny_or_skip(family, model_type)
+    if not (getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}):
+        pytest.skip(f"{model_type}: its config ships no tensor-parallel plan")
+    model.save_pretrained(tmp_path)
+    reference = run_world(
+        _train_tensor_parallel, 2, model_type, str(tmp_path), False, expect_errors=True
+    )
+    if any(status != "ok" for status, _ in reference):
+        reason = next(payload for status, payload in reference if status != "ok")
+        pytest.skip(f"{model_type}: Transformers' plan does not train it: {_last_line(reason)}")
+    want_losses, want_state = _loaded(reference[0][1])
+    losses, state = run_world(_train_tensor_parallel, 2, model_type, str(tmp_path), True)[0]
+    assert losses == want_losses, (losses, want_losses)
+    _assert_holds_exactly(state, want_state, "the optimizer alone's")
+
+
+def _last_line(traceback: str) -> str:
+    """The error of a rank's traceback (its last line), shortened."""
+    lines = [line for line in traceback.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
 @pytest.mark.parametrize(
     ("family", "model_type"), LOAD_CASES, ids=[f"{f[12:]}-{n}" for f, n in LOAD_CASES]
 )
