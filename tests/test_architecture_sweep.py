@@ -394,7 +394,10 @@ def test_an_architecture_with_a_tensor_parallel_plan_trains_as_without_the_engin
     model = _tiny_or_skip(family, model_type)
     if not (getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}):
         pytest.skip(f"{model_type}: its config ships no tensor-parallel plan")
-    model.save_pretrained(tmp_path)
+    try:
+        model.save_pretrained(tmp_path)
+    except Exception as e:  # Transformers' own round trip, before this engine
+        pytest.skip(f"{model_type}: not saved tiny: {type(e).__name__}: {str(e)[:200]}")
     reference = run_world(
         _train_tensor_parallel, 2, model_type, str(tmp_path), False, expect_errors=True
     )

@@ -551,19 +551,28 @@ def _tensor_parallel_compiled(rank, world, runs):
         config = ZeroConfig(stage=stage, compute_dtype=dtype[0] if dtype else "fp32")
         engine = ZeroEngine(model, make_optimizer(model), config, device_mesh=mesh)
         run = torch.compile(engine.module, backend="aot_eager") if mode == "after" else engine
-        losses = []
-        for step, ids in enumerate(batches(3, 4)):
-            if step == 2:  # compiled by now: any later recompile raises
+        losses = _compiled_steps(engine, batches(3, 4), lambda ids, run=run: loss_of(run, ids))
+        out[stage, mode] = losses, _graphs_made()
+    return out
+
+
+def _compiled_steps(engine: ZeroEngine, batches, loss_of) -> list[float]:
+    """A step on this data-parallel rank's half of each batch (`loss_of(ids)`), compiled by
+    step 2, after which any recompile raises; the engine closed after."""
+    losses = []
+    try:
+        for step, batch in enumerate(batches):
+            if step == 2:
                 torch._dynamo.config.error_on_recompile = True
-            loss = loss_of(run, ids.chunk(2)[engine.rank])
+            loss = loss_of(batch.chunk(2)[engine.rank])
             engine.backward(loss)
             engine.step()
             engine.zero_grad()
             losses.append(loss.item())
+    finally:
         torch._dynamo.config.error_on_recompile = False
         engine.close()
-        out[stage, mode] = losses, _graphs_made()
-    return out
+    return losses
 
 
 # Stage 1 stands for stages 0-2 (a shard's own storage is a slice of the persistent flat
@@ -620,18 +629,9 @@ def _moe_tensor_parallel_compiled(rank, world, modes):
         model = _compiled_before(mixtral, mode, False, "aot_eager", blocks=layers)
         config = ZeroConfig(stage=3, expert_parallel_size=2)
         engine = ZeroEngine(model, make_optimizer(model), config, device_mesh=mesh)
-        losses = []
-        for step, batch in enumerate(batches(2, 3)):
-            if step == 2:  # compiled by now: any later recompile raises
-                torch._dynamo.config.error_on_recompile = True
-            ids = batch.chunk(2)[engine.rank]
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-        torch._dynamo.config.error_on_recompile = False
-        engine.close()
+        losses = _compiled_steps(
+            engine, batches(2, 3), lambda ids, run=engine: run(input_ids=ids, labels=ids).loss
+        )
         out[mode] = losses, _graphs_made()
     return out
 

@@ -28,37 +28,43 @@ COMMON = dict(
     output_router_logits=True,
     router_aux_loss_coef=0.02,
 )
+# Each architecture: its model class, its config class and the config's own settings
+# (beside COMMON's).
 ARCHS = {
-    "mixtral": lambda: T.MixtralForCausalLM(
-        T.MixtralConfig(intermediate_size=24, num_local_experts=4, **COMMON)
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(intermediate_size=24, num_local_experts=4),
     ),
-    "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
-        T.Qwen3MoeConfig(
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
             intermediate_size=32,
             moe_intermediate_size=24,
             num_experts=4,
             head_dim=8,
             decoder_sparse_step=1,
-            **COMMON,
-        )
+        ),
     ),
-    "olmoe": lambda: T.OlmoeForCausalLM(
-        T.OlmoeConfig(intermediate_size=24, num_experts=4, **COMMON)
-    ),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=24, num_experts=4)),
     # Transposed expert weights with biases.
-    "gpt_oss": lambda: T.GptOssForCausalLM(
-        T.GptOssConfig(
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
             intermediate_size=24,
             num_local_experts=4,
             head_dim=8,
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention"],
-            **COMMON,
-        )
+        ),
     ),
     # Shared experts beside the routed ones, grouped routing, no auxiliary loss.
-    "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(
-        T.DeepseekV3Config(
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
             intermediate_size=32,
             moe_intermediate_size=24,
             n_routed_experts=4,
@@ -71,15 +77,17 @@ ARCHS = {
             qk_rope_head_dim=4,
             qk_nope_head_dim=4,
             v_head_dim=8,
-            **COMMON,
-        )
+        ),
     ),
 }
 
 
-def build(arch: str) -> torch.nn.Module:
+def build(arch: str, **settings) -> torch.nn.Module:
+    """The tiny `arch` with seed 0; `settings` override its config's."""
+    model_class, config_class, own = ARCHS[arch]
     torch.manual_seed(0)
-    return ARCHS[arch]()
+    config = getattr(T, config_class)(**{**COMMON, **own, **settings})
+    return getattr(T, model_class)(config)
 
 
 def expert_modules(model) -> dict[str, torch.nn.Module]:

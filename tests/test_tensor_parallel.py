@@ -727,3 +727,34 @@ def test_module_conversion_after_the_engine_keeps_training():
     engine wires them again at the next forward, and training goes on as without it."""
     converted = run_world(_mlp_case, 4, "converted", 3, 2)[0]
     _close(converted, run_world(_mlp_case, 4, "plain", 3, 2)[0])
+
+
+# ---------------------------------------------------------------------------- meshes of several dimensions
+def _blocks_on_a_2d_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from zero_strategy.tensor_parallel import placement_of
+
+    full = torch.arange(7 * 6, dtype=torch.float32).view(7, 6)
+    out = []
+    for shape, placements in [
+        ((4, 1), (Shard(0), Replicate())),  # Transformers' (tp, unit_replicate)
+        ((2, 2), (Shard(0), Shard(1))),
+        ((2, 2), (Shard(0), Shard(0))),  # 7 rows: 4 + 3, then 2 + 2 and 2 + 1
+        ((2, 2), (Replicate(), Shard(1))),
+    ]:
+        mesh = init_device_mesh("cpu", shape)
+        p = torch.nn.Parameter(distribute_tensor(full, mesh, list(placements)))
+        placed = placement_of(p)
+        starts, size = placed.block(placed.position)
+        where = tuple(slice(a, a + n) for a, n in zip(starts, size))
+        out.append(torch.equal(full[where], p.to_local()) and placed.size == 4)
+    return out
+
+
+def test_a_dtensor_on_a_mesh_of_several_dimensions_has_its_block_where_dtensor_puts_it():
+    """Transformers puts some weights on a (tp, 1) mesh; a mesh may have several
+    dimensions that split: each rank's block is where DTensor put its local shard."""
+    for found in run_world(_blocks_on_a_2d_mesh, 4):
+        assert found == [True] * 4

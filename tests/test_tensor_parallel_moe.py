@@ -9,51 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import preload, run_world
+from distributed import run_world
 from zero_strategy import ZeroConfig, ZeroEngine
 
-T = pytest.importorskip("transformers")
-preload("zero_strategy.integrations.transformers")
+pytest.importorskip("transformers")
+from test_hf_moe import PER_RANK, SEQ, global_batches
+from test_hf_moe import build as build_moe
 
-VOCAB, SEQ, PER_RANK, STEPS, LR, CLIP = 64, 8, 2, 4, 1e-2, 0.3
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # split 1 + 1 over two tensor positions
-    num_experts_per_tok=2,
-    output_router_logits=True,
-    router_aux_loss_coef=0.02,
-)
-ARCHS = {
-    "mixtral": lambda: T.MixtralForCausalLM(
-        T.MixtralConfig(intermediate_size=24, num_local_experts=4, head_dim=4, **COMMON)
-    ),
-    # A dense first layer, shared experts beside the routed ones: both in the plan.
-    "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(
-        T.DeepseekV3Config(
-            intermediate_size=32,
-            moe_intermediate_size=24,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=None,
-            kv_lora_rank=8,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=4,
-            v_head_dim=8,
-            **COMMON,
-        )
-    ),
-}
+STEPS, LR, CLIP = 4, 1e-2, 0.3
 
 
 def build(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return ARCHS[arch]()
+    """test_hf_moe's tiny model with 4 attention heads and 2 key/value heads (split 2 + 2
+    and 1 + 1 over two tensor positions); DeepSeek-V3 with a dense first layer beside
+    its MoE layer, shared experts beside the routed ones: both in its plan."""
+    dense_first = {"first_k_dense_replace": 1} if arch == "deepseek_v3" else {}
+    return build_moe(arch, num_attention_heads=4, num_key_value_heads=2, **dense_first)
 
 
 def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> torch.nn.Module:
@@ -81,8 +52,8 @@ def apply_model_plan(model: torch.nn.Module, tensor_mesh) -> torch.nn.Module:
 
 
 def batches(dp: int, steps: int = STEPS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp * PER_RANK, SEQ), generator=g) for _ in range(steps)]
+    """Each step's batch, `PER_RANK` samples a data-parallel rank."""
+    return global_batches(dp, steps)
 
 
 def one_process(arch: str, dp: int = 2, steps: int = STEPS):

@@ -16,10 +16,14 @@ Block = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, shape) in the full t
 
 @dataclass(frozen=True)
 class TensorPlacement:
-    """A DTensor parameter on a 1-D tensor-parallel mesh: each of the `size` positions
+    """A DTensor parameter on the tensor-parallel ranks: each of the `size` positions
     holds the block of the full (logical) tensor that its placements give it, and this
     rank holds `position`'s. Shards follow torch.chunk, as DTensor's do: the first
     positions take the larger pieces, the last may be empty.
+
+    The mesh may have several dimensions (`mesh_shape`, positions numbered in its
+    row-major order: Transformers puts a `(tp, 1)` mesh under some weights); each
+    dimension's placement splits what the ones before it left, as DTensor's do.
 
     Checkpoints store a sharded parameter's blocks one after another (position order),
     each flattened on its own: a rank's block is then one contiguous range at `offset`,
@@ -28,7 +32,11 @@ class TensorPlacement:
     full_shape: tuple[int, ...]
     placements: tuple[str, ...]  # "Shard(d)" or "Replicate()", one per mesh dimension
     position: int
-    size: int
+    mesh_shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh_shape)
 
     @property
     def sharded(self) -> bool:
@@ -36,12 +44,15 @@ class TensorPlacement:
 
     def block(self, position: int) -> Block:
         starts, shape = [0] * len(self.full_shape), list(self.full_shape)
-        for placement in self.placements:
+        for placement, coordinate, count in zip(
+            self.placements, _coordinates(position, self.mesh_shape), self.mesh_shape
+        ):
             if placement.startswith("Shard"):
                 dim = int(placement[len("Shard(") : -1])
-                chunk = -(-self.full_shape[dim] // self.size)
-                starts[dim] = min(position * chunk, self.full_shape[dim])
-                shape[dim] = max(0, min(chunk, self.full_shape[dim] - starts[dim]))
+                chunk = -(-shape[dim] // count)
+                begin = min(coordinate * chunk, shape[dim])
+                starts[dim] += begin
+                shape[dim] = max(0, min(chunk, shape[dim] - begin))
         return tuple(starts), tuple(shape)
 
     def blocks(self) -> list[Block]:
@@ -53,8 +64,17 @@ class TensorPlacement:
         return sum(math.prod(shape) for _, shape in self.blocks()[: self.position])
 
 
+def _coordinates(position: int, mesh_shape: tuple[int, ...]) -> list[int]:
+    """A position's coordinates on the mesh (row-major, as its ranks are listed)."""
+    out = []
+    for count in reversed(mesh_shape):
+        position, coordinate = divmod(position, count)
+        out.append(coordinate)
+    return out[::-1]
+
+
 def placement_of(p: torch.Tensor) -> TensorPlacement | None:
-    """A DTensor parameter's placement on its (1-D) tensor-parallel mesh; None for a plain
+    """A DTensor parameter's placement on its tensor-parallel mesh; None for a plain
     one."""
     if not is_dtensor(p):
         return None
@@ -62,7 +82,8 @@ def placement_of(p: torch.Tensor) -> TensorPlacement | None:
         f"Shard({x.dim % p.dim()})" if is_shard(x) else "Replicate()" for x in p.placements
     )
     mesh = p.device_mesh
-    placed = TensorPlacement(tuple(p.shape), names, mesh.get_local_rank(), mesh.size())
+    position = mesh.mesh.flatten().tolist().index(mesh.get_rank())
+    placed = TensorPlacement(tuple(p.shape), names, position, tuple(mesh.mesh.shape))
     if placed.block(placed.position)[1] != tuple(local_tensor(p).shape):
         raise ValueError(
             f"A DTensor parameter of shape {tuple(p.shape)} with placements {p.placements} "

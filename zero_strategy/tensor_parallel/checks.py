@@ -28,7 +28,7 @@ def check_parameters(named: Sequence[tuple[str, torch.Tensor]], layout: MeshLayo
     for name, p in dtensors:
         mesh = p.device_mesh
         ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        if mesh.ndim != 1 or ranks != layout.tensor_group:
+        if ranks != layout.tensor_group:  # (a mesh of several dimensions, flattened)
             raise ValueError(
                 f"Parameter {name!r} is a DTensor on a mesh of ranks "
                 f"{mesh.mesh.tolist()}, but this rank's tensor-parallel group is "
