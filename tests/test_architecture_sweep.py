@@ -9,7 +9,9 @@ Transformers' gradient checkpointing too; a vision-language model does so while 
 then both, see no image; it loads `save_pretrained`'s weights by shards as
 `from_pretrained` does; with experts, it trains expert-parallel as under DDP, or is
 refused by name; with parameters it marks to stay in fp32, it trains in bf16 compute at
-stage 3 as at stage 0, those parameters in fp32.
+stage 3 as at stage 0, those parameters in fp32; a causal LM whose config ships a
+tensor-parallel plan, loaded with it over 2 ranks, trains under the engine as under the
+optimizer alone.
 
 An architecture that cannot be built tiny, that takes none of the inputs the rule makes,
 or that DDP itself cannot train so, is skipped with the reason: not a finding about this
