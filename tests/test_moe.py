@@ -346,6 +346,34 @@ def test_meta_built_experts_get_their_global_values(stage):
     assert all(not torch.equal(first[a], first[b]) for a in range(4) for b in range(a))
 
 
+def _pretrained_experts(rank, world, path):
+    from zero_strategy import init_on_meta
+
+    with init_on_meta():
+        model = GPT(replace(MOE, ep_size=None))
+    engine = ZeroEngine(model, make_optimizer(model), ZeroConfig(stage=3, expert_parallel_size=2))
+    read = engine.load_pretrained(path)["elements_read"]
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return read, state
+
+
+def test_load_pretrained_gives_each_rank_its_experts_from_a_whole_model_file(tmp_path):
+    """The one-process model's file (every expert under its global id): at
+    expert_parallel_size 2 each rank reads its own experts and leaves the others' (not
+    "unexpected"), and the model holds the file's values."""
+    from safetensors.torch import save_file
+
+    want = {k: v.detach().clone() for k, v in moe_model(1).state_dict().items()}
+    del want["lm_head.weight"]  # tied to wte: safetensors stores it once
+    save_file(want, str(tmp_path / "model.safetensors"))
+    results = run_world(_pretrained_experts, 2, str(tmp_path))
+    assert sum(read for read, _ in results) == sum(v.numel() for v in want.values())
+    for _, state in results:
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name
+
+
 def _lightning_fit(rank, world, expert_parallel_size):
     import lightning as L
     from lightning_helpers import quiet_trainer

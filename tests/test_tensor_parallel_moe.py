@@ -530,3 +530,65 @@ def test_fabric_and_accelerate_take_tensor_and_expert_parallel_sizes(door):
     want, _ = one_process("mixtral")
     for losses in run_world(_door_fit, 4, door):
         _close(losses, want)
+
+
+# ---------------------------------------------------------------------------- whole model
+def _split_model(which: str, mesh) -> torch.nn.Module:
+    """Mixtral under its plan (experts whole at each position), or the project's MoE with
+    each expert split as a dense MLP."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if which == "mixtral":
+        return apply_model_plan(build("mixtral"), mesh["tensor"])
+    model = _DenseThenMoE(ep_size=None)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    for index in range(len(model.moe.experts.local)):
+        plan[f"moe.experts.local.{index}.0"] = ColwiseParallel()
+        plan[f"moe.experts.local.{index}.2"] = RowwiseParallel()
+    return parallelize_module(model, mesh["tensor"], plan)
+
+
+def _whole_views(rank, world, which, pretrained):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = _split_model(which, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = ZeroConfig(stage=3, expert_parallel_size=2)
+    engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
+    if pretrained:  # the same weights as built: zeros first, so that a block not read shows
+        with engine.gathered_parameters(modifier_rank=0):
+            for p in model.parameters():
+                p.detach().zero_()
+        engine.load_pretrained(pretrained)
+    everywhere, rank0 = engine.full_state_dict(rank0_only=False), engine.full_state_dict()
+    engine.close()
+    return everywhere, rank0
+
+
+@pytest.mark.parametrize("which", ["mixtral", "split experts"])
+@pytest.mark.parametrize("pretrained", [False, True], ids=["built", "load_pretrained"])
+def test_whole_model_views_hold_every_expert_under_its_global_name(which, pretrained, tmp_path):
+    """At dp 2 x tp 2 with 2 experts a data rank: `full_state_dict()` (on every rank, or
+    rank 0's) assembles each expert's blocks under its global name, equal to the model
+    one process builds; `load_pretrained` of that model's file gives each position its
+    block of each of its experts."""
+    from safetensors.torch import save_file
+
+    whole = build("mixtral") if which == "mixtral" else _DenseThenMoE(ep_size=1)
+    want = {k: v.detach().clone().contiguous() for k, v in whole.state_dict().items()}
+    path = None
+    if pretrained:
+        path = str(tmp_path / "model.safetensors")
+        save_file(want, path)
+    for rank, (everywhere, rank0) in enumerate(run_world(_whole_views, 4, which, path)):
+        for state in (everywhere, rank0) if rank == 0 else (everywhere,):
+            assert set(state) == set(want)
+            for name, value in want.items():
+                assert torch.equal(state[name], value), name
+        if rank:
+            assert rank0 == {}

@@ -68,6 +68,7 @@ def load_pretrained(
     strict: bool = True,
     stored: Callable[[FlatUnit, str, tuple[int, ...]], Stored] | None = None,
     into: str | None = None,
+    model_names: set[str] = frozenset(),
 ) -> dict[str, int]:
     """Fill the units' fp32 master shards (and the module's buffers) from safetensors;
     returns how many elements this rank read from the files (exactly its own ranges). With
@@ -80,7 +81,9 @@ def load_pretrained(
     alone. By default: the module itself, or if it is not a Transformers model, the
     outermost one inside it (a LightningModule's, a PEFT model's base). Inside a PEFT
     model, a wrapped layer's `base_layer` reads the base's own name, and its adapter
-    weights are not expected in the files."""
+    weights are not expected in the files. `model_names`: every stored name of the whole
+    model, other expert-parallel ranks' experts too, which the files hold and this rank
+    leaves (not unexpected)."""
     stored = stored or (lambda unit, name, shape: Stored(name, tuple(shape)))
     files = _Files(_locate(pretrained_files(path)))
     into = _weights_owner(module, files.keys()) if into is None else into
@@ -127,7 +130,8 @@ def load_pretrained(
                     in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                     read += hi - lo
     buffers = dict(target.named_buffers())
-    unexpected = sorted(available - wanted - set(buffers))
+    elsewhere = {_relative(Stored(n, ()), prefix).name for n in model_names}
+    unexpected = sorted(available - wanted - elsewhere - set(buffers))
     missing = [name for name in missing if not _never_saved(target, name)]
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(

@@ -73,7 +73,7 @@ class StateDoor:
             if placed is None:
                 return expert
             # Split by tensor parallelism too: one expert's own parameter, never rows of
-            # a batched one (`check_tensor_parallel_experts` refuses those).
+            # a batched one (`settle_expert_parallel` refuses those).
             return Stored(expert.name, placed.full_shape, placed.offset)
         if placed is not None:
             return Stored(name, placed.full_shape, placed.offset)
@@ -142,7 +142,9 @@ class StateDoor:
         self, path: str | os.PathLike, strict: bool, into: str | None = None
     ) -> dict[str, int]:
         """Safetensors weights into the masters, each rank reading its own ranges."""
-        return load_pretrained(self.units, self.module, path, strict, self.stored, into)
+        return load_pretrained(
+            self.units, self.module, path, strict, self.stored, into, self.model_names()
+        )
 
     # ---------------------------------------------------------------- whole values
     def full_state_dict(
@@ -194,7 +196,7 @@ class StateDoor:
                     full[slot.offset : slot.end].view(slot.shape), slot.tensor, self.groups.tensor
                 )
                 for name in (slot.name, *slot.aliases) if keep else ():
-                    out[name] = value
+                    out[self.stored(unit, name, slot.shape, copy_index).name] = value
                 continue
             if not keep:
                 continue
