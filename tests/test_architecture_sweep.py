@@ -347,16 +347,22 @@ def test_an_architecture_with_gradient_checkpointing_trains_as_under_ddp(family,
 TENSOR_PARALLEL_CASES = sorted(FAMILIES["AutoModelForCausalLM"])
 
 
-def _train_tensor_parallel(rank, world, model_type, path, engine: bool):
+def _train_tensor_parallel(rank, world, model_type, path, engine: bool, experts: bool):
     """The tiny model loaded with Transformers' own plan over the `world` ranks
-    (`tp_plan="auto"`), trained on the whole batch (every rank the same: one data-parallel
-    rank), by the engine told `tensor_parallel_size`, or by the optimizer alone."""
+    (`tp_plan="auto"`; with `experts`, its expert-parallel plan too: each rank holds half
+    the experts, `DistributedConfig(tp_size=2, ep_size=2)`), trained on the whole batch
+    (every rank the same: one data-parallel rank), by the engine told
+    `tensor_parallel_size`, or by the optimizer alone."""
+    from transformers.distributed import DistributedConfig
+
     family = "AutoModelForCausalLM"
-    model = getattr(transformers, family).from_pretrained(path, tp_plan="auto", dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    runner = (
-        ZeroEngine(model, opt, ZeroConfig(stage=3, tensor_parallel_size=world)) if engine else model
+    plans = DistributedConfig(tp_size=world, ep_size=world if experts else None, tp_plan="auto")
+    model = getattr(transformers, family).from_pretrained(
+        path, distributed_config=plans, dtype=torch.float32
     )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ZeroConfig(stage=3, tensor_parallel_size=world)
+    runner = ZeroEngine(model, opt, config) if engine else model
     model.train()
     losses = []
     for step in range(STEPS):
@@ -383,31 +389,37 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
+@pytest.mark.parametrize("plans", ["tp", "tp+ep"])
 @pytest.mark.parametrize("model_type", TENSOR_PARALLEL_CASES)
 def test_an_architecture_with_a_tensor_parallel_plan_trains_as_without_the_engine(
-    model_type, tmp_path
+    model_type, plans, tmp_path
 ):
     """Each causal LM whose config ships a tensor-parallel plan (`base_model_tp_plan`),
-    loaded with `from_pretrained(tp_plan="auto")` over 2 ranks: the engine, told
-    `tensor_parallel_size=2`, trains it as the optimizer alone trains the same loaded
-    model, losses and final state to the bit (dense and MoE models: experts stay whole).
-    Skipped where Transformers' own plan does not load or train it tiny."""
+    loaded with it over 2 ranks (`tp+ep`: an MoE model's expert-parallel plan too,
+    `base_model_ep_plan`): the engine, told `tensor_parallel_size=2`, trains it as the
+    optimizer alone trains the same loaded model, losses and final state to the bit.
+    Skipped where Transformers' own plans do not load or train it tiny."""
     family = "AutoModelForCausalLM"
     model = _tiny_or_skip(family, model_type)
-    if not (getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}):
+    text = model.config.get_text_config()
+    if not (getattr(text, "base_model_tp_plan", None) or {}):
         pytest.skip(f"{model_type}: its config ships no tensor-parallel plan")
+    experts = plans == "tp+ep"
+    if experts and not (getattr(text, "base_model_ep_plan", None) or {}):
+        pytest.skip(f"{model_type}: its config ships no expert-parallel plan")
     try:
         model.save_pretrained(tmp_path)
     except Exception as e:  # Transformers' own round trip, before this engine
         pytest.skip(f"{model_type}: not saved tiny: {type(e).__name__}: {str(e)[:200]}")
+    path = str(tmp_path)
     reference = run_world(
-        _train_tensor_parallel, 2, model_type, str(tmp_path), False, expect_errors=True
+        _train_tensor_parallel, 2, model_type, path, False, experts, expect_errors=True
     )
     if any(status != "ok" for status, _ in reference):
         reason = next(payload for status, payload in reference if status != "ok")
-        pytest.skip(f"{model_type}: Transformers' plan does not train it: {_last_line(reason)}")
+        pytest.skip(f"{model_type}: Transformers' plans do not train it: {_last_line(reason)}")
     want_losses, want_state = _loaded(reference[0][1])
-    losses, state = run_world(_train_tensor_parallel, 2, model_type, str(tmp_path), True)[0]
+    losses, state = run_world(_train_tensor_parallel, 2, model_type, path, True, experts)[0]
     assert losses == want_losses, (losses, want_losses)
     _assert_holds_exactly(state, want_state, "the optimizer alone's")
 
