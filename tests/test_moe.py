@@ -424,7 +424,7 @@ def _settle(rank, world, ep_size, n_experts):
 
 def test_expert_parallel_size_that_divides_neither_world_nor_experts_is_refused():
     for ep_size, n_experts, needle in [
-        (3, 6, "expert_parallel_size=3 does not divide the world size 2"),
+        (3, 6, "expert_parallel_size=3 does not divide the data-parallel world size 2"),
         (2, 3, "expert_parallel_size=2 does not divide this MoE layer's num_experts=3"),
     ]:
         for status, payload in run_world(_settle, 2, ep_size, n_experts, expect_errors=True):

@@ -592,3 +592,19 @@ def test_whole_model_views_hold_every_expert_under_its_global_name(which, pretra
                 assert torch.equal(state[name], value), name
         if rank:
             assert rank0 == {}
+
+
+def _too_many_expert_ranks(rank, world):
+    try:
+        _engine("mixtral", 2, 2, 4, 3)  # 4 ranks, but 2 data-parallel ones
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_expert_parallel_size_above_the_data_parallel_ranks_is_refused():
+    """Experts are split over the data-parallel ranks: ep 4 on dp 2 x tp 2 is refused,
+    naming the data-parallel world, not the 4 ranks."""
+    for message in run_world(_too_many_expert_ranks, 4):
+        assert message is not None
+        assert "expert_parallel_size=4 does not divide the data-parallel world size 2" in message

@@ -57,8 +57,9 @@ def settle_expert_parallel(
     that cannot be split is refused by name, never left replicated."""
     if world_size % ep_size:
         raise ValueError(
-            f"ZeroConfig.expert_parallel_size={ep_size} does not divide the world size "
-            f"{world_size}: expert-parallel groups are that many contiguous ranks. Use a "
+            f"ZeroConfig.expert_parallel_size={ep_size} does not divide the data-parallel "
+            f"world size {world_size}: expert-parallel groups are that many contiguous "
+            f"data-parallel ranks (with tensor parallelism, at one tensor position). Use a "
             f"divisor of {world_size}."
         )
     if ep_size > 1:
@@ -111,8 +112,8 @@ def _check(path: str, layer: ExpertLayer, world_size: int) -> None:
     if world_size % layer.ep_size:
         raise ValueError(
             f"MoE layer '{path}' has ep_size={layer.ep_size}, which does not divide the "
-            f"world size {world_size}: expert-parallel groups are ep_size contiguous ranks. "
-            f"Use a divisor of {world_size}."
+            f"data-parallel world size {world_size}: expert-parallel groups are ep_size "
+            f"contiguous data-parallel ranks. Use a divisor of {world_size}."
         )
 
 
