@@ -120,10 +120,11 @@ def load_pretrained(
                     continue
                 lo, hi = unit.mine_of(slot)
                 if lo < hi and slot.tensor_sharded:  # this position's block of the tensor
-                    block = _tensor_block(tensors, source, slot.tensor, unit.master_dtype)
-                    values = block[lo - slot.offset : hi - slot.offset]
+                    values, spanned = _tensor_block_range(
+                        tensors, source, slot.tensor, lo - slot.offset, hi - slot.offset
+                    )
                     in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
-                    read += block.numel()
+                    read += spanned
                 elif lo < hi:
                     at = place.offset - slot.offset
                     values = tensors.read_range(source, at + lo, at + hi)
@@ -191,16 +192,27 @@ def _in_adapter(name: str, owners: list[str]) -> bool:
     )
 
 
-def _tensor_block(
-    tensors, name: str, placement: TensorPlacement, dtype: torch.dtype
-) -> torch.Tensor:
-    """A tensor-parallel rank's block of a tensor stored whole, flattened (the tensor is
-    read whole, one at a time)."""
+def _tensor_block_range(
+    tensors, name: str, placement: TensorPlacement, lo: int, hi: int
+) -> tuple[torch.Tensor, int]:
+    """Elements `lo..hi` of this position's block (flattened) of a tensor stored whole,
+    and how many elements were read for them: the whole rows of the tensor's first
+    dimension that they span. A column-wise split (`Shard(0)`) reads its own rows alone;
+    a row-wise one reads the full width of the rows its range spans."""
     full = placement.full_shape
-    numel = math.prod(full)
-    whole = [((0,) * len(full), full)]
-    block = placement.block(placement.position)
-    return read_block(block, whole, lambda _: tensors.read_range(name, 0, numel), dtype).view(-1)
+    starts, shape = placement.block(placement.position)
+    if not full:  # a scalar, whole at every position
+        return tensors.read_range(name, 0, 1), 1
+    per_block_row, per_row = math.prod(shape[1:]), math.prod(full[1:])
+    first, last = lo // per_block_row, -(-hi // per_block_row)  # the block's rows spanned
+    top = starts[0] + first
+    rows = last - first
+    values = tensors.read_range(name, top * per_row, (top + rows) * per_row)
+    stored = ((top, *([0] * (len(full) - 1))), (rows, *full[1:]))
+    wanted = ((top, *starts[1:]), (rows, *shape[1:]))
+    part = read_block(wanted, [stored], lambda _: values, values.dtype).view(-1)
+    skip = first * per_block_row
+    return part[lo - skip : hi - skip], values.numel()
 
 
 class _Files:
