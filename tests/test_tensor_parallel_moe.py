@@ -73,7 +73,7 @@ def one_process(arch: str, dp: int = 2, steps: int = STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _engine(arch: str, dp: int, tp: int, ep: int, stage: int):
+def _engine(arch: str, dp: int, tp: int, ep: int, stage: int, **options):
     from torch.distributed.device_mesh import init_device_mesh
 
     model, mesh = build(arch), None
@@ -81,7 +81,7 @@ def _engine(arch: str, dp: int, tp: int, ep: int, stage: int):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
         apply_model_plan(model, mesh["tensor"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    config = ZeroConfig(stage=stage, expert_parallel_size=ep, gradient_clipping=CLIP)
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep, gradient_clipping=CLIP, **options)
     return ZeroEngine(model, optimizer, config, device_mesh=mesh)
 
 
@@ -101,9 +101,9 @@ def _train(engine: ZeroEngine, dp: int, steps) -> list[float]:
     return losses
 
 
-def _run(rank, world, arch, tp, ep, stage, steps, load=None, save=None):
+def _run(rank, world, arch, tp, ep, stage, steps, load=None, save=None, **options):
     dp = world // tp
-    engine = _engine(arch, dp, tp, ep, stage)
+    engine = _engine(arch, dp, tp, ep, stage, **options)
     experts = {
         n: m.num_experts for n, m in engine.module.named_modules() if n.endswith("mlp.experts")
     }
@@ -113,8 +113,9 @@ def _run(rank, world, arch, tp, ep, stage, steps, load=None, save=None):
     losses = _train(engine, dp, steps)
     if save:
         engine.save_checkpoint(save)
+    on_disk = engine.memory_report()["disk_total"]
     engine.close()
-    return losses, experts, split
+    return losses, experts, split, on_disk
 
 
 def _close(got: list[float], want: list[float], rel: float = 1e-5) -> None:
@@ -130,7 +131,7 @@ def test_tensor_and_expert_parallel_moe_trains_as_one_process(arch, ep, stage):
     rank's losses are one process's within 1e-5; each rank holds 4 / ep experts of each
     layer, and the plan split attention and the dense MLPs, not the routed experts."""
     want, _ = one_process(arch)
-    for losses, experts, split in run_world(_run, 4, arch, 2, ep, stage, range(STEPS)):
+    for losses, experts, split, _ in run_world(_run, 4, arch, 2, ep, stage, range(STEPS)):
         _close(losses, want)
         assert experts and set(experts.values()) == {4 // ep}
         assert "model.layers.1.self_attn.o_proj.weight" in split
@@ -140,6 +141,19 @@ def test_tensor_and_expert_parallel_moe_trains_as_one_process(arch, ep, stage):
                 "model.layers.0.mlp.gate_proj.weight",
                 "model.layers.1.mlp.shared_experts.down_proj.weight",
             } <= split
+
+
+@pytest.mark.parametrize("tier", ["optimizer", "optimizer and parameters"])
+def test_disk_offload_beside_tensor_and_expert_parallelism_trains_as_one_process(tier, tmp_path):
+    """The optimizer state (and at stage 3 the parameter shards) in files, at dp 2 x tp 2
+    with 2 experts a data rank: one process's losses."""
+    options = {"offload_optimizer": "disk", "offload_dir": str(tmp_path)}
+    if tier == "optimizer and parameters":
+        options["offload_params"] = "disk"
+    want, _ = one_process("mixtral")
+    for losses, _, _, on_disk in run_world(_run, 4, "mixtral", 2, 2, 3, range(STEPS), **options):
+        _close(losses, want)
+        assert on_disk > 0
 
 
 def test_checkpoint_changes_tensor_expert_and_data_sizes(tmp_path):
@@ -154,7 +168,7 @@ def test_checkpoint_changes_tensor_expert_and_data_sizes(tmp_path):
     run_world(_run, 4, "mixtral", 2, 2, 3, range(half), save=str(path))
     for world, tp, ep, stage in [(2, 1, 1, 1), (4, 2, 1, 2)]:
         resumed = run_world(_run, world, "mixtral", tp, ep, stage, range(half, STEPS), str(path))
-        for losses, _, _ in resumed:
+        for losses, *_ in resumed:
             _close(losses, full[half:], rel=1e-6)
     _, weights = one_process("mixtral", steps=half)
     consolidated = dict(iter_tensors(path))
