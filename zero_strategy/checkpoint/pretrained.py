@@ -131,7 +131,7 @@ def load_pretrained(
                     in_memory(unit).master[lo - unit.opt_start : hi - unit.opt_start].copy_(values)
                     read += hi - lo
     buffers = dict(target.named_buffers())
-    elsewhere = {_relative(Stored(n, ()), prefix).name for n in model_names}
+    elsewhere = {_relative(Stored(n, ()), prefix).name for n in model_names if n.startswith(prefix)}
     unexpected = sorted(available - wanted - elsewhere - set(buffers))
     missing = [name for name in missing if not _never_saved(target, name)]
     if shape_errors or (strict and (missing or unexpected)):

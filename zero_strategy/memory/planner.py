@@ -99,11 +99,9 @@ def expert_params(model: nn.Module) -> int:
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    from ..moe.layer import MoE
-    from ..moe.transformers_experts import is_convertible
+    from ..moe.expert_placement import expert_modules
 
-    own = [m.experts for m in model.modules() if isinstance(m, MoE)]
-    return own + [m for m in model.modules() if is_convertible(m)]
+    return list(expert_modules(model).values())
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

@@ -19,7 +19,9 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..layout.partition import Stored
 from ..layout.shard_spec import ShardSpec
+from ..tensor_parallel import is_dtensor
 from . import transformers_experts
+from .experts import Experts
 from .layer import MoE
 
 
@@ -90,16 +92,28 @@ def settle_expert_parallel(
     return replaced
 
 
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module holding experts' weights, by path, before expert parallelism splits
+    them: each `MoE` layer's `experts`, and each Transformers experts module (3-D weights)
+    not converted yet."""
+    own = {
+        (f"{path}.experts" if path else "experts"): m.experts
+        for path, m in model.named_modules()
+        if isinstance(m, MoE)
+    }
+    return own | transformers_experts.convertible(model)
+
+
 def _refuse_batched_experts_split_by_tensor_parallelism(model: nn.Module) -> None:
     """Expert parallelism splits a batched weight (several experts in one tensor) by
     rows, and stores those rows in checkpoints; a weight tensor parallelism split too
     would need both layouts at once. One expert's own weights split by the plan are fine
     (each stays one expert's)."""
-    batched = {p: m for p, m in model.named_modules() if isinstance(m, MoE) and m.experts.batched}
-    batched.update(transformers_experts.convertible(model))
-    for path, module in batched.items():
+    for path, module in expert_modules(model).items():
+        if isinstance(module, Experts) and not module.batched:  # one module an expert
+            continue
         for name, param in module.named_parameters():
-            if type(param).__name__ == "DTensor":
+            if is_dtensor(param):
                 raise ValueError(
                     f"'{path}.{name}' holds several experts in one weight and is split by "
                     "tensor parallelism, so expert parallelism cannot split it by experts. "
