@@ -82,9 +82,7 @@ class ZeroEngine:
         self.config, self.device, self.module = prepared.config, prepared.device, model
         self.optimizers = prepared.optimizer_set.facing  # the user's objects
         self.optimizer = self.optimizers[0]
-        experts, homes = self._assemble_units(
-            model, prepared, placement, device_mesh, param_init_fn
-        )
+        experts, homes = self._assemble_units(model, prepared, placement, param_init_fn)
         tiers = self._assemble_optimizer_side(model, prepared, homes)
         self._door = StateDoor(
             self.units,
@@ -114,11 +112,11 @@ class ZeroEngine:
         watched = (self.units, self.optim, self.schedule, tiers, self.staging, model)
         self._memory.watch(Sources(*watched, self.stage, self.device, self._host))
 
-    def _assemble_units(self, model, prepared, placement, device_mesh, param_init_fn):
+    def _assemble_units(self, model, prepared, placement, param_init_fn):
         """Builder steps 1-6: the groups, the homes, the experts' placement, the layouts,
         the units and their initial values (see `builder/steps.py`)."""
         cfg = self.config
-        self.groups = steps.process_groups(cfg, self.device, device_mesh)  # 1
+        self.groups = steps.process_groups(cfg, self.device, prepared.world)  # 1
         steps.check_mesh(model, cfg, self.groups)  # 2
         # Dropping the engine (with its module) destroys its groups; so does close().
         self._finalizer = weakref.finalize(self, self.groups.close)

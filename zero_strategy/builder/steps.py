@@ -97,6 +97,7 @@ class Prepared:
     device: torch.device
     module: nn.Module  # the model, out of a compiled wrapper (`compiled.py`)
     runner: Callable[..., Any]  # what a forward calls: the wrapper, or the module
+    world: MeshLayout  # the ranks as a (data, tensor) grid: the mesh given, or contiguous
     # No optimizer given: a model that is only run (a DPO reference model, a teacher),
     # sharded all the same; a stand-in owns its parameters and never steps.
     evaluation_only: bool = False
@@ -131,7 +132,9 @@ def prepare(
             "train. Pass the model that holds the trainable parameters."
         )
     device = _resolve_device(params, device)
-    return Prepared(cfg, optimizers, optimizer_set, params, device, model, runner, evaluation_only)
+    return Prepared(
+        cfg, optimizers, optimizer_set, params, device, model, runner, world, evaluation_only
+    )
 
 
 def coerce_config(config: ZeroConfig | dict | None) -> ZeroConfig:
@@ -181,15 +184,14 @@ def _resolve_device(params, device) -> torch.device:
 
 
 # ==================================================================== 1. groups
-def process_groups(cfg: ZeroConfig, device: torch.device, device_mesh: Any) -> ProcessGroups:
+def process_groups(cfg: ZeroConfig, device: torch.device, world: MeshLayout) -> ProcessGroups:
     """The engine's own groups (with `collective_timeout`); it destroys them at close."""
     return ProcessGroups(
         device,
         cfg.collective_timeout,
         cfg.reduce_scatter_via_all_reduce,
         cfg.all_gather_via_broadcast,
-        cfg.tensor_parallel_size,
-        device_mesh,
+        world,
         cfg.secondary_partition_size,
         cfg.quantized_weights,
         cfg.quantized_gradients,

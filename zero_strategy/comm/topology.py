@@ -114,16 +114,15 @@ class ProcessGroups:
         timeout_s: float,
         reduce_scatter_via_all_reduce: bool | None,
         all_gather_via_broadcast: bool | None,
-        tensor_parallel_size: int = 1,
-        device_mesh=None,
+        mesh: MeshLayout | None = None,
         secondary_partition_size: int = 1,
         quantize_weights: bool = False,
         quantize_gradients: bool = False,
     ):
-        """With tensor parallelism (`tensor_parallel_size` contiguous ranks, or a 2-D
-        `device_mesh`), the engine's world is this rank's data-parallel world: the ranks
-        at its tensor-parallel position. `rank`, `world_size` and every spec count in it;
-        each position's groups are made alike."""
+        """With tensor parallelism (`mesh`: the ranks as a (data, tensor) grid;
+        `MeshLayout.of_world`), the engine's world is this rank's data-parallel world: the
+        ranks at its tensor-parallel position. `rank`, `world_size` and every spec count
+        in it; each position's groups are made alike. None: no tensor parallelism."""
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device
         # Creation order: (group, partition, backend).
@@ -144,7 +143,7 @@ class ProcessGroups:
                     "'cpu:gloo,cuda:nccl')."
                 )
             elastic_store.warn_if_restarts_share_a_store()
-        self.mesh = MeshLayout.of_world(device_mesh, tensor_parallel_size)
+        self.mesh = mesh if mesh is not None else MeshLayout.of_world(None, 1)
         self.global_rank, self.global_world_size = self.mesh.global_rank, self.mesh.world_size
         self.rank, self.world_size = self.mesh.data_index, self.mesh.data_size
         if self.world_size % secondary_partition_size:  # before any group is made
