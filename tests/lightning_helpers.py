@@ -13,6 +13,41 @@ from training import TINY, make_model, make_optimizer
 STEPS = 20
 
 
+def parallelized_module(build, parallelize, loss_of, lr: float, real_init: bool = True):
+    """The LightningModule a ModelParallelStrategy user writes: `configure_model` builds
+    the model (`build()`: for real, so that strategies start from the same seeded
+    weights; or with `real_init` False on the meta device the strategy gives it, for the
+    engine to initialise) and hands it with the strategy's mesh to `parallelize(model,
+    device_mesh)`; each step's loss (`loss_of(model, ids)`) is recorded."""
+    import contextlib
+
+    import lightning as L
+
+    class Parallelized(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self):
+            if self.model is not None:
+                return
+            with torch.device("cpu") if real_init else contextlib.nullcontext():
+                self.model = build()
+            parallelize(self.model, self.device_mesh)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = loss_of(self.model, ids)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    return Parallelized()
+
+
 def lit_module_class():
     import lightning as L
 

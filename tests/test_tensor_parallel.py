@@ -4,7 +4,6 @@ bad meshes are refused (4 gloo ranks: dp 2 x tp 2)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -188,46 +187,22 @@ def test_bad_meshes_are_refused_naming_the_fix(case, words):
 # ---------------------------------------------------------------------------- Lightning
 def _lightning_fit(rank, world, which, real_init=True, tp=2):
     import lightning as L
-    from lightning_helpers import quiet_trainer
+    from lightning_helpers import parallelized_module, quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     from zero_strategy.integrations.lightning import ZeroStrategy
 
-    class TensorParallelLlama(L.LightningModule):
-        """A configure_model() written for ModelParallelStrategy: the plan on the mesh's
-        "tensor_parallel" dimension (and, there, FSDP2 over "data_parallel")."""
+    def parallelize(model, device_mesh):
+        """The plan on the mesh's "tensor_parallel" dimension (and, for
+        ModelParallelStrategy, FSDP2 over "data_parallel")."""
+        if tp > 1:
+            apply_llama_plan(model, device_mesh["tensor_parallel"])
+        if which == "model_parallel":
+            from torch.distributed.fsdp import fully_shard
 
-        def __init__(self):
-            super().__init__()
-            self.model = None
-            self.losses: list[float] = []
-
-        def configure_model(self):
-            if self.model is not None:
-                return
-            # Built for real (configure_model runs on the meta device under ZeRO), so
-            # that both strategies start from the same seed-0 weights; or on the meta
-            # device, the engine initialising each rank's block.
-            with torch.device("cpu") if real_init else contextlib.nullcontext():
-                model = llama()
-            self.model = model
-            if tp > 1:
-                apply_llama_plan(model, self.device_mesh["tensor_parallel"])
-            if which == "model_parallel":
-                from torch.distributed.fsdp import fully_shard
-
-                for layer in self.model.model.layers:
-                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
-                fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            loss = loss_of(self.model, ids)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.model.parameters(), lr=LR)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=device_mesh["data_parallel"])
+            fully_shard(model, mesh=device_mesh["data_parallel"])
 
     if which == "zero":
         strategy = ZeroStrategy(stage=3, tensor_parallel_size=tp)
@@ -237,7 +212,7 @@ def _lightning_fit(rank, world, which, real_init=True, tp=2):
         )
     data = torch.cat(batches(STEPS, BATCH))  # each data-parallel rank: half of each batch
     trainer = quiet_trainer(world, strategy, max_steps=STEPS, gradient_clip_val=None)
-    module = TensorParallelLlama()
+    module = parallelized_module(llama, parallelize, loss_of, LR, real_init)
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=BATCH // 2))
     return module.losses
 

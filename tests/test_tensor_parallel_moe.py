@@ -85,13 +85,17 @@ def _engine(arch: str, dp: int, tp: int, ep: int, stage: int, **options):
     return ZeroEngine(model, optimizer, config, device_mesh=mesh)
 
 
-def _train(engine: ZeroEngine, dp: int, steps) -> list[float]:
-    """Each data-parallel rank trains on its part of every batch; the whole batch's loss
-    is the mean of every rank's (the tensor positions of one data rank repeat theirs)."""
+def _language_model_loss(engine: ZeroEngine, ids: torch.Tensor) -> torch.Tensor:
+    return engine.module(input_ids=ids, labels=ids).loss
+
+
+def _train(engine: ZeroEngine, data, loss_of=_language_model_loss) -> list[float]:
+    """Each data-parallel rank trains on its part of every batch of `data`; the whole
+    batch's loss is the mean of every rank's (the tensor positions of one data rank
+    repeat theirs)."""
     losses = []
-    for step in steps:
-        x = batches(dp)[step].split(PER_RANK)[engine.rank]
-        loss = engine.module(input_ids=x, labels=x).loss
+    for batch in data:
+        loss = loss_of(engine, batch.split(PER_RANK)[engine.rank])
         engine.backward(loss)
         engine.step()
         engine.zero_grad()
@@ -110,7 +114,7 @@ def _run(rank, world, arch, tp, ep, stage, steps, load=None, save=None, **option
     split = {n for n, p in engine.module.named_parameters() if type(p).__name__ == "DTensor"}
     if load:
         engine.load_checkpoint(load)
-    losses = _train(engine, dp, steps)
+    losses = _train(engine, [batches(dp)[step] for step in steps])
     if save:
         engine.save_checkpoint(save)
     on_disk = engine.memory_report()["disk_total"]
@@ -233,15 +237,7 @@ def _own_moe(rank, world, stage, ep, split_experts, save):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     config = ZeroConfig(stage=stage, expert_parallel_size=ep, gradient_clipping=CLIP)
     engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
-    losses = []
-    for batch in _dense_then_moe_data(dp):
-        loss = engine(batch.split(PER_RANK)[engine.rank])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = _train(engine, _dense_then_moe_data(dp), lambda engine, x: engine(x))
     engine.save_checkpoint(save)
     held = model.moe.num_local
     engine.close()
@@ -326,43 +322,24 @@ def test_batched_experts_split_by_tensor_parallelism_are_refused_by_expert_paral
 
 # ---------------------------------------------------------------------------- Lightning
 def _lightning_fit(rank, world, tp, real_init):
-    import contextlib
-
-    import lightning as L
-    from lightning_helpers import quiet_trainer
+    from lightning_helpers import parallelized_module, quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     from zero_strategy.integrations.lightning import ZeroStrategy
 
-    class MoEWithAPlan(L.LightningModule):
-        """The configure_model a ModelParallelStrategy user writes: the model, then the
-        plan on the mesh's "tensor_parallel" dimension."""
-
-        def __init__(self):
-            super().__init__()
-            self.model = None
-            self.losses: list[float] = []
-
-        def configure_model(self):
-            if self.model is not None:
-                return
-            with torch.device("cpu") if real_init else contextlib.nullcontext():
-                self.model = build("mixtral")
-            if tp > 1:
-                apply_model_plan(self.model, self.device_mesh["tensor_parallel"])
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            loss = self.model(input_ids=ids, labels=ids).loss
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.model.parameters(), lr=LR)
+    def parallelize(model, device_mesh):
+        if tp > 1:
+            apply_model_plan(model, device_mesh["tensor_parallel"])
 
     strategy = ZeroStrategy(stage=3, tensor_parallel_size=tp, expert_parallel_size=2)
     trainer = quiet_trainer(world, strategy, max_steps=STEPS, gradient_clip_val=CLIP)
-    module = MoEWithAPlan()
+    module = parallelized_module(
+        lambda: build("mixtral"),
+        parallelize,
+        lambda model, ids: model(input_ids=ids, labels=ids).loss,
+        LR,
+        real_init,
+    )
     data = torch.cat(batches(2))  # each data-parallel rank: its part of each batch
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=PER_RANK))
     experts = module.model.model.layers[0].mlp.experts.num_experts
@@ -391,7 +368,7 @@ def _model_state(rank, world, stage, ep, dtype):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     config = ZeroConfig(stage=stage, expert_parallel_size=ep, compute_dtype=dtype)
     engine = ZeroEngine(model, optimizer, config, device_mesh=mesh)
-    _train(engine, 2, range(1))
+    _train(engine, batches(2, 1))
     m = engine.memory_report()
     engine.close()
     return m["parameters"] + m["master_params"] + m["gradients"] + m["optimizer_state"]
