@@ -379,17 +379,17 @@ def test_converting_kept_parameters_after_the_hand_over_is_named_with_their_dtyp
     engine.close()
 
 
-def _peft_model(path: str):
+def _peft_model(path: str, autocast: bool):
     """DeepSeek-V3 as `from_pretrained(dtype=bfloat16)` loads it (routers fp32), with LoRA
-    on every linear layer (its routers too; PEFT keeps the adapters fp32), B drawn at
-    random (PEFT starts it at zero)."""
+    on every linear layer (its routers too; PEFT keeps the adapters fp32 unless told not
+    to: `autocast_adapter_dtype`), B drawn at random (PEFT starts it at zero)."""
     import transformers
 
     from training import with_lora
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     torch.manual_seed(0)  # LoRA's A is drawn at random
-    return with_lora(model)
+    return with_lora(model, autocast_adapter_dtype=autocast)
 
 
 def _dtypes(model) -> dict[str, list[str]]:
@@ -401,12 +401,12 @@ def _dtypes(model) -> dict[str, list[str]]:
     }
 
 
-def _peft_deepseek(rank, world, path):
+def _peft_deepseek(rank, world, path, autocast):
     from test_hf_moe import train_on_batches
 
     out = {}
     for stage in (0, 3):
-        model = _peft_model(path)
+        model = _peft_model(path, autocast)
         trained = [p for p in model.parameters() if p.requires_grad]
         config = ZeroConfig(stage=stage, compute_dtype="bf16")
         engine = ZeroEngine(model, torch.optim.AdamW(trained, lr=1e-2), config)
@@ -416,9 +416,13 @@ def _peft_deepseek(rank, world, path):
     return out
 
 
-def test_peft_adapters_and_a_wrapped_router_keep_fp32_as_peft_and_transformers_do(tmp_path):
+@pytest.mark.parametrize("autocast", [True, False], ids=["adapters-fp32", "adapters-bf16"])
+def test_peft_adapters_and_a_wrapped_router_keep_their_dtypes_as_peft_and_transformers_do(
+    tmp_path, autocast
+):
     """LoRA on every linear layer of DeepSeek-V3 in bf16: the adapters compute in fp32, as
-    PEFT keeps them over a bf16 base, and the routers too, though wrapped (their weights
+    PEFT keeps them over a bf16 base, or each in its layer's dtype where the user told
+    PEFT not to cast them (`autocast_adapter_dtype=False`); the routers in fp32, though wrapped (their weights
     named `gate.base_layer.weight` where the mark says `gate.weight`). Stage 3 equals
     stage 0 to the bit, and both equal one process training the same model."""
     pytest.importorskip("peft")
@@ -426,21 +430,32 @@ def test_peft_adapters_and_a_wrapped_router_keep_fp32_as_peft_and_transformers_d
     from test_hf_moe import PER_RANK, build, global_batches
 
     build("deepseek_v3").save_pretrained(tmp_path)
-    runs = run_world(_peft_deepseek, 2, str(tmp_path))[0]
-    want = {"router": ["torch.float32"], "adapter": ["torch.float32"], "base": ["torch.bfloat16"]}
+    runs = run_world(_peft_deepseek, 2, str(tmp_path), autocast)[0]
+    # Without the cast, PEFT makes each adapter in its layer's dtype: the routers' fp32.
+    adapter = ["torch.float32"] if autocast else ["torch.bfloat16", "torch.float32"]
+    want = {"router": ["torch.float32"], "adapter": adapter, "base": ["torch.bfloat16"]}
     assert runs[0][1] == runs[3][1] == want
     assert runs[3][0] == runs[0][0]
-    model = _peft_model(str(tmp_path))
+    model = _peft_model(str(tmp_path), autocast)
     assert _dtypes(model) == want
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    # One process, with fp32 masters as the engine keeps them (a bf16 adapter is stepped
+    # in fp32 and rounded back; an fp32 one as plain AdamW steps it).
+    trained = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float() for p in trained]
+    opt = torch.optim.AdamW(masters, lr=1e-2)
     one = []
     for batch in global_batches(2):
         parts = [model(input_ids=x, labels=x).loss for x in batch.split(PER_RANK)]
         (sum(parts) / 2).backward()
+        for master, p in zip(masters, trained):
+            master.grad, p.grad = p.grad.float(), None
         opt.step()
-        opt.zero_grad()
+        with torch.no_grad():
+            for master, p in zip(masters, trained):
+                p.copy_(master)
         one.append([part.item() for part in parts])
-    # (equal to the bit here; with the adapters in bf16 they differ by 2e-5)
+    # (to the bit here; with the adapters of one dtype in the engine and the other in the
+    # one process, they differ by 2e-5)
     assert runs[0][0] == pytest.approx([step[0] for step in one], rel=1e-6)
 
 

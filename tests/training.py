@@ -190,13 +190,13 @@ def train_zero_resumable(
     return losses, engine.full_state_dict(), client
 
 
-def with_lora(model):
+def with_lora(model, autocast_adapter_dtype: bool = True):
     """The model with PEFT's LoRA adapters on every linear layer, B drawn at random (PEFT
     starts it at zero, which would leave A's first step without a gradient)."""
     import peft
 
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

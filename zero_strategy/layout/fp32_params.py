@@ -39,26 +39,39 @@ def fp32_patterns(
     if configured is not None:
         return [("", list(configured))] if configured else []
     scoped = []
-    adapters: set[str] = set()
     for path, module in model.named_modules():
         marks = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
         if compute_dtype == torch.float16:
             marks |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
         if marks:
             scoped.append((path, sorted(marks)))
-        adapters |= set(_adapter_layer_names(module))
-    if adapters:  # PEFT's adapters, wherever they are
-        names = "|".join(re.escape(name) for name in sorted(adapters))
-        scoped.append(("", [rf"(^|\.)({names})\."]))
+        adapters = _fp32_adapters(module)
+        if adapters:  # PEFT's, over this layer's own parameters
+            names = "|".join(re.escape(name) for name in adapters)
+            scoped.append((path, [rf"^({names})(\.|$)"]))
     return scoped
 
 
-def _adapter_layer_names(module: nn.Module) -> tuple[str, ...]:
-    """A PEFT tuner layer's adapter sublayers (LoRA's `lora_A`, `lora_B`, ...): PEFT keeps
-    their weights in fp32 when the base model is in bf16 or fp16 (`get_peft_model`'s
-    `autocast_adapter_dtype`), and computes the adapter's path in their dtype."""
+def _fp32_adapters(module: nn.Module) -> list[str]:
+    """A PEFT tuner layer's adapters whose weights are fp32, each as its sublayer and
+    adapter name (LoRA's `lora_A.default`). PEFT makes an adapter in its base layer's
+    dtype, casts it to fp32 over a bf16 or fp16 base (`get_peft_model`'s
+    `autocast_adapter_dtype`, on by default), and computes its path in its own dtype; an
+    adapter left in half precision (`autocast_adapter_dtype=False`) computes in the
+    compute dtype with the rest, and one on an fp32 layer (a kept router) in fp32."""
     names = getattr(module, "adapter_layer_names", ())
-    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, tuple) else ()
+    if not isinstance(names, tuple):
+        return []
+    found = []
+    for layer_name in names:
+        per_adapter = getattr(module, layer_name, None) if isinstance(layer_name, str) else None
+        if not isinstance(per_adapter, (nn.ModuleDict, nn.ParameterDict)):
+            continue
+        for adapter_name, held in per_adapter.items():
+            tensors = [held] if isinstance(held, torch.Tensor) else list(held.parameters())
+            if any(t.dtype == torch.float32 for t in tensors):
+                found.append(f"{layer_name}.{adapter_name}")
+    return found
 
 
 class Fp32Parameters:
