@@ -233,6 +233,21 @@ class ZeroConfig:
             )
         parse_dtype(self.compute_dtype, "ZeroConfig.compute_dtype")
         parse_dtype(self.reduce_dtype, "ZeroConfig.reduce_dtype")
+        self._validate_loss_scaling(fail)
+        if (
+            not _is_number(self.gradient_clipping)
+            or self.gradient_clipping < 0
+            or self.gradient_clipping != self.gradient_clipping
+        ):
+            fail("gradient_clipping", "use 0 (off) or a positive max norm such as 1.0.")
+        if not _is_number(self.ema_decay) or not 0.0 <= self.ema_decay < 1.0:
+            fail("ema_decay", "use 0 (off) or a decay in (0, 1) such as 0.999.")
+        if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
+            fail("collective_timeout", "use a positive number of seconds, e.g. 600.")
+        self._validate_offload(fail)
+
+    def _validate_loss_scaling(self, fail) -> None:
+        """fp16's loss scale: a fixed one, or the dynamic one's start, window and floor."""
         if str(self.loss_scale) != "dynamic":
             try:
                 scale = float(self.loss_scale)
@@ -252,17 +267,6 @@ class ZeroConfig:
             fail("loss_scale_window", "use a positive number of steps, e.g. 1000.")
         if not _is_number(self.min_loss_scale) or self.min_loss_scale <= 0:
             fail("min_loss_scale", "use a positive number, e.g. 1.0.")
-        if (
-            not _is_number(self.gradient_clipping)
-            or self.gradient_clipping < 0
-            or self.gradient_clipping != self.gradient_clipping
-        ):
-            fail("gradient_clipping", "use 0 (off) or a positive max norm such as 1.0.")
-        if not _is_number(self.ema_decay) or not 0.0 <= self.ema_decay < 1.0:
-            fail("ema_decay", "use 0 (off) or a decay in (0, 1) such as 0.999.")
-        if not _is_number(self.collective_timeout) or self.collective_timeout <= 0:
-            fail("collective_timeout", "use a positive number of seconds, e.g. 600.")
-        self._validate_offload(fail)
 
     def _validate_offload(self, fail) -> None:
         if self.offload_optimizer not in OFFLOAD_TIERS:

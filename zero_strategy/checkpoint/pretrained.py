@@ -134,6 +134,22 @@ def load_pretrained(
     elsewhere = {_relative(Stored(n, ()), prefix).name for n in model_names if n.startswith(prefix)}
     unexpected = sorted(available - wanted - elsewhere - set(buffers))
     missing = [name for name in missing if not _never_saved(target, name)]
+    _refuse_a_mismatch(path, missing, unexpected, shape_errors, strict)
+    for name, buf in buffers.items():
+        if name in available:
+            buf.data.copy_(tensors.read(name))
+    files.close()
+    return {"elements_read": read}
+
+
+def _refuse_a_mismatch(
+    path: str | os.PathLike,
+    missing: list[str],
+    unexpected: list[str],
+    shape_errors: list[str],
+    strict: bool,
+) -> None:
+    """Shapes that differ are always refused; names missing or left over, with `strict`."""
     if shape_errors or (strict and (missing or unexpected)):
         raise ValueError(
             f"Pretrained weights at {path} do not match the model: missing {missing[:10]}; "
@@ -144,11 +160,6 @@ def load_pretrained(
                 else "Build the model with the configuration these weights were saved from."
             )
         )
-    for name, buf in buffers.items():
-        if name in available:
-            buf.data.copy_(tensors.read(name))
-    files.close()
-    return {"elements_read": read}
 
 
 def _weights_owner(module: nn.Module, keys: list[str]) -> str:

@@ -26,7 +26,6 @@ gradient (`no_gradient`: the optimizer then knows which parameters no rank used)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from .flat_unit import FlatUnit
 from .grad_buckets import GradBucket, GradBuckets
 from .grad_hooks import GradHooks
 from .host_landing import HostLandings
+from .in_flight import InFlight, InFlightQueue, nbytes
 from .no_gradient import fill_no_gradient, got_no_gradient, no_gradient
 from .reduction_order import MISSING, Entry, ReductionOrder, Turns
 
@@ -72,14 +72,14 @@ class BufferPool:
         stack = self.free.get((numel, dtype, device))
         if not stack:
             return torch.empty(numel, dtype=dtype, device=device)
-        self.free_bytes -= _nbytes(stack[-1])
+        self.free_bytes -= nbytes(stack[-1])
         return stack.pop()
 
     def give(self, buffer: torch.Tensor) -> None:
         stack = self.free.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
         if len(stack) <= MAX_IN_FLIGHT:  # more were alive only under no_sync: let them go
             stack.append(buffer)
-            self.free_bytes += _nbytes(buffer)
+            self.free_bytes += nbytes(buffer)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for stack in self.free.values() for t in stack]
@@ -91,35 +91,12 @@ def to_host(reduced: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
     return reduced if unit.host == unit.device else reduced.to(unit.host)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _sole_owner(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is the only tensor on its memory (so writing it in place cannot
     change another). Read from the storage's reference count: the tensor and the storage
     object made here hold one each. Without that count (another torch), assume not."""
     count = storage_use_count(tensor)
     return count is not None and count <= 2
-
-
-@dataclass
-class _InFlight:
-    unit: FlatUnit
-    work: object
-    sent: torch.Tensor  # the full buffer that was reduced (or one parameter's gradient)
-    out: torch.Tensor | None  # where this rank's reduced slice lands (None: `slots`')
-    # Parameters reduced on their own or packed (`grad_buckets`): their slots in the
-    # unit, each at `starts[i]` of `sent`. Empty: the whole unit.
-    slots: tuple[int, ...] = ()
-    starts: tuple[int, ...] = ()
-    counted: int = 0  # bytes it adds to comm_buffers (0: `sent` is the unit's gradients)
-
-
-def _held_by(job: _InFlight) -> list[torch.Tensor]:
-    """The memory a reduction in flight holds: what it sends, and with pairwise sends the
-    buffers the other ranks' parts land in."""
-    return [job.sent, *getattr(job.work, "receive_buffers", ())]
 
 
 class GradReducer:
@@ -173,8 +150,7 @@ class GradReducer:
         self.on_unit_ready = on_unit_ready
         self.on_backward_end = on_backward_end
         self.sync = True
-        self.in_flight: list[_InFlight] = []
-        self._sent_bytes = 0  # of the reductions in flight, each buffer counted once
+        self.in_flight = InFlightQueue()
         self._ready: dict[int, int] = {}  # unit index -> grads received this backward
         self._launched: set[int] = set()
         self._callback_queued = False
@@ -483,24 +459,16 @@ class GradReducer:
             work = group.comm.reduce_part(sent, unit.layout.shard_numel, True, segments)
         else:
             work = group.holders.all_reduce_sum(sent, async_op=True)
-        self._push(_InFlight(unit, work, sent, None, slots, starts))
+        self._push(InFlight(unit, work, sent, None, slots, starts))
         # Bound the gradients in flight by bytes: finish the oldest (never the newest).
-        while len(self.in_flight) > 1 and self._sent_bytes > DIRECT_IN_FLIGHT_BYTES:
-            self._land(self._pop())
+        while len(self.in_flight) > 1 and self.in_flight.sent_bytes > DIRECT_IN_FLIGHT_BYTES:
+            self._land(self.in_flight.pop())
 
-    def _push(self, job: _InFlight) -> None:
+    def _push(self, job: InFlight) -> None:
         # What it sends (unless that is the unit's gradient buffer itself, counted as
         # gradients) and, with pairwise sends, where the other ranks' parts land.
-        if self.stage >= 2 or job.sent is not job.unit.grad_full:
-            job.counted = sum(_nbytes(t) for t in _held_by(job))
-        self.in_flight.append(job)
-        self._sent_bytes += job.counted
+        self.in_flight.push(job, counted=self.stage >= 2 or job.sent is not job.unit.grad_full)
         self.on_memory()
-
-    def _pop(self) -> _InFlight:
-        job = self.in_flight.pop(0)
-        self._sent_bytes -= job.counted
-        return job
 
     def _send_missing_slots(self, unit: FlatUnit) -> None:
         """End of backward: the unit's trainable parameters that got no gradient here are
@@ -536,10 +504,10 @@ class GradReducer:
             buffer = unit.drop_grad_buffer()
             if sent is not buffer:
                 self.pool.give(buffer)
-        self._push(_InFlight(unit, work, sent, out))
+        self._push(InFlight(unit, work, sent, out))
         # Bound the full-size buffers alive at once (stages 2-3): finish the oldest.
         while self.stage >= 2 and len(self.in_flight) > MAX_IN_FLIGHT:
-            self._land(self._pop())
+            self._land(self.in_flight.pop())
 
     def _zero_unwritten(self, unit: FlatUnit) -> None:
         """Zero the parts of a pooled buffer no gradient was written to this window."""
@@ -557,7 +525,7 @@ class GradReducer:
         for start, end in unit.layout.padding():
             fill_no_gradient(unit.grad_full[start:end])
 
-    def _land(self, job: _InFlight) -> None:
+    def _land(self, job: InFlight) -> None:
         job.work.wait()
         unit = job.unit
         if job.slots:
@@ -593,7 +561,7 @@ class GradReducer:
         finally:
             unit.let_grads_go(modified=True)
 
-    def _land_slots(self, job: _InFlight) -> None:
+    def _land_slots(self, job: InFlight) -> None:
         """Add the parts of the summed gradients (one parameter's, or a bucket's) inside
         this rank's shard to its fp32 slice."""
         unit = job.unit
@@ -625,7 +593,7 @@ class GradReducer:
     def wait(self) -> None:
         """Finish every reduction in flight and land the results in the fp32 slices."""
         while self.in_flight:
-            self._land(self._pop())
+            self._land(self.in_flight.pop())
         self.host_landings.finish()
 
     def finish_sent(self) -> None:
@@ -642,7 +610,6 @@ class GradReducer:
         process is ending after an error)."""
         self.in_flight.clear()
         self.host_landings.drop()
-        self._sent_bytes = 0
         self._direct.clear()
         self._turns = None
         self.buckets.forget()
@@ -669,9 +636,8 @@ class GradReducer:
     def comm_buffers(self) -> list[torch.Tensor]:
         """Gradients being reduced, and where other ranks' parts land (the buffers being
         filled are the units')."""
-        in_flight = [t for job in self.in_flight for t in _held_by(job)]
         waiting = self.host_landings.tensors() + self._waiting_turn()
-        return in_flight + waiting + self.buckets.filling()
+        return self.in_flight.tensors() + waiting + self.buckets.filling()
 
     def _waiting_turn(self) -> list[torch.Tensor]:
         """Gradients ready and waiting for their turn in the reduction order."""
@@ -691,9 +657,9 @@ class GradReducer:
         if self.stage >= 2:
             for idx in self._written:
                 buf = self.units[idx].grad_full
-                filling += 0 if buf is None else _nbytes(buf)
-        waiting = sum(_nbytes(t) for t in self._waiting_turn())
-        in_flight = self._sent_bytes + self.buckets.filling_bytes
+                filling += 0 if buf is None else nbytes(buf)
+        waiting = sum(nbytes(t) for t in self._waiting_turn())
+        in_flight = self.in_flight.sent_bytes + self.buckets.filling_bytes
         return in_flight + filling + waiting, self.pool.free_bytes
 
     def zero_grad(self, set_to_none: bool = True, real_zeros: Sequence[torch.Tensor] = ()) -> None:
