@@ -29,6 +29,19 @@ import torch._dynamo  # once here: each forked rank would import it again
 import torch.distributed as dist
 
 
+def _start_autograd_before_any_compile() -> None:
+    """One backward in this process, before anything compiles here. Autograd decides at
+    its first backward whether to start per-device threads, and torch 2.14 does when
+    dynamo has run before it (even with no GPU): every rank forked after that fails its
+    first backward ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"). Decided now, with no compile run, it starts none."""
+    x = torch.ones(1, requires_grad=True)
+    (x * 2).sum().backward()
+
+
+_start_autograd_before_any_compile()
+
+
 def preload(*modules: str) -> None:
     """Import `modules` in this process, the one that forks the ranks, so that each rank
     inherits them instead of importing them again: 0.2-0.9 s of CPU per rank for a

@@ -350,6 +350,7 @@ MOE_BREAKS = (
     "_exchange",
     "_by_expert",
     "Function.apply",
+    "_AllToAll.apply",  # (torch 2.14 names the disabled function itself)
 )
 
 

@@ -14,6 +14,12 @@ from distributed import run_world
 from zero_strategy import ZeroConfig, ZeroEngine
 
 LAYERS, WIDTH = 32, 2048  # 32 x 16 MiB = 512 MiB of fp32 parameters
+# What `zero-strategy consolidate` imports before it reads a tensor.
+CONSOLIDATION_MODULES = (
+    "zero_strategy.cli",
+    "zero_strategy.checkpoint.consolidate",
+    "safetensors.torch",
+)
 
 MEASURE = (
     "import resource, subprocess, sys\n"
@@ -49,8 +55,14 @@ def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
     out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
     rc, peak = (int(x) for x in out.stdout.split()[-2:])
     assert rc == 0, out.stderr
-    assert peak < 2 * largest + (400 << 20), peak / 2**20
-    assert peak < model_bytes, (peak / 2**20, model_bytes / 2**20)
+    # What the interpreter holds before any tensor: torch's own libraries (about 220 MiB
+    # for a CPU build, 640 MiB for a CUDA one, even with no GPU).
+    imports = [sys.executable, "-c", f"import {', '.join(CONSOLIDATION_MODULES)}"]
+    out = subprocess.run([sys.executable, "-c", MEASURE, *imports], capture_output=True, text=True)
+    _, base = (int(x) for x in out.stdout.split()[-2:])
+    print(f"peak {peak / 2**20:.0f} MiB, of which imports {base / 2**20:.0f} MiB")
+    assert peak - base < 2 * largest + (96 << 20), (peak - base) / 2**20
+    assert peak - base < model_bytes / 4, ((peak - base) / 2**20, model_bytes / 2**20)
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         assert len(list(f.keys())) == LAYERS
         assert torch.equal(f.get_slice(f"{LAYERS - 1}.weight")[:2, :5], corner)
