@@ -13,6 +13,7 @@ import torch
 from tests.distributed import preload, run_world, warm_the_compiler
 from tests.training import TINY, local_batch, make_model, make_optimizer
 from zero_strategy import ZeroConfig, ZeroEngine
+from zero_strategy.tensor_parallel import SHARD_INSIDE_A_STORAGE_COMPILES
 
 # What the ranks would each import or make again: the compiler's state, the Transformers
 # models they build, the Accelerate door.
@@ -671,12 +672,14 @@ finally:
 
 
 @pytest.mark.xfail(
-    strict=True, reason="torch 2.13: dynamo cannot fake a DTensor shard at an offset"
+    not SHARD_INSIDE_A_STORAGE_COMPILES,
+    strict=True,
+    reason="torch 2.13: dynamo cannot fake a DTensor shard at an offset",
 )
 def test_torch_compiles_a_dtensor_whose_shard_starts_inside_a_storage():
-    """The torch limit the engine works around (a DTensor shard on a storage of its own,
-    a copy at stage 3), bare. When a torch release passes this, the strict expected
-    failure fails, and the stage-3 copy (`FlatUnit._own_copy`) can go."""
+    """The torch limit the engine works around before torch 2.14 (a DTensor shard on a
+    storage of its own, a copy at stage 3: `SHARD_INSIDE_A_STORAGE_COMPILES`), bare:
+    expected to fail where the engine takes it to, and to pass where it does not."""
     import subprocess
     import sys
 

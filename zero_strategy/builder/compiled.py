@@ -6,9 +6,10 @@ Sharded as it is, those names would go into every checkpoint, and a checkpoint w
 load only into a model compiled the same way. The engine shards the module inside, under
 the model's own names (Lightning and Accelerate unwrap it alike), and calls the wrapper.
 
-Under tensor parallelism a DTensor parameter's local shard gets a storage of its own
-(`FlatUnit.point_param_at`): dynamo cannot fake a shard that starts inside a storage
-(torch 2.13), and `tests/test_compile.py` keeps the bare reproduction.
+Under tensor parallelism with torch 2.13, a DTensor parameter's local shard gets a
+storage of its own (`FlatUnit.point_param_at`): that dynamo cannot fake a shard that
+starts inside a storage (2.14's can), and `tests/test_compile.py` keeps the bare
+reproduction.
 """
 
 from __future__ import annotations

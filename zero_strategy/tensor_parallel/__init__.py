@@ -26,6 +26,7 @@ from .blocks import (
 )
 from .checks import check_head_counts, check_parameters
 from .dtensors import (
+    SHARD_INSIDE_A_STORAGE_COMPILES,
     is_dtensor,
     local_grad,
     local_tensor,
@@ -38,6 +39,7 @@ from .init import whole_for_init
 from .mesh import MeshLayout, tensor_parallel_mesh
 
 __all__ = [
+    "SHARD_INSIDE_A_STORAGE_COMPILES",
     "MeshLayout",
     "TensorPlacement",
     "broadcast_whole_parameters",

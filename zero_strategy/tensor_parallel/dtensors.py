@@ -18,6 +18,10 @@ from torch import nn
 from .. import private_api
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
+# torch 2.13's dynamo cannot fake a DTensor whose local shard starts inside its storage;
+# 2.14's can (`tests/test_compile.py` keeps the bare reproduction). Before, each shard
+# gets a storage of its own (`on_storage_of_its_own`; at stage 3, a copy per gather).
+SHARD_INSIDE_A_STORAGE_COMPILES = torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
 
 
 def _dtensors() -> ModuleType | None:
@@ -63,12 +67,12 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 def on_storage_of_its_own(values: torch.Tensor) -> torch.Tensor:
     """`values` (contiguous, inside a larger storage) over the same memory, as a tensor
-    whose storage starts at its first element. torch.compile cannot trace a DTensor whose
-    local shard starts inside its storage (dynamo's fake copy of the shard fails, torch
-    2.13); a slice of the storage is memory shared, not copied. Only for memory that is
+    whose storage starts at its first element. torch 2.13's compile cannot trace a
+    DTensor whose local shard starts inside its storage (dynamo's fake copy of the shard
+    fails); a slice of the storage is memory shared, not copied. Only for memory that is
     never freed while the result lives (stages 0-2's persistent buffers): the slice keeps
-    the old address when its parent storage is resized."""
-    if values.is_meta or values.storage_offset() == 0:
+    the old address when its parent storage is resized. From torch 2.14, `values`."""
+    if SHARD_INSIDE_A_STORAGE_COMPILES or values.is_meta or values.storage_offset() == 0:
         return values
     storage = values.untyped_storage()
     start = values.storage_offset() * values.element_size()

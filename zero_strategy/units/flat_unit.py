@@ -28,6 +28,7 @@ from ..comm.topology import ShardGroup
 from ..layout.partition import ParamSlot, UnitLayout
 from ..private_api import in_backward
 from ..tensor_parallel import (
+    SHARD_INSIDE_A_STORAGE_COMPILES,
     is_dtensor,
     local_tensor,
     match_local_dtype,
@@ -291,13 +292,14 @@ class FlatUnit:
             self.point_param_at(index, flat)
 
     def point_param_at(self, index: int, flat: torch.Tensor | None = None) -> None:
-        """Parameter `index` shows its values in `flat` (the full buffer by default). A
-        DTensor's local shard gets a storage that starts at its first element, which
-        torch.compile needs (`on_storage_of_its_own`): at stages 0-2 the same memory, at
-        stage 3 a copy (`_own_copy`)."""
+        """Parameter `index` shows its values in `flat` (the full buffer by default).
+        Under torch 2.13 a DTensor's local shard gets a storage that starts at its first
+        element, which its torch.compile needs (`on_storage_of_its_own`): at stages 0-2
+        the same memory, at stage 3 a copy (`_own_copy`); from 2.14 it is a slice of the
+        buffer, as a plain parameter is."""
         slot, p = self.layout.slots[index], self.params[index]
         values = (self.full if flat is None else flat)[slot.offset : slot.end].view(slot.shape)
-        if is_dtensor(p):
+        if is_dtensor(p) and not SHARD_INSIDE_A_STORAGE_COMPILES:
             values = (
                 self._own_copy(index, values) if self.stage >= 3 else on_storage_of_its_own(values)
             )
