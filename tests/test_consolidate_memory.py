@@ -38,6 +38,14 @@ def _write(rank, world, path):
     return last[f"{LAYERS - 1}.weight"][:2, :5].clone() if rank == 0 else None
 
 
+def _peak_rss(command: list[str]) -> int:
+    """The peak resident bytes of `command`, run to success in a process of its own."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, *command], capture_output=True, text=True)
+    rc, peak = (int(x) for x in out.stdout.split()[-2:])
+    assert rc == 0, out.stderr
+    return peak
+
+
 def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     corner = run_world(_write, 2, ckpt, timeout=300)[0]
@@ -52,14 +60,10 @@ def test_consolidation_peak_rss_is_bounded_by_the_largest_tensor(tmp_path):
         str(tmp_path / "out"),
         "--quiet",
     ]
-    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
-    rc, peak = (int(x) for x in out.stdout.split()[-2:])
-    assert rc == 0, out.stderr
+    peak = _peak_rss(cmd)
     # What the interpreter holds before any tensor: torch's own libraries (about 220 MiB
     # for a CPU build, 640 MiB for a CUDA one, even with no GPU).
-    imports = [sys.executable, "-c", f"import {', '.join(CONSOLIDATION_MODULES)}"]
-    out = subprocess.run([sys.executable, "-c", MEASURE, *imports], capture_output=True, text=True)
-    _, base = (int(x) for x in out.stdout.split()[-2:])
+    base = _peak_rss([sys.executable, "-c", f"import {', '.join(CONSOLIDATION_MODULES)}"])
     print(f"peak {peak / 2**20:.0f} MiB, of which imports {base / 2**20:.0f} MiB")
     assert peak - base < 2 * largest + (96 << 20), (peak - base) / 2**20
     assert peak - base < model_bytes / 4, ((peak - base) / 2**20, model_bytes / 2**20)

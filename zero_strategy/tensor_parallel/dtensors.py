@@ -71,8 +71,9 @@ def on_storage_of_its_own(values: torch.Tensor) -> torch.Tensor:
     DTensor whose local shard starts inside its storage (dynamo's fake copy of the shard
     fails); a slice of the storage is memory shared, not copied. Only for memory that is
     never freed while the result lives (stages 0-2's persistent buffers): the slice keeps
-    the old address when its parent storage is resized. From torch 2.14, `values`."""
-    if SHARD_INSIDE_A_STORAGE_COMPILES or values.is_meta or values.storage_offset() == 0:
+    the old address when its parent storage is resized. Not needed from torch 2.14
+    (`SHARD_INSIDE_A_STORAGE_COMPILES`, which its caller reads)."""
+    if values.is_meta or values.storage_offset() == 0:
         return values
     storage = values.untyped_storage()
     start = values.storage_offset() * values.element_size()

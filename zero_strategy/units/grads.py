@@ -42,7 +42,7 @@ from .flat_unit import FlatUnit
 from .grad_buckets import GradBucket, GradBuckets
 from .grad_hooks import GradHooks
 from .host_landing import HostLandings
-from .in_flight import InFlight, InFlightQueue, nbytes
+from .in_flight import InFlight, InFlightQueue
 from .no_gradient import fill_no_gradient, got_no_gradient, no_gradient
 from .reduction_order import MISSING, Entry, ReductionOrder, Turns
 
@@ -72,14 +72,14 @@ class BufferPool:
         stack = self.free.get((numel, dtype, device))
         if not stack:
             return torch.empty(numel, dtype=dtype, device=device)
-        self.free_bytes -= nbytes(stack[-1])
+        self.free_bytes -= stack[-1].nbytes
         return stack.pop()
 
     def give(self, buffer: torch.Tensor) -> None:
         stack = self.free.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
         if len(stack) <= MAX_IN_FLIGHT:  # more were alive only under no_sync: let them go
             stack.append(buffer)
-            self.free_bytes += nbytes(buffer)
+            self.free_bytes += buffer.nbytes
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for stack in self.free.values() for t in stack]
@@ -657,8 +657,8 @@ class GradReducer:
         if self.stage >= 2:
             for idx in self._written:
                 buf = self.units[idx].grad_full
-                filling += 0 if buf is None else nbytes(buf)
-        waiting = sum(nbytes(t) for t in self._waiting_turn())
+                filling += 0 if buf is None else buf.nbytes
+        waiting = sum(t.nbytes for t in self._waiting_turn())
         in_flight = self.in_flight.sent_bytes + self.buckets.filling_bytes
         return in_flight + filling + waiting, self.pool.free_bytes
 

@@ -15,10 +15,6 @@ import torch
 from .flat_unit import FlatUnit
 
 
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 @dataclass
 class InFlight:
     unit: FlatUnit
@@ -49,7 +45,7 @@ class InFlightQueue:
         """Add `job`; `counted`: what it holds is not a unit's gradient buffer (already
         counted as gradients), so it adds to `sent_bytes`."""
         if counted:
-            job.counted = sum(nbytes(t) for t in job.held())
+            job.counted = sum(t.nbytes for t in job.held())
         self._jobs.append(job)
         self.sent_bytes += job.counted
 
